@@ -1,0 +1,1 @@
+"""RL math: advantage estimators, KL estimators, policy/value losses (pure tensor functions)."""

@@ -1,0 +1,295 @@
+"""Policy and value losses as pure tensor functions, with explicit global denominators.
+
+Every loss here is computed on one micro-batch `[B, T]` of one DP rank and returns that
+micro-batch's *share* of the global loss: summing the returned values over all micro-batches of
+all DP ranks gives the loss of the whole global batch. That is what makes the gradients
+invariant to how the global batch is split (tests/test_losses_invariance.py). The caller
+therefore
+- counts the denominators once per step over the global batch (`global_denominators`), and
+- sums (not averages) the shares: backward each share as is, and all-reduce gradients with SUM
+  over DP (Megatron's DDP averages over DP, so multiply the share by the DP size there).
+
+Aggregation modes (`aggregate`), with `l[b, t]` the per-token loss and `M` the mask:
+- `token-mean`:               sum_{b,t} M l / global_tokens
+- `seq-mean-token-sum`:       sum_b (sum_t M l) / global_seqs
+- `seq-mean-token-mean`:      sum_b (sum_t M l / sum_t M) / global_seqs
+- `seq-mean-token-sum-norm`:  sum_b (sum_t M l / max_len) / global_seqs   (Dr.GRPO; max_len is
+                              a constant such as the generation budget, not a data length)
+`global_seqs` counts sequences with at least one valid token (empty rows contribute 0).
+
+Metrics are plain local token means over the micro-batch (detached scalars); the trainer
+averages them over micro-batches and ranks. They are diagnostics, not shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megarl.algorithms.advantages import masked_mean
+from megarl.algorithms.kl import kl_penalty
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+# log-ratios are clamped before exp so that one stale token cannot produce inf (verl does the same)
+_LOG_RATIO_CLAMP = 20.0
+
+Number = float | int | torch.Tensor
+
+
+def _check_denominator(name: str, value: Number | None, mode: str) -> None:
+    if value is None:
+        raise ValueError(
+            f"agg_mode={mode!r} needs {name} (its global denominator); got None. Count it over "
+            "the whole global batch, e.g. with megarl.algorithms.losses.global_denominators"
+        )
+    if not isinstance(value, torch.Tensor) and value <= 0:
+        raise ValueError(f"agg_mode={mode!r}: {name} must be > 0; got {value!r}")
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    global_tokens: Number | None = None,
+    global_seqs: Number | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """This micro-batch's share of the global aggregate of `values: [B, T]` (see module).
+
+    mask: `[B, T]` (bool or 0/1). Returns a scalar. Raises ValueError for an unknown mode or a
+    missing denominator (`global_tokens` for token-mean, `global_seqs` for the seq-mean modes,
+    and `max_len` for seq-mean-token-sum-norm).
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"agg_mode must be one of {list(AGG_MODES)}; got {mode!r}")
+    valid = mask.bool()
+    # where, not values * mask: padding may hold inf/NaN and NaN * 0 = NaN
+    masked = torch.where(valid, values, 0.0)
+    if mode == "token-mean":
+        _check_denominator("global_tokens", global_tokens, mode)
+        return masked.sum() / global_tokens
+    _check_denominator("global_seqs", global_seqs, mode)
+    seq_sums = masked.sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        per_seq = seq_sums
+    elif mode == "seq-mean-token-mean":
+        per_seq = seq_sums / valid.sum(dim=-1).clamp(min=1).to(values.dtype)
+    else:
+        _check_denominator("max_len", max_len, mode)
+        per_seq = seq_sums / max_len
+    return per_seq.sum() / global_seqs
+
+
+def global_denominators(
+    masks: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> tuple[float, float]:
+    """(valid tokens, sequences with >= 1 valid token) over this rank's micro-batch masks `[B, T]`,
+    summed over the ranks of `group` (None: the default group when torch.distributed is
+    initialised, otherwise no reduction — a single process)."""
+    stats = None
+    for mask in masks:
+        valid = mask.detach().bool()
+        counts = torch.stack([valid.sum(), valid.any(dim=-1).sum()]).to(torch.float64)
+        stats = counts if stats is None else stats + counts
+    if stats is None:
+        stats = torch.zeros(2, dtype=torch.float64)
+    # stats live on the masks' device, as NCCL requires
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        dist.all_reduce(stats, group=group)
+    tokens, seqs = stats.tolist()
+    return tokens, seqs
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    valid = mask.bool()
+    if not valid.any():
+        return x.new_zeros(())
+    return x[valid].max()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio_level: str = "token",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg_mode: str = "token-mean",
+    global_tokens: Number | None = None,
+    global_seqs: Number | None = None,
+    max_len: int | None = None,
+    sampler_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (token ratio) or GSPO (sequence ratio), as a share (see module).
+
+    logprobs: `[B, T]` current policy (differentiated); old_logprobs: `[B, T]` of the policy
+    that the advantages refer to (recomputed by the trainer); advantages: `[B, T]` (GAE, or
+    outcome advantages broadcast over tokens) or `[B]` (broadcast here); mask: `[B, T]`.
+
+    - ratio_level='token': `r_t = exp(lp_t - old_t)`. 'sequence' (GSPO): every token of row b
+      carries `s_b = exp(mean_t(lp - old))` with the gradient of the token's own logprob
+      (GSPO-token form `sg[s_b] * exp(lp_t - sg[lp_t])`); use `seq-mean-token-mean` for GSPO.
+    - Clip: `max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`; clip_high > clip_low is
+      DAPO's clip-higher. dual_clip=c (> 1): for A < 0 the loss is capped at `-A c`.
+    - Truncated importance sampling (train/inference mismatch): with `tis_cap`, the per-token
+      loss is weighted by `min(exp(old - sampler), tis_cap)` (no gradient). `sampler_logprobs`
+      alone only adds the `mismatch_kl` metric.
+    - `entropy: [B, T]` with entropy_coef: `loss -= coef * agg(entropy)`.
+    - `ref_logprobs: [B, T]` with kl_coef: `loss += coef * agg(kl_penalty(lp, ref, kl_kind))`.
+      Use this *or* the in-reward penalty (`kl.apply_kl_penalty`), not both.
+    Returns `(loss scalar, metrics)`; metrics are local token means (module docstring):
+    pg_loss, clip_frac, approx_kl (0.5 * mean (lp - old)^2), ratio_mean, ratio_max, and as
+    applicable dual_clip_frac, tis_weight_mean, mismatch_kl, entropy, kl.
+    """
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level must be 'token' or 'sequence'; got {ratio_level!r}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None; got {dual_clip!r}")
+    if tis_cap is not None and sampler_logprobs is None:
+        raise ValueError("tis_cap is set but sampler_logprobs is None; pass the sampler logprobs")
+    if entropy_coef and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy tensor")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    agg = partial(
+        aggregate,
+        mask=mask,
+        mode=agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        max_len=max_len,
+    )
+    old = old_logprobs.detach()
+    # outcome advantages [B] apply to every token of their sequence
+    adv = advantages.detach()
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(logprobs)
+    log_ratio = (logprobs - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    if ratio_level == "sequence":
+        seq_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
+        log_ratio = (logprobs - logprobs.detach() + seq_log_ratio).clamp(max=_LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(unclipped, clipped)
+    metrics = {"clip_frac": masked_mean((clipped > unclipped).to(pg.dtype), mask)}
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual_active = (adv < 0) & (pg > cap)
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+        metrics["dual_clip_frac"] = masked_mean(dual_active.to(pg.dtype), mask)
+    if sampler_logprobs is not None:
+        d = (sampler_logprobs.detach() - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        metrics["mismatch_kl"] = masked_mean(torch.exp(d) - d - 1, mask)
+        if tis_cap is not None:
+            weight = torch.exp(-d).clamp(max=tis_cap)
+            pg = pg * weight
+            metrics["tis_weight_mean"] = masked_mean(weight, mask)
+
+    loss = agg(pg)
+    metrics["pg_loss"] = masked_mean(pg.detach(), mask)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        if entropy_coef:
+            loss = loss - entropy_coef * agg(entropy)
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs.detach(), kl_kind)
+        metrics["kl"] = masked_mean(kl.detach(), mask)
+        if kl_coef:
+            loss = loss + kl_coef * agg(kl)
+    lr = (logprobs - old).detach()
+    metrics["approx_kl"] = masked_mean(0.5 * lr.square(), mask)
+    metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
+    metrics["ratio_max"] = _masked_max(ratio.detach(), mask)
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float | None = 0.2,
+    agg_mode: str = "token-mean",
+    global_tokens: Number | None = None,
+    global_seqs: Number | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped critic loss `0.5 * agg(max((V - R)^2, (V_clip - R)^2))`, as a share.
+
+    values: `[B, T]` current critic (differentiated); old_values: `[B, T]` critic at rollout;
+    returns: `[B, T]` targets (GAE returns). `V_clip = old + clip(V - old, -clip, clip)`;
+    clip=None drops the clipped term. Metrics (local means): vf_clip_frac, value_mean,
+    value_error (mean squared error).
+    """
+    target = returns.detach()
+    err = (values - target).square()
+    metrics = {}
+    if clip is not None:
+        old = old_values.detach()
+        clipped_values = old + (values - old).clamp(-clip, clip)
+        err_clipped = (clipped_values - target).square()
+        metrics["vf_clip_frac"] = masked_mean((err_clipped > err).to(err.dtype), mask)
+        per_token = torch.maximum(err, err_clipped)
+    else:
+        per_token = err
+    loss = 0.5 * aggregate(
+        per_token,
+        mask,
+        agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        max_len=max_len,
+    )
+    metrics["value_mean"] = masked_mean(values.detach(), mask)
+    metrics["value_error"] = masked_mean(err.detach(), mask)
+    return loss, metrics
+
+
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+_POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a policy loss with `policy_loss`'s signature under `name` (duplicates raise)."""
+
+    def wrap(fn: PolicyLoss) -> PolicyLoss:
+        if name in _POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        _POLICY_LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss registered as `name`: 'ppo' (token ratio) or 'gspo' (sequence ratio)."""
+    try:
+        return _POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; known: {sorted(_POLICY_LOSSES)}") from None
+
+
+register_policy_loss("ppo")(partial(policy_loss, ratio_level="token"))
+register_policy_loss("gspo")(partial(policy_loss, ratio_level="sequence"))

@@ -1,0 +1,1 @@
+"""HF <-> Megatron checkpoint conversion: layout (shards <-> canonical) and HF mappings."""

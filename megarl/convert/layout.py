@@ -1,0 +1,183 @@
+"""Megatron shards <-> full ("canonical") megatron-named tensors.
+
+The canonical form of a model is a dict `{name: tensor}` with megatron-core's parameter names
+(`decoder.layers.{i}.mlp.linear_fc1.weight`, ...) where `i` is the *global* layer index, expert
+indices are global, and every tensor is whole (TP shards concatenated, vocab rows cut to the real
+`vocab_size`: megatron's padding to a multiple of divisible_by x TP depends on TP). This form does not depend on
+TP / PP / VPP / EP, so it is what layout-invariance tests compare and what the HF mapping
+(`megarl.convert.mapping`) consumes.
+
+Only one megatron layout needs care when concatenating TP shards: a gated `linear_fc1` shard is
+`[gate_r; up_r]`, so the full tensor is `[gate_0..gate_n; up_0..up_n]`, not the concatenation.
+QKV shards hold whole query groups, so plain concatenation is right.
+
+This module is the *naive* path (object collectives, full tensors on every rank): it serves tests,
+checkpoint export and the reference weight sync. The fast sync path is `megarl.rollout.sync`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.builder import unwrap
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _is_gated_fc1(name: str) -> bool:
+    return name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")
+
+
+def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """Yield `(canonical_name, local_name, param)` for every parameter this rank holds.
+
+    Tied output weights on the last pipeline stage are skipped (the embedding is canonical)."""
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        layer_numbers = {}
+        if hasattr(model, "decoder"):
+            for i, layer in enumerate(model.decoder.layers):
+                layer_numbers[i] = layer.layer_number - 1
+        for local_name, p in model.named_parameters():
+            if local_name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+                continue
+            name = local_name
+            m = _LAYER.match(name)
+            if m:
+                name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + name[m.end():]
+            e = _EXPERT.search(name)
+            if e:
+                mlp = model.decoder.layers[int(m.group(1))].mlp
+                n_local = mlp.experts.num_local_experts
+                g = ep_rank * n_local + int(e.group(1))
+                name = name[: e.start()] + f".local_experts.{g}." + name[e.end():]
+            yield name, local_name, p
+
+
+def _tp_group_for(p):
+    from megatron.core import parallel_state as ps
+
+    if getattr(p, "allreduce", True) is False:  # megatron marks expert params allreduce=False
+        return ps.get_expert_tensor_parallel_group()
+    return ps.get_tensor_model_parallel_group()
+
+
+def merge_tp(name: str, shards: list[torch.Tensor], partition_dim: int) -> torch.Tensor:
+    """Concatenate TP shards of one parameter into the full tensor."""
+    if partition_dim == 0 and _is_gated_fc1(name):
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        return torch.cat(list(gates) + list(ups), dim=0)
+    return torch.cat(shards, dim=partition_dim)
+
+
+def split_tp(name: str, full: torch.Tensor, partition_dim: int, tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's shard of a full tensor (inverse of `merge_tp`)."""
+    if partition_dim == 0 and _is_gated_fc1(name):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
+    return full.chunk(tp, dim=partition_dim)[rank]
+
+
+def _is_tp_sharded(p) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False)) and getattr(p, "partition_dim", -1) >= 0
+
+
+def gather_full_state(
+    chunks: list[torch.nn.Module], *, grads: bool = False, to_all: bool = True
+) -> dict[str, torch.Tensor]:
+    """The canonical full state (or full grads, from DDP `main_grad`) of a distributed model.
+
+    Collective over the whole world. With `to_all=False` only global rank 0 gets the dict (others
+    get {}). Grads must already be reduced across DP (non-distributed-optimizer DDP)."""
+    from megatron.core import parallel_state as ps
+
+    local: dict[str, torch.Tensor] = {}
+    for name, _, p in local_params(chunks):
+        t = p.data
+        if grads:
+            t = getattr(p, "main_grad", None)
+            t = p.grad if t is None else t
+            if t is None:
+                t = torch.zeros_like(p.data)
+        t = t.detach()
+        if _is_tp_sharded(p):
+            group = _tp_group_for(p)
+            shards = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(shards, t.contiguous(), group=group)
+            t = merge_tp(name, shards, p.partition_dim)
+        if name in _VOCAB:
+            t = t[: _vocab_size(chunks)]
+        local[name] = t.float().cpu() if grads else t.cpu()
+    # every (PP, EP) coordinate holds different names; DP/TP replicas hold equal ones
+    owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and (
+        ps.get_tensor_model_parallel_rank() == 0
+    )
+    parts: list[dict | None] = [None] * dist.get_world_size()
+    if to_all:
+        dist.all_gather_object(parts, local if owner else {})
+    else:
+        dist.gather_object(local if owner else {}, parts if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+    full: dict[str, torch.Tensor] = {}
+    for part in parts:
+        full.update(part or {})
+    return full
+
+
+@torch.no_grad()
+def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Copy a canonical full state into this rank's shards (every name must be present)."""
+    from megatron.core import parallel_state as ps
+
+    for name, local_name, p in local_params(chunks):
+        if name not in full:
+            raise KeyError(f"canonical state has no tensor for {name!r} (local {local_name!r})")
+        t = full[name]
+        if name in _VOCAB:
+            tp = ps.get_tensor_model_parallel_world_size()
+            t = _pad_rows(t, p.shape[0] * tp)
+        if _is_tp_sharded(p):
+            group = _tp_group_for(p)
+            t = split_tp(name, t, p.partition_dim, dist.get_world_size(group),
+                         dist.get_rank(group))
+        if t.shape != p.shape:
+            raise ValueError(f"{name}: canonical shard shape {tuple(t.shape)} != {tuple(p.shape)}")
+        p.data.copy_(t)
+    _sync_tied_output(chunks, full)
+
+
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _vocab_size(chunks) -> int:
+    return unwrap(chunks[0]).megarl_vocab_size
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows for megatron's vocab padding (never sampled: logits are cut to vocab_size)."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    pad = torch.zeros(rows - t.shape[0], *t.shape[1:], dtype=t.dtype)
+    return torch.cat([t, pad])
+
+
+def _sync_tied_output(chunks, full) -> None:
+    """With tied embeddings and PP > 1 the last stage holds its own copy of the embedding."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if getattr(model, "share_embeddings_and_output_weights", False) and model.post_process:
+            w = model.shared_embedding_or_output_weight()
+            tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            src = _pad_rows(full["embedding.word_embeddings.weight"], w.shape[0] * tp)
+            w.data.copy_(src.chunk(tp, 0)[r].to(w.dtype))

@@ -1,0 +1,206 @@
+"""Device selection, and the CPU emulation of CUDA that megatron-core needs.
+
+megatron-core assumes CUDA in many places: `torch.cuda.current_device()` as a tensor device,
+literal `device="cuda"` arguments, `Tensor.type() == "torch.cuda.FloatTensor"` checks in the
+DistributedOptimizer and grad clipping, `.cuda()` calls, `torch.cuda.synchronize()`, and the CUDA
+RNG-states tracker around initialisation and dropout. On a machine without a GPU we run the *same*
+megatron code on CPU tensors by (all process-local, installed once by `setup()`):
+
+- a `TorchFunctionMode` that rewrites any CUDA `device=` argument (and `Tensor.to("cuda")`) to CPU;
+- `torch.cuda.current_device()` -> `torch.device("cpu")`, `Tensor.cuda()` -> identity,
+  `torch.cuda.synchronize()` / stream and event calls -> no-ops;
+- `Tensor.type()` with no argument reporting the `torch.cuda.*Tensor` name for CPU tensors, because
+  megatron dispatches on that string;
+- a CPU RNG-states tracker for `megatron.core.tensor_parallel.random`.
+
+Nothing here is active when CUDA is available: the GPU path is megatron-core unmodified. Causal
+masks are passed explicitly by our forward steps so megatron never builds one on "cuda".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+_INSTALLED = False
+
+
+def use_gpu() -> bool:
+    """GPU unless MEGARL_DEVICE=cpu or no CUDA device exists."""
+    if os.environ.get("MEGARL_DEVICE", "").lower() == "cpu":
+        return False
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    if use_gpu():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if use_gpu() else "gloo"
+
+
+def setup() -> None:
+    """Select the device for this process: on GPU set the local CUDA device, on CPU install the
+    emulation (idempotent)."""
+    if use_gpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return
+    install_cpu_emulation()
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrite CUDA device arguments to CPU for every torch function call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to, torch.Tensor.cuda) or getattr(func, "__name__", "") == "to":
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def install_cpu_emulation() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    mode = _CudaToCpu()
+    mode.__enter__()  # process-wide for the rest of the process' life
+
+    orig_type = torch.Tensor.type
+
+    def _type(self, dtype=None, non_blocking=False, **kw):
+        if dtype is None and not kw and self.device.type == "cpu" and self.dtype in _TYPE_NAMES:
+            return _TYPE_NAMES[self.dtype]
+        if isinstance(dtype, str) and ".cuda." in dtype:
+            dtype = dtype.replace(".cuda.", ".")
+        return orig_type(self, dtype, non_blocking, **kw) if dtype is not None else orig_type(self)
+
+    torch.Tensor.type = _type
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.memory_allocated = lambda *a, **k: 0
+    torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    _install_rng_tracker()
+    log.info("megatron-core CUDA emulation installed: running on CPU")
+
+
+class _NullStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NullEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NullEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's tracker semantics (named, seeded RNG streams entered with `fork`) over CPU
+        generator states."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise ValueError(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    def initialize_rng_tracker(*args, force_reset: bool = False, **kwargs):
+        if force_reset or not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+            mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+            mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    mrandom.initialize_rng_tracker = initialize_rng_tracker
+    # torch.cuda.manual_seed is lazy on CPU builds; make megatron's "default state" seeding real
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all, so seed the CPU generator only)
+    torch.cuda.manual_seed = lambda seed: torch.random.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
+    initialize_rng_tracker(force_reset=True)

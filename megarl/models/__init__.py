@@ -1,0 +1,1 @@
+"""HF config -> megatron TransformerConfig, layer specs, model builders, the forward seam."""

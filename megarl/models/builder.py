@@ -1,0 +1,185 @@
+"""Build this rank's actor / reference / critic chunks on megatron-core's `GPTModel`.
+
+A "model" here is a list of chunks (one per virtual pipeline stage on this rank), the form
+`get_forward_backward_func` takes. Trainable models are wrapped in megatron's
+`DistributedDataParallel` (bucketed grad reduce; DistributedOptimizer-ready); the frozen reference
+is not. The critic is the same trunk whose output layer is a scalar value head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.hf_config import ModelArch, PrecisionConfig, transformer_config
+from megarl.models.specs import block_spec
+
+ROLES = ("actor", "reference", "critic")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildConfig:
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this x TP (megatron convention)."""
+    use_te: bool | None = None
+    """Transformer-Engine layer spec; None = on GPU when TE imports, never on CPU."""
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value head standing in for `GPTModel.output_layer` in the critic.
+
+    Replicated over TP (1 output column cannot be split). Under sequence parallelism the final
+    hidden states are sequence-sharded, so they are gathered first; the gather's backward is a
+    reduce-scatter, and the head's own grad is then identical on every TP rank.
+    """
+
+    def __init__(self, config, hidden_size: int, tp_group):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=config.params_dtype))
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_group = tp_group
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        from megatron.core import tensor_parallel
+
+        if self.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, group=self.tp_group
+            )
+        return torch.nn.functional.linear(hidden, self.weight), None
+
+
+def _apply_rope_scaling(model, arch: ModelArch) -> None:
+    """megatron-core's llama3 scaling hard-codes low/high frequency factors and the original
+    context; recompute inv_freq with the checkpoint's own values (linear scaling is handled by
+    `seq_len_interpolation_factor`)."""
+    rs = arch.rope_scaling
+    if not rs or rs["rope_type"] != "llama3" or not hasattr(model, "rotary_pos_emb"):
+        return
+    rope = model.rotary_pos_emb
+    dim = arch.head_dim
+    base = 1.0 / (
+        arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device)
+                            / dim)
+    )
+    rope.inv_freq = rope._apply_scaling(
+        base,
+        factor=rs.get("factor", 8.0),
+        low_freq_factor=rs.get("low_freq_factor", 1.0),
+        high_freq_factor=rs.get("high_freq_factor", 4.0),
+        original_max_position_embeddings=rs.get("original_max_position_embeddings", 8192),
+    )
+
+
+def build_gpt_chunk(arch: ModelArch, config, *, vp_stage, role: str, build: BuildConfig, gpu: bool):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    use_te = build.use_te if build.use_te is not None else (gpu and _te_available())
+    has_vpp = ps.get_virtual_pipeline_model_parallel_world_size() is not None
+    pre = ps.is_pipeline_first_stage(ignore_virtual=not has_vpp, vp_stage=vp_stage)
+    post = ps.is_pipeline_last_stage(ignore_virtual=not has_vpp, vp_stage=vp_stage)
+    tp = ps.get_tensor_model_parallel_world_size()
+    rs = arch.rope_scaling or {}
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(arch, config, use_te=use_te, vp_stage=vp_stage),
+        vocab_size=arch.padded_vocab_size(build.make_vocab_size_divisible_by, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and role != "critic",
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        seq_len_interpolation_factor=rs.get("factor") if rs.get("rope_type") == "linear" else None,
+        vp_stage=vp_stage,
+    )
+    _apply_rope_scaling(model, arch)
+    model.megarl_vocab_size = arch.vocab_size  # logits and exports are cut to the real vocab
+    if role == "critic" and post:
+        model.output_layer = ValueHead(config, arch.hidden_size, ps.get_tensor_model_parallel_group())
+    return model
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+def build_model(
+    arch: ModelArch,
+    parallel,
+    precision: PrecisionConfig,
+    *,
+    role: str,
+    build: BuildConfig = BuildConfig(),
+    gpu: bool = False,
+    ddp_config=None,
+) -> list[torch.nn.Module]:
+    """Build this rank's chunks of `role` (actor, reference or critic).
+
+    Requires megatron's parallel state (see `Topology.initialize`). Trainable roles are wrapped in
+    megatron `DistributedDataParallel` with `ddp_config` (default: distributed-optimizer buckets,
+    fp32 grad reduce)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}; accepted: {ROLES}")
+    config = transformer_config(arch, parallel, precision, gpu=gpu)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        chunk = build_gpt_chunk(arch, config, vp_stage=vp_stage, role=role, build=build, gpu=gpu)
+        if gpu:
+            chunk.cuda(torch.cuda.current_device())
+        if precision.dtype != "fp32":
+            chunk = Float16Module(config, chunk)
+        chunks.append(chunk)
+    if role == "reference":
+        for c in chunks:
+            c.requires_grad_(False)
+            c.eval()
+        return chunks
+    ddp_config = ddp_config or DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        bucket_size=None,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
+                                disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The `GPTModel` inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def num_params(arch: ModelArch) -> int:
+    """Parameter count of the HF model (unpadded vocab), for MFU and memory estimates."""
+    h, f, L, v = arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.vocab_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if arch.qkv_bias else 0)
+    if arch.is_moe:
+        mlp = arch.num_experts * 3 * h * arch.moe_intermediate_size + h * arch.num_experts
+    else:
+        mlp = 3 * h * f
+    emb = v * h * (1 if arch.tie_word_embeddings else 2)
+    return L * (attn + mlp + 2 * h) + emb + h + (2 * arch.head_dim * L if arch.qk_norm else 0)
+
+

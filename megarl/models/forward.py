@@ -1,0 +1,147 @@
+"""The one seam into megatron: `forward_step` + `get_forward_backward_func`.
+
+Micro-batches are dicts of CPU/GPU tensors with at least `tokens [b, s]`; every pipeline stage
+iterates the same list (only the first stage reads the tokens, the last one the targets). The
+causal mask is passed explicitly (megatron would otherwise build one on "cuda").
+
+Loss scaling. `loss_fn(micro_batch, output) -> (loss, metrics)` must return this micro-batch's
+*share* of the global loss (its numerator over the global denominator). megatron then divides by
+the number of micro-batches and DDP averages gradients over DP (x CP); `run` multiplies the share
+by `num_microbatches x dp_size` so that the gradient is exactly d(global loss)/d(theta), whatever
+the micro-batch and DP split.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """[1, 1, s, s] bool, True where attention is *not* allowed (megatron convention)."""
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), 1)
+
+
+def model_inputs(mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens = mb["tokens"]
+    b, s = tokens.shape
+    pos = mb.get("position_ids")
+    if pos is None:
+        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return tokens, pos, causal_mask(s, tokens.device)
+
+
+def run(
+    chunks: list[torch.nn.Module],
+    micro_batches: list[dict],
+    loss_fn: Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]] | None,
+    *,
+    forward_only: bool,
+    dp_size: int,
+) -> list[dict]:
+    """Run megatron's schedule over `micro_batches`; return the metrics dicts of the last stage
+    (empty list on other stages). With `forward_only=False` grads accumulate in the chunks."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batches = pad_micro_batches(micro_batches)
+    num_mb = len(micro_batches)
+    scale = 1.0 if forward_only else float(num_mb * dp_size)
+
+    def scaled_loss(mb, output):
+        loss, metrics = loss_fn(mb, output)
+        return loss * scale, metrics
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        tokens, pos, mask = model_inputs(mb)
+        output = model(tokens, pos, mask)
+        return output, partial(scaled_loss, mb)
+
+    seq_len = max(mb["tokens"].shape[1] for mb in micro_batches)
+    mbs = max(mb["tokens"].shape[0] for mb in micro_batches)
+    iterators = [iter(micro_batches) for _ in chunks]
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=num_mb,
+        seq_length=seq_len,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
+    return list(out or [])
+
+
+def pad_micro_batches(micro_batches: list[dict]) -> list[dict]:
+    """Pad every `[b, s]` field to the largest b and s among the micro-batches (zeros: masks
+    stay zero in the padding). Pipeline stages exchange fixed-shape activations, so all
+    micro-batches of one schedule call share a shape; `num_rows` keeps each one's real size."""
+    b = max(mb["tokens"].shape[0] for mb in micro_batches)
+    s = max(mb["tokens"].shape[1] for mb in micro_batches)
+    out = []
+    for mb in micro_batches:
+        rows, cols = mb["tokens"].shape
+        padded = {"num_rows": rows}
+        for k, v in mb.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == (rows, cols):
+                v = torch.nn.functional.pad(v, (0, s - cols, 0, b - rows))
+            padded[k] = v
+        out.append(padded)
+    return out
+
+
+# ------------------------------------------------------------------ vocab-parallel math
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_group, temperature=1.0
+) -> torch.Tensor:
+    """log p(target) from TP-sharded logits.
+
+    logits: [b, s, V_pad / tp] (this rank's vocab slice); targets: [b, s] -> [b, s] float32.
+    Padded vocab columns (>= vocab_size) are excluded from the softmax, so the result equals a
+    single-device log_softmax over the real vocabulary."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = mask_padded_vocab(logits.float() / temperature, vocab_size, tp_group)
+    # megatron's kernel is [s, b] major and returns -log p
+    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.t().contiguous())
+    return -nll.t()
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    shard = logits.shape[-1]
+    start = dist.get_rank(tp_group) * shard
+    if start + shard <= vocab_size:
+        return logits
+    cols = torch.arange(start, start + shard, device=logits.device)
+    return logits.masked_fill(cols >= vocab_size, float("-inf"))
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_size: int, tp_group) -> torch.Tensor:
+    """Entropy of the softmax over TP-sharded logits. [b, s, V/tp] -> [b, s] (differentiable)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    logits = mask_padded_vocab(logits.float(), vocab_size, tp_group)
+    with torch.no_grad():
+        m = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - m
+    e = shifted.exp()
+    z = reduce_from_tensor_model_parallel_region(e.sum(-1), group=tp_group)
+    ez = reduce_from_tensor_model_parallel_region(
+        (e * shifted.masked_fill(e == 0, 0.0)).sum(-1), group=tp_group
+    )
+    return z.log() - ez / z
+
+
+def gather_vocab(logits: torch.Tensor, *, vocab_size: int, tp_group) -> torch.Tensor:
+    """Full-vocabulary logits [b, s, vocab_size] from TP shards (tests and debugging only)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, logits.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size]

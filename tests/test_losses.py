@@ -1,0 +1,305 @@
+"""Policy/value losses and aggregation against pinned numbers and plain-loop references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.algorithms.losses import (
+    AGG_MODES,
+    aggregate,
+    get_policy_loss,
+    global_denominators,
+    policy_loss,
+    register_policy_loss,
+    value_loss,
+)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """float64 so that references agree to ~1e-12; restored for the other test modules."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _batch(seed: int = 0, b: int = 4, t: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 2, 4, 1])[:b]
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    lp = -torch.rand(b, t, generator=g) * 2
+    old = lp + 0.3 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, 1, generator=g).expand(b, t).clone()
+    return lp, old, adv, mask
+
+
+# ---------------------------------------------------------------- aggregation
+def ref_aggregate(values, mask, mode, max_len=None):
+    """Plain loops over the *global* batch: no shares, no external denominators."""
+    rows = [[v for v, m in zip(vr, mr) if m] for vr, mr in zip(values.tolist(), mask.tolist())]
+    nonempty = [r for r in rows if r]
+    if mode == "token-mean":
+        return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if mode == "seq-mean-token-sum":
+        return sum(sum(r) for r in nonempty) / len(nonempty)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in nonempty) / len(nonempty)
+    return sum(sum(r) / max_len for r in nonempty) / len(nonempty)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregate_matches_reference(mode):
+    values = torch.randn(5, 7, generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([7, 3, 0, 1, 5])  # one empty row: counts in no denominator
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    tokens, seqs = global_denominators([mask], group=None)
+    assert (tokens, seqs) == (16.0, 4.0)
+    got = aggregate(values, mask, mode, global_tokens=tokens, global_seqs=seqs, max_len=10)
+    assert got.item() == pytest.approx(ref_aggregate(values, mask, mode, 10), rel=1e-12)
+
+
+def test_aggregate_pinned():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    kw = {"global_tokens": 4, "global_seqs": 2, "max_len": 4}
+    assert aggregate(values, mask, "token-mean", **kw).item() == 2.5
+    assert aggregate(values, mask, "seq-mean-token-sum", **kw).item() == 5.0
+    assert aggregate(values, mask, "seq-mean-token-mean", **kw).item() == 3.0
+    assert aggregate(values, mask, "seq-mean-token-sum-norm", **kw).item() == 1.25
+
+
+def test_aggregate_errors():
+    v, m = torch.ones(2, 2), torch.ones(2, 2)
+    with pytest.raises(ValueError, match="needs global_tokens"):
+        aggregate(v, m, "token-mean", global_seqs=2)
+    with pytest.raises(ValueError, match="needs global_seqs"):
+        aggregate(v, m, "seq-mean-token-mean", global_tokens=4)
+    with pytest.raises(ValueError, match="needs max_len"):
+        aggregate(v, m, "seq-mean-token-sum-norm", global_seqs=2)
+    with pytest.raises(ValueError, match=r"agg_mode must be one of \['token-mean'"):
+        aggregate(v, m, "mean")
+    with pytest.raises(ValueError, match="must be > 0"):
+        aggregate(v, m, "token-mean", global_tokens=0)
+
+
+# ---------------------------------------------------------------- policy loss
+def ref_token_loss(lp, old, adv, mask, sampler, *, clip_low, clip_high, dual_clip, tis_cap):
+    """Per-token PPO loss in plain python: [B][T] lists (0 outside the mask)."""
+    out = []
+    for b in range(len(lp)):
+        row = []
+        for t in range(len(lp[b])):
+            if not mask[b][t]:
+                row.append(0.0)
+                continue
+            ratio = math.exp(lp[b][t] - old[b][t])
+            a = adv[b][t]
+            loss = max(-a * ratio, -a * min(max(ratio, 1 - clip_low), 1 + clip_high))
+            if dual_clip is not None and a < 0:
+                loss = min(loss, -a * dual_clip)
+            if tis_cap is not None:
+                loss *= min(math.exp(old[b][t] - sampler[b][t]), tis_cap)
+            row.append(loss)
+        out.append(row)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("tis_cap", [None, 2.0])
+@pytest.mark.parametrize("clips", [(0.2, 0.2), (0.2, 0.28)])
+def test_ppo_matches_reference(dual_clip, tis_cap, clips):
+    lp, old, adv, mask = _batch()
+    old = lp + 0.8 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(9))
+    sampler = old + 0.5 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(4))
+    per_token = ref_token_loss(
+        lp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        sampler.tolist(),
+        clip_low=clips[0],
+        clip_high=clips[1],
+        dual_clip=dual_clip,
+        tis_cap=tis_cap,
+    )
+    loss, metrics = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        clip_low=clips[0],
+        clip_high=clips[1],
+        dual_clip=dual_clip,
+        sampler_logprobs=sampler,
+        tis_cap=tis_cap,
+        global_tokens=mask.sum().item(),
+    )
+    exp = ref_aggregate(per_token, mask, "token-mean")
+    assert loss.item() == pytest.approx(exp, rel=1e-12)
+    ratio = torch.exp(lp - old)[mask]
+    assert metrics["ratio_max"].item() == pytest.approx(ratio.max().item(), rel=1e-12)
+    assert metrics["ratio_mean"].item() == pytest.approx(ratio.mean().item(), rel=1e-12)
+    if dual_clip is not None:
+        assert "dual_clip_frac" in metrics
+    assert "mismatch_kl" in metrics and ("tis_weight_mean" in metrics) == (tis_cap is not None)
+
+
+def test_ppo_pinned_clipping():
+    # one sequence, 3 tokens; ratios e^{0.5}, 1, e^{-0.5}; A = +1 then -1
+    lp = torch.tensor([[0.5, 0.0, -0.5]])
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    pos, m_pos = policy_loss(lp, old, torch.ones(1, 3), mask, global_tokens=3)
+    # A>0: token0 clipped to 1.2, token1 1.0, token2 unclipped e^{-0.5} (min picks it)
+    assert pos.item() == pytest.approx(-(1.2 + 1.0 + math.exp(-0.5)) / 3, rel=1e-12)
+    assert m_pos["clip_frac"].item() == pytest.approx(1 / 3)
+    neg, _m_neg = policy_loss(lp, old, -torch.ones(1, 3), mask, global_tokens=3)
+    # A<0: token0 unclipped e^{0.5}, token1 1.0, token2 clipped to 0.8
+    assert neg.item() == pytest.approx((math.exp(0.5) + 1.0 + 0.8) / 3, rel=1e-12)
+    # dual clip at 1.5 caps token0's e^{0.5} = 1.65 at 1.5
+    dual, m_dual = policy_loss(lp, old, -torch.ones(1, 3), mask, dual_clip=1.5, global_tokens=3)
+    assert dual.item() == pytest.approx((1.5 + 1.0 + 0.8) / 3, rel=1e-12)
+    assert m_dual["dual_clip_frac"].item() == pytest.approx(1 / 3)
+    # clip-higher 0.7: token0's ratio 1.65 is no longer clipped for A>0
+    hi, _ = policy_loss(lp, old, torch.ones(1, 3), mask, clip_high=0.7, global_tokens=3)
+    assert hi.item() == pytest.approx(-(math.exp(0.5) + 1.0 + math.exp(-0.5)) / 3, rel=1e-12)
+
+
+def test_gspo_matches_sequence_objective():
+    """GSPO-token with seq-mean-token-mean has the value and gradient of the GSPO objective
+    (1/B) sum_b max(-A s_b, -A clip(s_b)),  s_b = exp(mean_t (lp - old))."""
+    lp, old, adv, mask = _batch(seed=5)
+    old = lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
+    lp1 = lp.clone().requires_grad_(True)
+    loss, _ = get_policy_loss("gspo")(
+        lp1, old, adv, mask, agg_mode="seq-mean-token-mean", global_seqs=4
+    )
+    loss.backward()
+    lp2 = lp.clone().requires_grad_(True)
+    m = mask.double()
+    s = torch.exp(((lp2 - old) * m).sum(-1) / m.sum(-1))
+    a = adv[:, 0]
+    ref = torch.maximum(-a * s, -a * s.clamp(0.8, 1.2)).mean()
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    torch.testing.assert_close(lp1.grad, lp2.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_entropy_and_kl_terms():
+    lp, old, adv, mask = _batch()
+    ref_lp = lp - 0.1
+    entropy = torch.rand(lp.shape, generator=torch.Generator().manual_seed(1))
+    kw = {"global_tokens": mask.sum().item()}
+    base, _ = policy_loss(lp, old, adv, mask, **kw)
+    loss, metrics = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        entropy=entropy,
+        entropy_coef=0.01,
+        ref_logprobs=ref_lp,
+        kl_coef=0.1,
+        kl_kind="k1",
+        **kw,
+    )
+    # k1 = lp - ref = 0.1 on every token
+    exp = base.item() - 0.01 * entropy[mask].mean().item() + 0.1 * 0.1
+    assert loss.item() == pytest.approx(exp, rel=1e-12)
+    assert metrics["kl"].item() == pytest.approx(0.1, rel=1e-12)
+    assert metrics["entropy"].item() == pytest.approx(entropy[mask].mean().item(), rel=1e-12)
+
+
+def test_policy_loss_errors():
+    lp, old, adv, mask = _batch()
+    kw = {"global_tokens": 10}
+    with pytest.raises(ValueError, match="ratio_level"):
+        policy_loss(lp, old, adv, mask, ratio_level="seq", **kw)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(lp, old, adv, mask, dual_clip=0.5, **kw)
+    with pytest.raises(ValueError, match="sampler_logprobs"):
+        policy_loss(lp, old, adv, mask, tis_cap=2.0, **kw)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(lp, old, adv, mask, kl_coef=0.1, **kw)
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(lp, old, adv, mask, entropy_coef=0.1, **kw)
+    with pytest.raises(ValueError, match="needs global_tokens"):
+        policy_loss(lp, old, adv, mask)
+
+
+def test_policy_loss_registry():
+    lp, old, adv, mask = _batch()
+    a, _ = get_policy_loss("ppo")(lp, old, adv, mask, global_tokens=12)
+    b, _ = policy_loss(lp, old, adv, mask, global_tokens=12)
+    assert a.item() == b.item()
+    with pytest.raises(ValueError, match=r"unknown policy loss 'grpo'.*'gspo', 'ppo'"):
+        get_policy_loss("grpo")
+    with pytest.raises(ValueError, match="registered twice"):
+        register_policy_loss("ppo")(policy_loss)
+
+
+def test_empty_mask_is_finite():
+    lp, old, adv, _ = _batch()
+    mask = torch.zeros_like(lp, dtype=torch.bool)
+    loss, metrics = policy_loss(lp, old, adv, mask, global_tokens=5)
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+# ---------------------------------------------------------------- value loss
+def test_value_loss_pinned():
+    values = torch.tensor([[1.0, 0.0, 2.0]])
+    old = torch.tensor([[0.5, 0.0, 2.0]])
+    returns = torch.tensor([[0.0, 1.0, 2.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    # token0: unclipped (1-0)^2 = 1, clipped V=0.7 -> 0.49, max 1; token1: 1 and 1
+    loss, _m = value_loss(values, old, returns, mask, clip=0.2, global_tokens=2)
+    assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
+    # token0 with V moving toward the target: V=0.1 from old 0.5 -> clipped 0.3, err 0.09 vs 0.01
+    loss2, m2 = value_loss(values - 0.9, old, returns, mask, clip=0.2, global_tokens=2)
+    assert loss2.item() == pytest.approx(0.5 * (0.09 + (1 + 0.9) ** 2) / 2)
+    assert m2["vf_clip_frac"].item() == pytest.approx(0.5)
+    loss3, _ = value_loss(values - 0.9, old, returns, mask, clip=None, global_tokens=2)
+    assert loss3.item() == pytest.approx(0.5 * (0.01 + 1.9**2) / 2)
+
+
+def test_outcome_advantages_broadcast():
+    lp, old, adv, mask = _batch()
+    per_token, _ = policy_loss(lp, old, adv, mask, global_tokens=12)
+    per_seq, _ = policy_loss(lp, old, adv[:, 0], mask, global_tokens=12)
+    assert per_seq.item() == per_token.item()
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_garbage_in_padding_does_not_leak(ratio_level):
+    """Padding may hold -inf logprobs or NaN values; masked math must ignore it (NaN * 0 = NaN)."""
+    lp, old, adv, mask = _batch()
+    dirty = lp.masked_fill(~mask, float("-inf"))
+    dirty_old = old.masked_fill(~mask, float("nan"))
+    dirty_ent = torch.rand(lp.shape).masked_fill(~mask, float("nan"))
+    kw = {
+        "ratio_level": ratio_level,
+        "global_tokens": 12,
+        "entropy_coef": 0.01,
+        "ref_logprobs": old,
+        "kl_coef": 0.1,
+        "agg_mode": "seq-mean-token-mean",
+        "global_seqs": 4,
+    }
+    results = []
+    for a, b, e in ((lp, old, dirty_ent.nan_to_num(0.0)), (dirty, dirty_old, dirty_ent)):
+        x = a.clone().requires_grad_(True)
+        loss, metrics = policy_loss(x, b, adv, mask, entropy=e, **kw)
+        loss.backward()
+        results.append((loss, x.grad))
+        assert all(torch.isfinite(v) for v in metrics.values()), metrics
+    assert results[0][0].item() == results[1][0].item()
+    assert torch.equal(results[0][1], results[1][1])
+    v, _ = value_loss(
+        lp.masked_fill(~mask, float("nan")), old, old, mask, clip=0.2, global_tokens=12
+    )
+    assert torch.isfinite(v)
