@@ -62,10 +62,14 @@ def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torc
             yield name, local_name, p
 
 
+def _is_expert(p) -> bool:
+    return getattr(p, "allreduce", True) is False  # megatron marks expert params allreduce=False
+
+
 def _tp_group_for(p):
     from megatron.core import parallel_state as ps
 
-    if getattr(p, "allreduce", True) is False:  # megatron marks expert params allreduce=False
+    if _is_expert(p):
         return ps.get_expert_tensor_parallel_group()
     return ps.get_tensor_model_parallel_group()
 
@@ -99,6 +103,14 @@ def gather_full_state(
     get {}). Grads must already be reduced across DP (non-distributed-optimizer DDP)."""
     from megatron.core import parallel_state as ps
 
+    # every (PP, EP) coordinate holds different names; DP/TP replicas hold equal ones, so one
+    # owner per name contributes: expert params are replicated over the expert-DP group instead
+    dense_owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and (
+        ps.get_tensor_model_parallel_rank() == 0
+    )
+    expert_owner = ps.get_expert_data_parallel_rank() == 0 and (
+        ps.get_expert_tensor_parallel_rank() == 0
+    )
     local: dict[str, torch.Tensor] = {}
     for name, _, p in local_params(chunks):
         t = p.data
@@ -113,18 +125,15 @@ def gather_full_state(
             shards = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
             dist.all_gather(shards, t.contiguous(), group=group)
             t = merge_tp(name, shards, p.partition_dim)
-        if name in _VOCAB:
+        if name in _VOCAB and _is_tp_sharded(p):  # (not the critic's value head)
             t = t[: _vocab_size(chunks)]
-        local[name] = t.float().cpu() if grads else t.cpu()
-    # every (PP, EP) coordinate holds different names; DP/TP replicas hold equal ones
-    owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and (
-        ps.get_tensor_model_parallel_rank() == 0
-    )
+        if expert_owner if _is_expert(p) else dense_owner:
+            local[name] = t.float().cpu() if grads else t.cpu()
     parts: list[dict | None] = [None] * dist.get_world_size()
     if to_all:
-        dist.all_gather_object(parts, local if owner else {})
+        dist.all_gather_object(parts, local)
     else:
-        dist.gather_object(local if owner else {}, parts if dist.get_rank() == 0 else None, dst=0)
+        dist.gather_object(local, parts if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
             return {}
     full: dict[str, torch.Tensor] = {}
@@ -142,7 +151,7 @@ def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]
         if name not in full:
             raise KeyError(f"canonical state has no tensor for {name!r} (local {local_name!r})")
         t = full[name]
-        if name in _VOCAB:
+        if name in _VOCAB and _is_tp_sharded(p):
             tp = ps.get_tensor_model_parallel_world_size()
             t = _pad_rows(t, p.shape[0] * tp)
         if _is_tp_sharded(p):

@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
 _INSTALLED = False
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
+warnings.filterwarnings("ignore", message=".*Falling back to Torch Norm.*")
 
 
 def use_gpu() -> bool:
@@ -50,10 +53,20 @@ def backend() -> str:
 def setup() -> None:
     """Select the device for this process: on GPU set the local CUDA device, on CPU install the
     emulation (idempotent)."""
+    _patch_missing_te()
     if use_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return
     install_cpu_emulation()
+
+
+def _patch_missing_te() -> None:
+    """megatron-core 0.16.1's MoE router references `te_general_gemm`, which is undefined when
+    Transformer-Engine is absent (NameError); define it as None so the torch path is taken."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _is_cuda(dev) -> bool:
@@ -119,6 +132,7 @@ def install_cpu_emulation() -> None:
     torch.cuda.Event = _NullEvent
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     _install_rng_tracker()
+    _patch_moe_host_splits()
     log.info("megatron-core CUDA emulation installed: running on CPU")
 
 
@@ -163,6 +177,22 @@ class _NullEvent:
 
     def elapsed_time(self, other):
         return 0.0
+
+
+def _patch_moe_host_splits() -> None:
+    """The alltoall MoE dispatcher turns its split sizes into numpy only `if tensor.is_cuda`;
+    on CPU they would stay tensors, which `all_to_all_single` rejects."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    orig = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _install_rng_tracker() -> None:

@@ -16,6 +16,7 @@ import io
 import os
 import socket
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,9 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn, args, queue)
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # megatron warns at import about absent TE/Apex and deprecated collectives; keep logs readable
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)

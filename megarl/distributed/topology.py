@@ -114,6 +114,8 @@ class Topology:
             if p.pipeline_layers is not None:
                 raise TopologyError("an uneven pipeline_layers split cannot be combined with VPP")
         etp = p.expert_tensor_parallel or tp
+        if ep > 1 and num_experts is None and num_layers is not None:
+            raise TopologyError(f"expert_parallel={ep} > 1 needs a MoE model (num_experts unset)")
         if ep > 1 or p.expert_tensor_parallel:
             if num_experts is not None and num_experts % ep:
                 raise TopologyError(
@@ -125,8 +127,6 @@ class Topology:
                     f"expert layout ETP x EP = {etp} x {ep} = {etp * ep} must divide "
                     f"TP x CP x DP = {tp} x {cp} x {dp} = {tp * cp * dp}"
                 )
-        elif num_experts is None and ep > 1:
-            raise TopologyError(f"expert_parallel={ep} > 1 needs a MoE model (num_experts unset)")
         if num_attention_heads is not None:
             if num_attention_heads % tp:
                 raise TopologyError(

@@ -152,6 +152,12 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
             moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", where)),
             moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         )
+    if moe and moe["moe_topk"] == 1 and moe.get("moe_norm_topk_prob", True):
+        raise ModelConfigError(
+            f"{where}: num_experts_per_tok=1 with renormalised top-k weights (weight 1.0) cannot "
+            "be expressed in megatron-core, which requires pre-softmax routing (weight p) for "
+            "top-1; accepted: num_experts_per_tok >= 2, or norm_topk_prob=false"
+        )
     return ModelArch(
         family=family,
         vocab_size=int(_get(cfg, "vocab_size", where)),
@@ -276,7 +282,8 @@ def transformer_config(arch: ModelArch, parallel, precision: PrecisionConfig, *,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
-            moe_router_dtype="fp32",
+            # fp32 routing goes through a TE GEMM in megatron-core 0.16 (NameError without TE)
+            moe_router_dtype="fp32" if gpu else None,
         )
     if precision.fp8 is not None:
         kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)

@@ -1,0 +1,337 @@
+"""Run configuration: one dataclass per component, loaded from YAML with dotted overrides.
+
+`load_config(path | None, overrides=["algorithm.kl_coef=0.01", ...]) -> RunConfig`. Unknown keys and
+wrong types fail with the full dotted key, the value and what would be accepted. Component configs
+live next to the code they configure (`ParallelConfig` in `megarl.distributed`, `RolloutConfig` in
+`megarl.rollout`, ...); this module only assembles them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from megarl.distributed.topology import ParallelConfig
+from megarl.models.hf_config import PrecisionConfig
+from megarl.models.optim import OptimConfig
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.yaml")
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; names the dotted key."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    hf: str | None = None
+    """Hugging Face model directory to start from (config.json + safetensors)."""
+    mcore_ckpt: str | None = None
+    """megarl/megatron checkpoint (from tools/convert.py hf-to-mcore) to start from."""
+    config: dict | None = None
+    """Inline HF config dict for a model trained from random init (tiny runs and tests)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the model directory. 'toy' = the embedded toy tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this x TP."""
+    init_seed: int = 1234
+    """Seed of the random init (when neither hf nor mcore_ckpt is given)."""
+
+    def __post_init__(self):
+        given = [k for k in ("hf", "mcore_ckpt", "config") if getattr(self, k)]
+        if len(given) != 1:
+            raise ConfigError(
+                f"model: exactly one of model.hf, model.mcore_ckpt, model.config must be set; "
+                f"got {given or 'none'}"
+            )
+
+
+ALGORITHMS = ("grpo", "ppo")
+KL_PLACEMENT = ("loss", "reward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    name: str = "grpo"
+    """grpo (no critic; group-relative advantages) or ppo (critic + GAE)."""
+    advantage: str = "grpo"
+    """Advantage estimator for grpo-style runs: grpo, rloo, dr_grpo, reinforce++."""
+    scale: str = "group"
+    """Advantage scaling: group, batch or none (see megarl.advantage)."""
+    policy_loss: str = "ppo"
+    """ppo (token-level ratio) or gspo (sequence-level ratio)."""
+    clip_low: float = 0.2
+    """PPO clip range below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.2
+    """PPO clip range above 1; > clip_low is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip constant c (> 1) for negative advantages; null = off."""
+    agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient; 0 disables the reference model."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, k2, k3, abs."""
+    kl_in: str = "loss"
+    """Where the KL goes: loss (a loss term) or reward (a per-token reward penalty)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap against the sampler's logprobs; null = off."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the rollout batch is split into this many mini-batches)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward micro-batch (gradient accumulation inside a mini-batch)."""
+    gamma: float = 1.0
+    """PPO discount."""
+    lam: float = 0.95
+    """PPO GAE lambda."""
+    value_clip: float | None = 0.2
+    """PPO value-loss clip; null = off."""
+    value_coef: float = 1.0
+    """Weight of the critic's loss (the critic has its own optimizer)."""
+
+    def __post_init__(self):
+        if self.name not in ALGORITHMS:
+            raise ConfigError(f"algorithm.name={self.name!r}; accepted: {ALGORITHMS}")
+        if self.kl_in not in KL_PLACEMENT:
+            raise ConfigError(f"algorithm.kl_in={self.kl_in!r}; accepted: {KL_PLACEMENT}")
+        for k in ("ppo_epochs", "mini_batches", "micro_batch_size"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"algorithm.{k}={getattr(self, k)} must be >= 1")
+        from megarl.algorithms.advantages import available_advantages
+        from megarl.algorithms.kl import kl_penalty  # noqa: F401 - validated at use
+        from megarl.algorithms.losses import AGG_MODES
+
+        if self.advantage not in available_advantages():
+            raise ConfigError(
+                f"algorithm.advantage={self.advantage!r}; accepted: {available_advantages()}"
+            )
+        if self.scale not in ("group", "batch", "none"):
+            raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
+        if self.agg_mode not in AGG_MODES:
+            raise ConfigError(f"algorithm.agg_mode={self.agg_mode!r}; accepted: {AGG_MODES}")
+        if self.kl_kind not in ("k1", "k2", "k3", "abs"):
+            raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    functions: tuple[str, ...] = ("toy",)
+    """Reward functions: built-in names or dotted paths 'pkg.module:function'."""
+    weights: tuple[float, ...] | None = None
+    """One weight per function; null = all 1."""
+    on_error: str = "raise"
+    """A reward function that raises: raise (stop the run) or zero (score 0, count it)."""
+    kwargs: dict = field(default_factory=dict)
+    """Per-function keyword arguments: {function_name: {arg: value}}."""
+
+    def __post_init__(self):
+        if self.on_error not in ("raise", "zero"):
+            raise ConfigError(f"reward.on_error={self.on_error!r}; accepted: raise, zero")
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ConfigError(
+                f"reward.weights has {len(self.weights)} entries for "
+                f"{len(self.functions)} reward.functions"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    steps: int = 60
+    """RL steps (rollout + update) to run."""
+    seed: int = 0
+    """Global seed (data order, sampling, init)."""
+    save_every: int = 0
+    """Checkpoint every k steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory if there is one."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive steps with NaN/Inf loss (each is skipped)."""
+    export_hf: bool = False
+    """Write the final policy as an HF directory (out/hf) at the end."""
+    critic_warmup_steps: int = 0
+    """PPO: steps that train only the critic."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    wandb: bool = True
+    """Log to Weights & Biases (offline unless wandb_mode says online or WANDB_MODE is set)."""
+    wandb_project: str = "megarl"
+    wandb_mode: str = "offline"
+    """offline, online or disabled."""
+    tensorboard: bool = True
+    """Also write tensorboard events if tensorboard is installed."""
+    progress: bool = True
+    """Console progress bar on rank 0."""
+
+
+def _rollout_config():
+    from megarl.rollout.engine import RolloutConfig
+
+    return RolloutConfig
+
+
+def _data_config():
+    from megarl.data.dataset import DataConfig
+
+    return DataConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    critic_optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: Any = None
+    data: Any = None
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+_LAZY = {"rollout": _rollout_config, "data": _data_config}
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        (elem, *_rest) = typing.get_args(tp) or (Any,)
+        return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}={value!r}: expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected a string")
+    return value
+
+
+def build(cls, data: Any, prefix: str = ""):
+    """Instantiate dataclass `cls` from a mapping, strictly (unknown keys and types raise)."""
+    if data is None:
+        data = {}
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    types_ = _field_types(cls)
+    unknown = sorted(set(data) - set(types_))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]}; accepted keys"
+            f"{' under ' + prefix if prefix else ''}: {sorted(types_)}"
+        )
+    kwargs = {}
+    for name, tp in types_.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name in _LAZY and cls is RunConfig:
+            kwargs[name] = build(_LAZY[name](), data.get(name), key)
+        elif name in data:
+            kwargs[name] = _coerce(data[name], tp, key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{prefix or 'config'}: {e}") from e
+
+
+def apply_override(tree: dict, override: str) -> None:
+    """`a.b.c=value` (value parsed as YAML) into a nested dict."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key=value (e.g. trainer.steps=10)")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {p} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load `path` (default: the embedded tiny CPU GRPO run) and apply dotted overrides."""
+    src = path or DEFAULT_CONFIG
+    if not os.path.exists(src):
+        raise ConfigError(f"config file {src} does not exist")
+    with open(src) as f:
+        try:
+            tree = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{src}: invalid YAML: {e}") from e
+    for o in overrides:
+        apply_override(tree, o)
+    try:
+        return build(RunConfig, tree)
+    except ConfigError as e:
+        raise ConfigError(f"{src}: {e}") from e
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict (for config.yaml in the run directory)."""
+
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return conv(cfg)

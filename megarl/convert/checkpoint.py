@@ -1,0 +1,288 @@
+"""Megatron-core distributed checkpoints (`torch_dist`) of megarl models, loadable at any layout.
+
+A checkpoint directory holds megatron's `dist_checkpointing` files plus `megarl_model.json`
+(format tag, the original HF config, dtype, vocab padding and the layout it was written from,
+for information only). megatron's sharded state dict names every tensor by its *global* key
+(layers stacked on a leading axis, experts by global index, TP shards by offset), so the files do
+not depend on TP / PP / VPP / EP; padded vocab rows are `allow_shape_mismatch` tensors, so a
+different padding at load time is zero-filled or cut.
+
+Local spec vs Transformer-Engine spec: megatron's local spec already names the fused norms as TE
+does (`input_layernorm` -> `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm`
+-> `mlp.linear_fc1.layer_norm_weight`). For MoE layers the TE spec keeps a standalone
+`pre_mlp_layernorm`, while megatron-core 0.16's local spec still maps it onto the (absent) fused
+fc1; `_te_keys` renames that key, so CPU-written MoE checkpoints carry the TE name. TE-only
+`_extra_state` objects (FP8 metadata) are optional in both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.builder import unwrap
+from megarl.models.hf_config import ModelArch, arch_from_hf
+
+log = logging.getLogger(__name__)
+
+META = "megarl_model.json"
+FORMAT = "megarl-mcore/1"
+_MOE_LOCAL_NORM = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+_MOE_TE_NORM = "decoder.layers.pre_mlp_layernorm.weight"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or loaded; the message names the file or key."""
+
+
+def resolve_hf_config(cfg: dict) -> dict:
+    """Lift transformers 5's `rope_parameters` into the `rope_theta` / `rope_scaling` fields
+    `arch_from_hf` reads (configs saved by transformers >= 5 carry only `rope_parameters`)."""
+    cfg = dict(cfg)
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" not in rp:
+        if cfg.get("rope_theta") is None and rp.get("rope_theta") is not None:
+            cfg["rope_theta"] = rp["rope_theta"]
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if cfg.get("rope_scaling") is None and kind != "default":
+            cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    return cfg
+
+
+def arch_from_hf_dir(hf: str | os.PathLike | dict) -> ModelArch:
+    """`arch_from_hf` on a directory, config.json path or dict, after `resolve_hf_config`."""
+    from megarl.models.hf_config import load_hf_config
+
+    where = os.fspath(hf) if not isinstance(hf, dict) else None
+    return arch_from_hf(resolve_hf_config(load_hf_config(hf)), where=where)
+
+
+# --------------------------------------------------------------------------- metadata
+def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict:
+    path = os.path.join(os.fspath(ckpt_dir), META)
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"{ckpt_dir}: no {META}; not a megarl megatron checkpoint (write one with "
+            "`tools/convert.py hf-to-mcore` or the trainer)"
+        )
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}; expected {FORMAT!r}")
+    if not os.path.exists(os.path.join(os.fspath(ckpt_dir), "metadata.json")):
+        raise CheckpointError(f"{ckpt_dir}: megatron's metadata.json is missing (incomplete save)")
+    return meta
+
+
+def read_checkpoint_arch(ckpt_dir: str | os.PathLike) -> ModelArch:
+    """The `ModelArch` a checkpoint was written for."""
+    meta = read_checkpoint_meta(ckpt_dir)
+    return arch_from_hf(resolve_hf_config(meta["hf_config"]), where=os.path.join(ckpt_dir, META))
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_parallel": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "expert_parallel": ps.get_expert_model_parallel_world_size(),
+        "world_size": dist.get_world_size(),
+    }
+
+
+def _dtype_name(chunks) -> str:
+    dt = next(unwrap(chunks[0]).parameters()).dtype
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
+
+
+def _has_value_head(model) -> bool:
+    head = getattr(model, "output_layer", None)
+    return head is not None and type(head).__name__ == "ValueHead"
+
+
+# --------------------------------------------------------------------------- sharded dicts
+def _te_keys(sd: dict, arch: ModelArch) -> None:
+    """Rename local-spec keys that differ from the TE spec (see the module docstring)."""
+    if not arch.is_moe:
+        return
+    for v in sd.values():
+        if getattr(v, "key", None) == _MOE_LOCAL_NORM:
+            v.key = _MOE_TE_NORM
+
+
+def _sharded_state_dict(chunks, arch: ModelArch, *, with_value_head: bool = True) -> dict:
+    out = {}
+    for k, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        sd = model.sharded_state_dict()
+        if _has_value_head(model) and not with_value_head:
+            sd = {n: v for n, v in sd.items() if not n.startswith("output_layer.")}
+        _te_keys(sd, arch)
+        out[f"chunk{k}"] = sd
+    return out
+
+
+def _check_arch(chunks, arch: ModelArch, where: str) -> None:
+    """Raise naming each field where the chunks' model differs from the checkpoint's arch."""
+    model = unwrap(chunks[0])
+    c = model.config
+    have = {
+        "num_hidden_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_query_groups or c.num_attention_heads,
+        "head_dim": c.kv_channels,
+        "vocab_size": getattr(model, "megarl_vocab_size", arch.vocab_size),
+        "qkv_bias": bool(c.add_qkv_bias),
+        "qk_norm": bool(c.qk_layernorm),
+        "num_experts": c.num_moe_experts,
+    }
+    want = {
+        "num_hidden_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim,
+        "vocab_size": arch.vocab_size,
+        "qkv_bias": arch.qkv_bias,
+        "qk_norm": arch.qk_norm,
+        "num_experts": arch.num_experts,
+    }
+    if arch.is_moe:
+        have["moe_intermediate_size"] = c.moe_ffn_hidden_size
+        want["moe_intermediate_size"] = arch.moe_intermediate_size
+    else:
+        have["intermediate_size"] = c.ffn_hidden_size
+        want["intermediate_size"] = arch.intermediate_size
+    if not _has_value_head(model):
+        have["tie_word_embeddings"] = bool(model.share_embeddings_and_output_weights)
+        want["tie_word_embeddings"] = arch.tie_word_embeddings
+    diff = [f"{k}: checkpoint {want[k]} vs model {have[k]}" for k in want if want[k] != have[k]]
+    if diff:
+        raise CheckpointError(f"{where} was written for a different model: " + "; ".join(diff))
+
+
+# --------------------------------------------------------------------------- save / load
+def _rank0_check(fn) -> None:
+    """Run `fn()` on rank 0 and raise its error on every rank (no rank hangs in a barrier)."""
+    err = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            err[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise CheckpointError(err[0])
+
+
+def save_model_checkpoint(
+    chunks: list[torch.nn.Module],
+    out_dir: str | os.PathLike,
+    *,
+    arch: ModelArch,
+    extra_meta: dict | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Save this rank's chunks into a layout-independent `torch_dist` checkpoint (collective).
+
+    Written into a hidden temporary sibling and renamed onto `out_dir` by rank 0 after a barrier:
+    an interrupted save never leaves a directory that looks complete. An `out_dir` that already
+    holds files is refused unless `overwrite`. Returns the absolute `out_dir`."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.convert.hf_io import copy_tokenizer_files, looks_like_checkpoint
+
+    out = os.path.abspath(os.fspath(out_dir))
+    parent, base = os.path.split(out)
+    tmp = os.path.join(parent, f".{base}.tmp-megarl")
+
+    def prepare():
+        if os.path.exists(out) and os.listdir(out) and not overwrite:
+            what = "a checkpoint" if looks_like_checkpoint(out) else "files"
+            raise FileExistsError(f"{out} already holds {what}; pass overwrite=True to replace it")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+
+    _rank0_check(prepare)
+    dist.barrier()
+    sd = _sharded_state_dict(chunks, arch)
+    dist_checkpointing.save(sd, tmp)
+    model = unwrap(chunks[0])
+    meta = {
+        "format": FORMAT,
+        "family": arch.family,
+        "hf_config": arch.hf_config,
+        "dtype": _dtype_name(chunks),
+        "vocab_size": arch.vocab_size,
+        "value_head": _has_value_head(model),
+        "saved_layout": _layout(),
+        **(extra_meta or {}),
+    }
+
+    def finish():
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        old = None
+        if os.path.exists(out):
+            old = tmp + ".old"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+
+    dist.barrier()
+    _rank0_check(finish)
+    return out
+
+
+def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | os.PathLike) -> dict:
+    """Load a checkpoint into chunks built at any TP / PP / VPP / EP layout (collective).
+
+    Raises `CheckpointError` if the checkpoint was written for a different model, or if a model
+    tensor is absent from it. A critic's value head is loaded only from a critic checkpoint.
+    Returns the checkpoint's metadata. (A DistributedOptimizer keeps its own fp32 copies: reload
+    them from the model params after this.)"""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    meta = read_checkpoint_meta(ckpt_dir)
+    arch = read_checkpoint_arch(ckpt_dir)
+    _check_arch(chunks, arch, ckpt_dir)
+    sd = _sharded_state_dict(chunks, arch, with_value_head=bool(meta.get("value_head")))
+    loaded, missing, unexpected = dist_checkpointing.load(
+        sd, ckpt_dir, strict=StrictHandling.RETURN_ALL
+    )
+    # "unexpected": asked for by the model, absent from the files; "missing": the reverse
+    absent = sorted(k for k in unexpected if not k.endswith("_extra_state"))
+    if absent:
+        raise CheckpointError(f"{ckpt_dir}: no tensor(s) {absent} in the checkpoint")
+    value_head = any(_has_value_head(unwrap(c)) for c in chunks)
+    unused = sorted(
+        k
+        for k in missing
+        if not k.endswith("_extra_state") and not (value_head and k.startswith("output_layer."))
+    )
+    if unused:
+        raise CheckpointError(f"{ckpt_dir}: tensor(s) {unused} are in the checkpoint, not the model")
+    for k, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        res = model.load_state_dict(loaded[f"chunk{k}"], strict=False)
+        skip = ("_extra_state", "output_layer.") if value_head else ("_extra_state",)
+        left = [n for n in res.missing_keys if not any(s in n for s in skip)]
+        if left or res.unexpected_keys:
+            raise CheckpointError(
+                f"{ckpt_dir}: model keys not loaded {left}, unexpected {res.unexpected_keys}"
+            )
+    return meta

@@ -1,0 +1,322 @@
+"""Hugging Face checkpoint directories: lazy safetensors reading, atomic sharded writing.
+
+Reading parses the safetensors header (8-byte little-endian length + JSON) and reads each tensor
+with one `readinto` into a fresh tensor: no mmap, so the resident set holds only the tensors a
+caller keeps (an mmap'ed file would count its touched pages in RSS). Names, dtypes and shapes
+come from the headers without reading data; `model.safetensors.index.json` is honoured when
+present, otherwise every `*.safetensors` file in the directory is read.
+
+Writing buffers one shard (at most `max_shard_bytes`), writes it with safetensors, and names the
+shards as transformers does (`model-00001-of-00003.safetensors` + index; a single shard is
+`model.safetensors`). Everything is written into a hidden temporary sibling directory that is
+renamed onto `out_dir` at the end, so an interrupted write never leaves a directory that looks
+complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Iterable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+# safetensors dtype tags -> torch
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+class HFCheckpointError(ValueError):
+    """An HF directory megarl cannot read or write; the message names the file."""
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """(header dict without `__metadata__`, byte offset where the data starts)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise HFCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise HFCheckpointError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class LazyHFTensors:
+    """Mapping-like view of an HF model directory's safetensors tensors, read on demand.
+
+    `names()`, `shape(name)`, `dtype(name)` and `nbytes(name)` read only headers; `get(name)`
+    reads one tensor into memory (the caller owns it)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = os.fspath(directory)
+        self._entries: dict[str, tuple[str, int, dict]] = {}  # name -> (file, data start, meta)
+        for path in self._files():
+            header, start = read_safetensors_header(path)
+            for name, meta in header.items():
+                if name in self._entries:
+                    raise HFCheckpointError(
+                        f"tensor {name!r} appears in both {self._entries[name][0]} and {path}"
+                    )
+                if meta["dtype"] not in _DTYPES:
+                    raise HFCheckpointError(
+                        f"{path}: tensor {name!r} has dtype {meta['dtype']}; accepted: "
+                        f"{sorted(_DTYPES)}"
+                    )
+                self._entries[name] = (path, start, meta)
+
+    def _files(self) -> list[str]:
+        if not os.path.isdir(self.dir):
+            raise HFCheckpointError(f"{self.dir}: not a directory")
+        index = os.path.join(self.dir, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise HFCheckpointError(f"{index}: no 'weight_map' object")
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not os.path.exists(os.path.join(self.dir, name)):
+                    raise HFCheckpointError(f"{index} lists {name!r}, which is not in {self.dir}")
+            return [os.path.join(self.dir, n) for n in files]
+        files = sorted(n for n in os.listdir(self.dir) if n.endswith(".safetensors"))
+        if not files:
+            other = [n for n in os.listdir(self.dir) if n.endswith((".bin", ".pt", ".pth"))]
+            hint = f" (found {other[:3]}: re-save with safe_serialization=True)" if other else ""
+            raise HFCheckpointError(f"{self.dir}: no *.safetensors files{hint}")
+        return [os.path.join(self.dir, n) for n in files]
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def _entry(self, name: str):
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{self.dir}: no tensor named {name!r}") from None
+
+    def file_of(self, name: str) -> str:
+        return self._entry(name)[0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)[2]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._entry(name)[2]["dtype"]]
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._entry(name)[2]["data_offsets"]
+        return end - begin
+
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(n) for n in self._entries)
+
+    def get(self, name: str) -> torch.Tensor:
+        path, start, meta = self._entry(name)
+        begin, end = meta["data_offsets"]
+        t = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
+        buf = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        if buf.numel() != end - begin:
+            raise HFCheckpointError(
+                f"{path}: tensor {name!r} has {end - begin} bytes for shape {meta['shape']} "
+                f"{meta['dtype']} ({buf.numel()} expected)"
+            )
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start + begin)
+            view = memoryview(buf.numpy())
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise HFCheckpointError(f"{path}: truncated while reading {name!r}")
+                got += n
+        return t
+
+    __getitem__ = get
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer (and generation config) files present in `src` to `dst`."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copy2(path, os.path.join(dst, name))
+            copied.append(name)
+    if not copied:
+        log.warning("no tokenizer files in %s (looked for %s)", src, ", ".join(TOKENIZER_FILES))
+    return copied
+
+
+def looks_like_checkpoint(directory: str) -> bool:
+    """True when `directory` holds an HF or megatron checkpoint (what --overwrite guards)."""
+    if not os.path.isdir(directory):
+        return False
+    names = os.listdir(directory)
+    markers = ("config.json", INDEX, "metadata.json", "megarl_model.json")
+    return any(n in markers or n.endswith(".safetensors") for n in names)
+
+
+class AtomicDir:
+    """Write into a hidden temporary sibling of `out_dir`; `commit()` renames it into place.
+
+    Refuses an `out_dir` that already holds a checkpoint unless `overwrite`; any non-empty
+    directory is refused too (its files would be lost)."""
+
+    def __init__(self, out_dir: str | os.PathLike, *, overwrite: bool = False):
+        self.out = os.path.abspath(os.fspath(out_dir))
+        if os.path.exists(self.out):
+            if not os.path.isdir(self.out):
+                raise FileExistsError(f"{self.out} exists and is not a directory")
+            if os.listdir(self.out) and not overwrite:
+                what = "a checkpoint" if looks_like_checkpoint(self.out) else "files"
+                raise FileExistsError(
+                    f"{self.out} already holds {what}; pass --overwrite (overwrite=True) to "
+                    "replace it"
+                )
+        parent, base = os.path.split(self.out)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:8]}")
+        os.makedirs(self.tmp)
+
+    def commit(self) -> str:
+        old = None
+        if os.path.exists(self.out):
+            old = self.tmp + ".old"
+            os.rename(self.out, old)
+        os.rename(self.tmp, self.out)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.out
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> AtomicDir:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_hf_files(
+    directory: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_bytes: int = 2 * 2**30,
+    progress=None,
+) -> dict:
+    """Write `tensors` as safetensors shards (+ index) into an existing `directory`.
+
+    Returns the weight map. `progress(nbytes)` is called after each tensor."""
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = []
+    weight_map: dict[str, str] = {}
+    buf: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush():
+        nonlocal buf, size
+        if buf:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(buf, os.path.join(directory, name), metadata={"format": "pt"})
+            shards.append(list(buf))
+            buf, size = {}, 0
+
+    for name, t in tensors:
+        if name in buf or name in weight_map:
+            raise HFCheckpointError(f"tensor {name!r} written twice")
+        n = t.numel() * t.element_size()
+        if buf and size + n > max_shard_bytes:
+            flush()
+        # safetensors needs contiguous, non-shared storage
+        buf[name] = t.detach().contiguous()
+        weight_map[name] = ""
+        size += n
+        total += n
+        if progress is not None:
+            progress(n)
+    flush()
+    final = {}
+    for k, names in enumerate(shards):
+        src = os.path.join(directory, f"model-{k + 1:05d}.safetensors")
+        dst = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        os.rename(src, os.path.join(directory, dst))
+        for n in names:
+            final[n] = dst
+    if len(shards) > 1:
+        with open(os.path.join(directory, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": final}, f, indent=2)
+    return final
+
+
+def save_hf_dir(
+    out_dir: str | os.PathLike,
+    hf_config: dict,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+    overwrite: bool = False,
+    progress=None,
+) -> str:
+    """Write an HF model directory (config.json, sharded safetensors, tokenizer files)
+    atomically; returns `out_dir`. `tensors` is consumed lazily (peak: one shard buffered)."""
+    with AtomicDir(out_dir, overwrite=overwrite) as d:
+        write_hf_files(d.tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress)
+        with open(os.path.join(d.tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2, sort_keys=True)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, d.tmp)
+    return d.out

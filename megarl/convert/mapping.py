@@ -1,0 +1,402 @@
+"""Level 2: canonical megatron names <-> Hugging Face names, one declarative table per family.
+
+A table is a tuple of `Rule`s. Each rule ties one canonical tensor (megatron-core name with the
+*global* layer index `{i}` and global expert index `{e}`, see `megarl.convert.layout`) to the HF
+tensor(s) it is made of, with the HF shapes in symbolic dims and the transform that joins them:
+
+- `copy`: one HF tensor, unchanged (norms, o_proj, down_proj, router, embeddings).
+- `qkv`: q_proj, k_proj, v_proj -> megatron's `linear_qkv`, laid out per query group g as
+  `[q heads of g (heads/kv_heads x head_dim rows); k_g (head_dim rows); v_g (head_dim rows)]`,
+  groups concatenated; biases the same way.
+- `gate_up`: gate_proj, up_proj -> `linear_fc1 = [gate; up]` (megatron's gated-linear layout).
+
+Vocab rows: canonical tensors have exactly `vocab_size` rows, like the HF ones (megatron's padding
+to a multiple of make_vocab_size_divisible_by x TP is added and cut in `layout`), so embeddings and
+`lm_head` are plain copies. Tied embeddings: no `lm_head.weight` is produced; one found in HF
+files of a tied model is ignored (some exporters write the duplicate).
+
+MoE names are the ones transformers 5.19 writes *to disk* (it fuses experts only in memory):
+Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2` (gate/up/down) and `block_sparse_moe.gate`,
+Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj` and `mlp.gate`.
+
+The pure transforms (`qkv_to_megatron`, `qkv_from_megatron`, `gate_up_to_megatron`,
+`gate_up_from_megatron`) also apply to a TP shard, given that shard's head counts: a `linear_qkv`
+shard holds kv_heads/TP whole query groups, a `linear_fc1` shard is `[gate_r; up_r]`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.hf_config import ModelArch
+
+
+class MappingError(ValueError):
+    """HF <-> megatron names or shapes that do not fit; the message names the key."""
+
+
+# ----------------------------------------------------------------------------- pure transforms
+def qkv_to_megatron(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+) -> torch.Tensor:
+    """q [heads*hd, ...], k/v [kv_heads*hd, ...] -> linear_qkv [(heads + 2 kv_heads)*hd, ...]."""
+    rest = q.shape[1:]
+    per = heads // kv_heads
+    qg = q.reshape(kv_heads, per * head_dim, *rest)
+    kg = k.reshape(kv_heads, head_dim, *rest)
+    vg = v.reshape(kv_heads, head_dim, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def qkv_from_megatron(
+    qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `qkv_to_megatron`: linear_qkv -> (q, k, v), each contiguous."""
+    rest = qkv.shape[1:]
+    per = heads // kv_heads
+    g = qkv.reshape(kv_heads, (per + 2) * head_dim, *rest)
+    q, k, v = g.split([per * head_dim, head_dim, head_dim], dim=1)
+    return (
+        q.reshape(heads * head_dim, *rest).contiguous(),
+        k.reshape(kv_heads * head_dim, *rest).contiguous(),
+        v.reshape(kv_heads * head_dim, *rest).contiguous(),
+    )
+
+
+def gate_up_to_megatron(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate [ffn, h], up [ffn, h] -> linear_fc1 [2 ffn, h] = [gate; up]."""
+    return torch.cat([gate, up], dim=0)
+
+
+def gate_up_from_megatron(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_fc1 [2 ffn, h] (or a TP shard [gate_r; up_r]) -> (gate, up), each contiguous."""
+    gate, up = fc1.chunk(2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+# ----------------------------------------------------------------------------- the tables
+@dataclass(frozen=True)
+class Rule:
+    canonical: str
+    """Megatron name template; `{i}` = global layer index, `{e}` = global expert index."""
+    hf: tuple[str, ...]
+    """HF name template(s), in the order the transform takes them."""
+    shapes: tuple[tuple[str, ...], ...]
+    """Symbolic shape of each HF tensor (dims: see `_dims`)."""
+    kind: str = "copy"
+    """copy | qkv | gate_up."""
+    when: str | None = None
+    """Arch feature the rule needs: qkv_bias, qk_norm, untied; None = always."""
+
+
+def _attn(prefix: str = "model.layers.{i}.self_attn.") -> tuple[Rule, ...]:
+    c = "decoder.layers.{i}.self_attention."
+    return (
+        Rule(
+            "decoder.layers.{i}.input_layernorm.weight",
+            ("model.layers.{i}.input_layernorm.weight",),
+            (("hidden",),),
+        ),
+        Rule(
+            c + "linear_qkv.weight",
+            tuple(prefix + f"{p}_proj.weight" for p in "qkv"),
+            (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")),
+            kind="qkv",
+        ),
+        Rule(
+            c + "linear_qkv.bias",
+            tuple(prefix + f"{p}_proj.bias" for p in "qkv"),
+            (("q",), ("kv",), ("kv",)),
+            kind="qkv",
+            when="qkv_bias",
+        ),
+        Rule(
+            c + "q_layernorm.weight", (prefix + "q_norm.weight",), (("head_dim",),), when="qk_norm"
+        ),
+        Rule(
+            c + "k_layernorm.weight", (prefix + "k_norm.weight",), (("head_dim",),), when="qk_norm"
+        ),
+        Rule(c + "linear_proj.weight", (prefix + "o_proj.weight",), (("hidden", "q"),)),
+        Rule(
+            "decoder.layers.{i}.pre_mlp_layernorm.weight",
+            ("model.layers.{i}.post_attention_layernorm.weight",),
+            (("hidden",),),
+        ),
+    )
+
+
+_EMBED = Rule(
+    "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), (("vocab", "hidden"),)
+)
+_HEAD = (
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), (("hidden",),)),
+    Rule("output_layer.weight", ("lm_head.weight",), (("vocab", "hidden"),), when="untied"),
+)
+_DENSE_MLP = (
+    Rule(
+        "decoder.layers.{i}.mlp.linear_fc1.weight",
+        ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        (("ffn", "hidden"), ("ffn", "hidden")),
+        kind="gate_up",
+    ),
+    Rule(
+        "decoder.layers.{i}.mlp.linear_fc2.weight",
+        ("model.layers.{i}.mlp.down_proj.weight",),
+        (("hidden", "ffn"),),
+    ),
+)
+_EXP = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
+_MIXTRAL_MOE = (
+    Rule(
+        "decoder.layers.{i}.mlp.router.weight",
+        ("model.layers.{i}.block_sparse_moe.gate.weight",),
+        (("experts", "hidden"),),
+    ),
+    Rule(
+        _EXP + "linear_fc1.weight",
+        (
+            "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+            "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+        ),
+        (("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
+        kind="gate_up",
+    ),
+    Rule(
+        _EXP + "linear_fc2.weight",
+        ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",),
+        (("hidden", "moe_ffn"),),
+    ),
+)
+_QWEN3_MOE = (
+    Rule(
+        "decoder.layers.{i}.mlp.router.weight",
+        ("model.layers.{i}.mlp.gate.weight",),
+        (("experts", "hidden"),),
+    ),
+    Rule(
+        _EXP + "linear_fc1.weight",
+        (
+            "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+            "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+        ),
+        (("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
+        kind="gate_up",
+    ),
+    Rule(
+        _EXP + "linear_fc2.weight",
+        ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
+        (("hidden", "moe_ffn"),),
+    ),
+)
+
+# family -> table (rules in canonical order: embedding, layers, final norm, output layer)
+TABLES: dict[str, tuple[Rule, ...]] = {
+    "llama": (_EMBED, *_attn(), *_DENSE_MLP, *_HEAD),
+    "mistral": (_EMBED, *_attn(), *_DENSE_MLP, *_HEAD),
+    "qwen2": (_EMBED, *_attn(), *_DENSE_MLP, *_HEAD),  # + q/k/v biases (when=qkv_bias)
+    "qwen3": (_EMBED, *_attn(), *_DENSE_MLP, *_HEAD),  # + q/k norms (when=qk_norm)
+    "qwen3_moe": (_EMBED, *_attn(), *_QWEN3_MOE, *_HEAD),
+    "mixtral": (_EMBED, *_attn(), *_MIXTRAL_MOE, *_HEAD),
+}
+
+# HF names that are not parameters (old exporters saved rotary buffers): skipped when reading
+_IGNORED_HF = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def table_for(arch: ModelArch) -> tuple[Rule, ...]:
+    """The rules that apply to `arch` (conditions resolved)."""
+    if arch.family not in TABLES:
+        raise MappingError(f"no HF mapping for family {arch.family!r}; accepted: {sorted(TABLES)}")
+    feats = {
+        "qkv_bias": arch.qkv_bias,
+        "qk_norm": arch.qk_norm,
+        "untied": not arch.tie_word_embeddings,
+    }
+    return tuple(r for r in TABLES[arch.family] if r.when is None or feats[r.when])
+
+
+def _dims(arch: ModelArch) -> dict[str, int]:
+    return {
+        "vocab": arch.vocab_size,
+        "hidden": arch.hidden_size,
+        "q": arch.num_attention_heads * arch.head_dim,
+        "kv": arch.num_key_value_heads * arch.head_dim,
+        "head_dim": arch.head_dim,
+        "ffn": arch.intermediate_size,
+        "moe_ffn": arch.moe_intermediate_size or 0,
+        "experts": arch.num_experts or 0,
+    }
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One instance of a rule: concrete names and shapes."""
+
+    rule: Rule
+    canonical: str
+    hf: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _instances(arch: ModelArch) -> Iterator[_Item]:
+    dims = _dims(arch)
+    rules = table_for(arch)
+    shapes = {r: tuple(tuple(dims[d] for d in s) for s in r.shapes) for r in rules}
+
+    def inst(r: Rule, **idx) -> _Item:
+        return _Item(r, r.canonical.format(**idx), tuple(h.format(**idx) for h in r.hf), shapes[r])
+
+    glob = [r for r in rules if "{i}" not in r.canonical]
+    layer = [r for r in rules if "{i}" in r.canonical]
+    for r in glob:
+        if r.canonical.startswith("embedding."):
+            yield inst(r)
+    for i in range(arch.num_layers):
+        for r in layer:
+            if "{e}" in r.canonical:
+                for e in range(arch.num_experts or 0):
+                    yield inst(r, i=i, e=e)
+            else:
+                yield inst(r, i=i)
+    for r in glob:
+        if not r.canonical.startswith("embedding."):
+            yield inst(r)
+
+
+def hf_names_for(arch: ModelArch) -> list[str]:
+    """All HF parameter names of `arch` (what its safetensors files hold)."""
+    return [n for item in _instances(arch) for n in item.hf]
+
+
+def hf_shapes_for(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape."""
+    return {n: s for item in _instances(arch) for n, s in zip(item.hf, item.shapes, strict=True)}
+
+
+def canonical_names_for(arch: ModelArch) -> list[str]:
+    """All canonical megatron names of `arch` (global layer and expert indices)."""
+    return [item.canonical for item in _instances(arch)]
+
+
+# ----------------------------------------------------------------------------- transforms
+def _to_megatron(arch: ModelArch, kind: str, ts: list[torch.Tensor]) -> torch.Tensor:
+    if kind == "copy":
+        return ts[0]
+    if kind == "qkv":
+        return qkv_to_megatron(
+            *ts, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        )
+    if kind == "gate_up":
+        return gate_up_to_megatron(*ts)
+    raise MappingError(f"unknown rule kind {kind!r}; accepted: copy, qkv, gate_up")
+
+
+def _from_megatron(arch: ModelArch, kind: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if kind == "copy":
+        return (t,)
+    if kind == "qkv":
+        return qkv_from_megatron(
+            t, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        )
+    if kind == "gate_up":
+        return gate_up_from_megatron(t)
+    raise MappingError(f"unknown rule kind {kind!r}; accepted: copy, qkv, gate_up")
+
+
+def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...], what: str) -> None:
+    if tuple(got) != tuple(want):
+        raise MappingError(
+            f"{what} {name!r} has shape {tuple(got)}, expected {tuple(want)} from the model "
+            "config (hidden_size, heads x head_dim, intermediate_size, vocab_size, experts)"
+        )
+
+
+def hf_to_canonical(
+    arch: ModelArch,
+    get: Callable[[str], torch.Tensor],
+    hf_names: Iterable[str],
+    *,
+    shape_of: Callable[[str], tuple[int, ...]] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(canonical_name, tensor)` built from HF tensors read lazily with `get(name)`.
+
+    `hf_names` are the names the HF files hold; before anything is read, names no rule consumes
+    and mapped names that are missing raise `MappingError` naming them. With `shape_of` (shape
+    without loading) shapes are checked up front too; otherwise each is checked when read."""
+    items = list(_instances(arch))
+    present = set(hf_names)
+    expected = {n for item in items for n in item.hf}
+    extra = sorted(
+        n
+        for n in present - expected
+        if not _IGNORED_HF.match(n) and not (n == "lm_head.weight" and arch.tie_word_embeddings)
+    )
+    if extra:
+        raise MappingError(
+            f"{len(extra)} HF tensor(s) that no {arch.family} mapping consumes: "
+            f"{_show(extra)} (is the config right? tie_word_embeddings="
+            f"{arch.tie_word_embeddings}, num_hidden_layers={arch.num_layers})"
+        )
+    missing = [n for item in items for n in item.hf if n not in present]
+    if missing:
+        raise MappingError(f"{len(missing)} mapped HF tensor(s) missing: {_show(missing)}")
+    if shape_of is not None:
+        for item in items:
+            for n, s in zip(item.hf, item.shapes, strict=True):
+                _check_shape(n, shape_of(n), s, "HF tensor")
+    for item in items:
+        ts = []
+        for n, s in zip(item.hf, item.shapes, strict=True):
+            t = get(n)
+            _check_shape(n, t.shape, s, "HF tensor")
+            ts.append(t)
+        yield item.canonical, _to_megatron(arch, item.rule.kind, ts)
+
+
+def _canonical_index(arch: ModelArch) -> dict[str, _Item]:
+    return {item.canonical: item for item in _instances(arch)}
+
+
+def canonical_to_hf(
+    arch: ModelArch, items: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(hf_name, tensor)` for canonical `(name, tensor)` pairs, in their order.
+
+    Nothing is buffered: each canonical tensor yields its HF tensor(s) at once. With tied
+    embeddings an `output_layer.weight` (if given) is dropped. Unknown names and shape mismatches
+    raise `MappingError`."""
+    index = _canonical_index(arch)
+    for name, t in items:
+        if name == "output_layer.weight" and arch.tie_word_embeddings:
+            continue
+        item = index.get(name)
+        if item is None:
+            raise MappingError(
+                f"canonical tensor {name!r} has no HF mapping for {arch.family} "
+                f"(layers={arch.num_layers}, experts={arch.num_experts})"
+            )
+        outs = _from_megatron(arch, item.rule.kind, t)
+        for n, s, out in zip(item.hf, item.shapes, outs, strict=True):
+            _check_shape(n, out.shape, s, f"canonical {name!r} -> HF tensor")
+            yield n, out
+
+
+def canonical_shapes_for(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape (no vocab padding)."""
+    out = {}
+    for item in _instances(arch):
+        s = item.shapes
+        if item.rule.kind == "copy":
+            out[item.canonical] = s[0]
+        else:
+            out[item.canonical] = (sum(x[0] for x in s), *s[0][1:])
+    return out
+
+
+def _show(names: list[str], n: int = 8) -> str:
+    head = ", ".join(repr(x) for x in names[:n])
+    return head + (f", ... ({len(names) - n} more)" if len(names) > n else "")

@@ -1,0 +1,109 @@
+"""Packing prompt + response token ids into padded training tensors, and micro-batching them.
+
+Layout (B sequences, S = longest prompt + response, right padding):
+
+    position      0    1    2    3    4    5
+    tokens        p0   p1   r0   r1   r2   pad      prompt_len=2, response_len=3, seq_len=5
+    targets       p1   r0   r1   r2   pad  pad      tokens shifted left by one
+    loss_mask     0    1    1    1    0    0        1 where the *target* is a response token
+
+`loss_mask[b, i] = 1` exactly for prompt_len - 1 <= i < seq_len - 1: the logits at position i
+predict token i + 1, so per-token log-probs gathered with `targets` line up with the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Fields of the collated batch that are per-token ([B, S]).
+TOKEN_FIELDS = ("tokens", "targets", "loss_mask")
+
+
+def collate(
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    pad_id: int,
+    *,
+    pad_to_multiple: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch of prompt + response sequences.
+
+    Returns `tokens` [B, S] long, `targets` [B, S] long (tokens shifted left; the last column and
+    every padding position hold `pad_id`), `loss_mask` [B, S] float32, and `prompt_len`,
+    `response_len`, `seq_len` [B] long. S is the longest sequence, rounded up to a multiple of
+    `pad_to_multiple` (e.g. the TP size with sequence parallelism). Every prompt must hold at
+    least one token (the first response token is predicted from the last prompt token).
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"collate: {len(prompt_ids)} prompts but {len(response_ids)} responses")
+    if not prompt_ids:
+        raise ValueError("collate: empty batch")
+    if pad_to_multiple < 1:
+        raise ValueError(f"collate: pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    for b, p in enumerate(prompt_ids):
+        if not p:
+            raise ValueError(f"collate: prompt {b} is empty; a prompt needs at least one token")
+    prompt_len = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    response_len = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
+    seq_len = prompt_len + response_len
+    width = int(seq_len.max())
+    width = -(-width // pad_to_multiple) * pad_to_multiple
+
+    batch = len(prompt_ids)
+    tokens = torch.full((batch, width), pad_id, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        tokens[b, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+    targets = torch.full_like(tokens, pad_id)
+    targets[:, :-1] = tokens[:, 1:]
+    pos = torch.arange(width).unsqueeze(0)  # [1, S]
+    loss_mask = ((pos >= prompt_len[:, None] - 1) & (pos < seq_len[:, None] - 1)).float()
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "loss_mask": loss_mask,
+        "prompt_len": prompt_len,
+        "response_len": response_len,
+        "seq_len": seq_len,
+    }
+
+
+def split_micro_batches(
+    batch: dict, micro_batch_size: int, *, pad_to_multiple: int = 1
+) -> list[dict]:
+    """Consecutive rows in micro-batches of `micro_batch_size` (the last may be smaller).
+
+    Every tensor whose first dim is B is sliced by rows; those that also have dim 1 equal to the
+    batch width S (`tokens`, `targets`, `loss_mask`, and any per-token field the caller added,
+    e.g. old log-probs or advantages as [B, S]) are trimmed to the micro-batch's longest
+    `seq_len`, rounded up to `pad_to_multiple` (S must be a multiple of it already). Lists of
+    length B are sliced too; other values are shared. Each micro-batch gets `index` [b] long:
+    its rows' indices in `batch`.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    tokens = batch["tokens"]
+    rows, width = tokens.shape
+    if width % pad_to_multiple:
+        raise ValueError(
+            f"batch width {width} is not a multiple of pad_to_multiple={pad_to_multiple}; "
+            "collate with the same pad_to_multiple"
+        )
+    out = []
+    for start in range(0, rows, micro_batch_size):
+        stop = min(start + micro_batch_size, rows)
+        longest = int(batch["seq_len"][start:stop].max())
+        trimmed = min(width, -(-longest // pad_to_multiple) * pad_to_multiple)
+        micro: dict = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+                value = value[start:stop]
+                if value.dim() >= 2 and value.shape[1] == width:
+                    value = value[:, :trimmed].contiguous()
+                micro[key] = value
+            elif isinstance(value, list) and len(value) == rows:
+                micro[key] = value[start:stop]
+            else:
+                micro[key] = value
+        micro["index"] = torch.arange(start, stop, dtype=torch.long)
+        out.append(micro)
+    return out

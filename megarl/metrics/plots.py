@@ -1,0 +1,90 @@
+"""The reward curve of a run (`reward.png`) from its metrics.jsonl.
+
+Panels: `reward_mean` per step with a moving average; then, when logged, the mean response
+length and the KL to the reference. Uses matplotlib's Agg canvas directly (no pyplot, no global
+backend switch, safe off the main thread) and writes through a temporary file renamed into
+place, so a reader never sees a half-written PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+RESPONSE_LENGTH_KEYS = ("response_length_mean", "response_len_mean", "response_length")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The readable JSON object lines of a metrics.jsonl (a torn last line is skipped)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` points (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in pairs], [float(v) for _, v in pairs]
+
+
+def plot_rewards(
+    metrics_jsonl_path: str | os.PathLike, out_png: str | os.PathLike, *, window: int | None = None
+) -> Path:
+    """Write the reward curve PNG; returns its path. window: moving-average width (default
+    about a twentieth of the run, at least 1). Raises ValueError if no step has reward_mean."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(metrics_jsonl_path)
+    steps, rewards = _series(records, "reward_mean")
+    if not steps:
+        raise ValueError(f"{metrics_jsonl_path}: no step has a numeric 'reward_mean' to plot")
+    window = window or max(1, len(rewards) // 20)
+
+    panels = [("reward_mean", steps, rewards)]
+    for key in RESPONSE_LENGTH_KEYS:
+        s, v = _series(records, key)
+        if s:
+            panels.append(("response length", s, v))
+            break
+    s, v = _series(records, "kl")
+    if s:
+        panels.append(("kl", s, v))
+
+    fig = Figure(figsize=(7, 2.6 * len(panels)), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (label, s, v) in zip(axes, panels, strict=True):
+        ax.plot(s, v, lw=0.8, alpha=0.5 if label == "reward_mean" else 1.0, label=label)
+        if label == "reward_mean":
+            ax.plot(s, moving_average(v, window), lw=1.8, label=f"moving average ({window})")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    axes[0].set_title(Path(metrics_jsonl_path).parent.name or "run")
+    fig.tight_layout()
+
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,82 @@
+"""Step progress for people: a tqdm bar on a terminal, one log line per step elsewhere.
+
+On global rank 0 only. With stdout a TTY (or `force=True`) a tqdm bar over the steps shows
+reward, KL and seconds per step in its postfix; otherwise (batch jobs, CI, redirected output)
+each step emits one `logging` INFO line such as
+`step 12/200 | reward_mean 0.531 | kl 0.00121 | 3.21 s/step`.
+The step time is the wall time between consecutive `update` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+logger = logging.getLogger("megarl.progress")
+
+# Keys shown, in order, when present in the step's metrics.
+SHOWN = ("reward_mean", "kl", "loss")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e-2 and value != 0 else f"{value:.3f}"
+    return str(value)
+
+
+def format_step_line(step: int, total: int, metrics: Mapping[str, Any], step_s: float) -> str:
+    """`step 12/200 | reward_mean 0.531 | kl 0.00121 | 3.21 s/step` (missing keys skipped)."""
+    parts = [f"step {step}/{total}"]
+    parts += [f"{k} {_fmt(metrics[k])}" for k in SHOWN if metrics.get(k) is not None]
+    parts.append(f"{step_s:.2f} s/step")
+    return " | ".join(parts)
+
+
+class StepProgress:
+    """`update(step, metrics)` once per finished step (the bar advances by one per call; `step`
+    is shown in log lines); `close()` at the end."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        rank: int,
+        initial: int = 0,
+        force: bool = False,
+        file: TextIO | None = None,
+    ) -> None:
+        """initial: steps already done (resumed run). force: draw the bar even without a TTY."""
+        self.total = total_steps
+        self.enabled = rank == 0
+        self._last = time.perf_counter()
+        self._bar = None
+        if not self.enabled:
+            return
+        file = file or sys.stdout
+        if force or (hasattr(file, "isatty") and file.isatty()):
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total_steps, initial=initial, file=file, unit="step", dynamic_ncols=True
+            )
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        now = time.perf_counter()
+        step_s, self._last = now - self._last, now
+        if not self.enabled:
+            return
+        if self._bar is None:
+            logger.info(format_step_line(step, self.total, metrics, step_s))
+            return
+        postfix = {k: _fmt(metrics[k]) for k in SHOWN if metrics.get(k) is not None}
+        postfix["s/step"] = f"{step_s:.2f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,212 @@
+"""Where per-step metrics go: `run_dir/metrics.jsonl` always, wandb and tensorboard optionally.
+
+Only global rank 0 writes; on other ranks every method is a no-op, so callers need no `if rank`.
+
+metrics.jsonl holds one JSON object per step, `{"step": N, ...metrics}`, flushed line by line so
+a crash loses at most the line being written. Values are made JSON-safe: one-element tensors and
+numpy scalars become numbers, larger tensors lists, nested dicts stay dicts (e.g.
+`"time_s": {"rollout": 1.9}`), NaN and +-inf become null, anything else its `str()`.
+wandb and tensorboard get the numeric leaves with flattened keys (`time_s/rollout`).
+
+Resuming: an existing metrics.jsonl is appended to; call `truncate_after(step)` with the
+checkpoint's step first, so steps logged after that checkpoint are not duplicated. Logging a
+step that is not larger than the last one raises.
+
+wandb mode: `WANDB_MODE` from the environment if set, else `wandb_cfg["mode"]`, else "offline".
+The run id is kept in `run_dir/wandb_run_id` so a resumed run continues the same wandb run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+_WANDB_KEYS = ("project", "entity", "name", "group", "tags", "notes", "config", "id")
+
+
+def json_safe(value: Any) -> Any:
+    """`value` as something `json.dumps(..., allow_nan=False)` accepts (see module doc)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        value = value.item() if value.numel() == 1 else value.tolist()
+    elif hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0:
+        value = value.item()  # numpy scalar / 0-d array
+    elif hasattr(value, "tolist") and hasattr(value, "dtype"):
+        value = value.tolist()  # numpy array
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return str(value)
+
+
+def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"time_s": {"rollout": 1.0}} -> {"time_s/rollout": 1.0}."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{name}/"))
+        else:
+            out[name] = value
+    return out
+
+
+def _scalars(flat: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in flat.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+class MetricsLogger:
+    """Per-step metrics to metrics.jsonl (+ wandb, tensorboard) from global rank 0."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        rank: int,
+        wandb_cfg: dict | None = None,
+        tensorboard: bool = True,
+    ) -> None:
+        """wandb_cfg: None disables wandb; else keys among mode ("offline" | "online" |
+        "disabled"), project, entity, name, group, tags, notes, config, id."""
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.enabled = rank == 0
+        self._file = None
+        self._wandb = None
+        self._tb = None
+        self._last_step: int | None = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._last_step = self._read_last_step()
+        self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
+        if wandb_cfg is not None:
+            self._wandb = self._open_wandb(wandb_cfg)
+        if tensorboard:
+            self._tb = _open_tensorboard(self.run_dir / "tensorboard")
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Append `{"step": step, **metrics}` (JSON-safe) and mirror it to wandb/tensorboard."""
+        if not self.enabled:
+            return
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(
+                f"step {step} logged after step {self._last_step} in {self.path}; steps must "
+                "increase (on resume call truncate_after(checkpoint_step) first)"
+            )
+        record = {"step": step, **json_safe({k: v for k, v in metrics.items() if k != "step"})}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        self._last_step = step
+        scalars = _scalars(flatten({k: v for k, v in record.items() if k != "step"}))
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def truncate_after(self, step: int) -> int:
+        """Drop lines of metrics.jsonl with step > `step` (and unreadable ones, e.g. a line cut
+        by a crash); returns how many were dropped."""
+        if not self.enabled:
+            return 0
+        self._file.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            s = _step_of(line)
+            if s is not None and s <= step and line.endswith("\n"):
+                kept.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._last_step = max((_step_of(line) for line in kept), default=None)
+        dropped = len(lines) - len(kept)
+        if dropped:
+            logger.info("%s: dropped %d lines after step %d", self.path, dropped, step)
+        return dropped
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _read_last_step(self) -> int | None:
+        if not self.path.exists():
+            return None
+        steps = [_step_of(line) for line in self.path.read_text(encoding="utf-8").splitlines()]
+        return max((s for s in steps if s is not None), default=None)
+
+    def _open_wandb(self, cfg: dict) -> Any:
+        unknown = set(cfg) - {"mode", *_WANDB_KEYS}
+        if unknown:
+            raise ValueError(
+                f"wandb config: unknown keys {sorted(unknown)}; accepted: mode, {_WANDB_KEYS}"
+            )
+        mode = os.environ.get("WANDB_MODE") or cfg.get("mode") or "offline"
+        if mode == "disabled":
+            return None
+        try:
+            import wandb
+        except ImportError as err:
+            raise ImportError("wandb logging needs wandb: pip install wandb") from err
+        id_file = self.run_dir / "wandb_run_id"
+        run_id = cfg.get("id")
+        if run_id is None and id_file.exists():
+            run_id = id_file.read_text().strip()
+        if run_id is None:
+            run_id = wandb.util.generate_id()
+        id_file.write_text(run_id)
+        kwargs = {k: cfg[k] for k in _WANDB_KEYS if k in cfg and k != "id"}
+        return wandb.init(dir=str(self.run_dir), mode=mode, id=run_id, resume="allow", **kwargs)
+
+
+def _open_tensorboard(log_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        logger.info("tensorboard is not installed (pip install tensorboard): not writing it")
+        return None
+    return SummaryWriter(log_dir=str(log_dir))

@@ -1,0 +1,112 @@
+"""Run checkpoints: models, optimizer states, LR schedules, data position, RNG and step.
+
+Layout: `RUN/checkpoints/step_000042/` holds a megatron `dist_checkpointing` checkpoint (actor,
+critic, their DistributedOptimizer states in the fully-reshardable format, so a run can resume at
+another TP / PP / DP) plus `trainer_state.pt` (step, sampler, schedulers, RNG; written by rank 0).
+Every checkpoint is written to `step_N.tmp` and renamed by rank 0 after all ranks finished, so a
+run killed while saving leaves the previous checkpoint as the newest complete one. The keys inside
+are layout-free: chunk dicts are nested but each ShardedTensor carries its global key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _model_sd(chunks, prefix: str) -> dict:
+    return {f"chunk{i}": c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
+
+
+def _sharded(models: dict, is_loading: bool) -> dict:
+    """models: {name: (chunks, optimizer or None)} -> one sharded state dict."""
+    sd = {}
+    for name, (chunks, opt) in models.items():
+        model_sd = _model_sd(chunks, f"{name}.")
+        sd[name] = model_sd
+        if opt is not None:
+            flat = {}
+            for part in model_sd.values():
+                flat.update(part)
+            sd[f"{name}_optim"] = opt.sharded_state_dict(flat, is_loading=is_loading,
+                                                         metadata=OPTIM_META)
+    return sd
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(root, name, "trainer_state.pt")):
+            out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def save(run_dir: str, step: int, models: dict, trainer_state: dict, *, keep_last: int) -> str:
+    """Collective. Write checkpoint `step` atomically; prune to the newest `keep_last`."""
+    from megatron.core import dist_checkpointing
+
+    root = os.path.join(run_dir, "checkpoints")
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(models, is_loading=False), tmp)
+    if dist.get_rank() == 0:
+        state = {**trainer_state, "torch_rng": torch.get_rng_state()}
+        torch.save(state, os.path.join(tmp, "trainer_state.pt.tmp"))
+        os.replace(os.path.join(tmp, "trainer_state.pt.tmp"), os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # the commit point
+        for _, old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(path: str, models: dict) -> dict:
+    """Collective. Load models and optimizers (any layout) from `path`; return trainer state."""
+    from megatron.core import dist_checkpointing
+
+    state_file = os.path.join(path, "trainer_state.pt")
+    if not os.path.exists(state_file):
+        raise FileNotFoundError(f"{path} is not a complete megarl checkpoint (no trainer_state.pt)")
+    try:
+        loaded = dist_checkpointing.load(_sharded(models, is_loading=True), path)
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot load checkpoint {path} into this run's models ({e}); was it written for a "
+            "different model architecture?"
+        ) from e
+    for name, (chunks, opt) in models.items():
+        for i, c in enumerate(chunks):
+            part = loaded[name][f"chunk{i}"]
+            c.load_state_dict(_strip(part, f"{name}."), strict=True)
+        if opt is not None:
+            opt.load_state_dict(loaded[f"{name}_optim"])
+    state = torch.load(state_file, weights_only=False)
+    torch.set_rng_state(state.pop("torch_rng"))
+    return state
+
+
+def _strip(sd: dict, prefix: str) -> dict:
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}

@@ -1,0 +1,139 @@
+"""Policy and value updates: epochs over mini-batches through megatron's schedule.
+
+Each mini-batch is one optimizer step. Its loss denominators (valid tokens, sequences) are
+counted over the whole mini-batch across DP ranks before the forward passes, so every micro-batch
+returns its exact share of the mini-batch loss and the update does not depend on the micro-batch
+size or the DP split (see megarl.algorithms.losses and megarl.models.forward).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megarl.algorithms.losses import global_denominators, policy_loss, value_loss
+from megarl.data.batch import split_micro_batches
+from megarl.models import forward
+from megarl.models.optim import zero_grads
+
+
+def mini_batches(num_rows: int, count: int, seed: int) -> list[torch.Tensor]:
+    """Row indices of `count` mini-batches: a seeded permutation (identical on every rank of a
+    model-parallel group), split evenly."""
+    if num_rows < count:
+        raise ValueError(f"algorithm.mini_batches={count} > {num_rows} local sequences per step")
+    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
+    return list(perm.chunk(count))
+
+
+def _select(batch: dict, rows: torch.Tensor) -> dict:
+    n = batch["tokens"].shape[0]
+    return {
+        k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n else v)
+        for k, v in batch.items()
+    }
+
+
+def _mean_metrics(outputs: list[dict]) -> dict[str, float]:
+    keys = {k for m in outputs for k in m if k != "index"}
+    return {k: float(sum(float(m[k]) for m in outputs if k in m) / len(outputs)) for k in keys}
+
+
+def _step(optimizer, scheduler, loss_ok: bool, groups) -> tuple[bool, float]:
+    """Optimizer step unless any rank saw a non-finite loss (then the grads are dropped)."""
+    flag = torch.tensor([0.0 if loss_ok else 1.0])
+    dist.all_reduce(flag)
+    if flag.item() > 0:
+        return False, float("nan")
+    ok, grad_norm, _ = optimizer.step()
+    scheduler.step(1)
+    return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def train_policy(actor, optimizer, scheduler, batch: dict, *, alg, rollout, vocab_size: int,
+                 groups, seed: int, pad_to: int = 1) -> dict:
+    """PPO/GRPO-family policy update on this rank's batch; returns metrics (last stage)."""
+    metrics: list[dict] = []
+    steps = []
+    for epoch in range(alg.ppo_epochs):
+        for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + epoch):
+            mb = _select(batch, rows)
+            masks = [mb["loss_mask"]]
+            tokens, seqs = global_denominators(masks, group=groups.dp)
+            use_ref = alg.kl_coef > 0 and alg.kl_in == "loss"
+
+            def loss_fn(micro, logits):
+                lp = forward.vocab_parallel_logprobs(
+                    logits, micro["targets"], vocab_size=vocab_size, tp_group=groups.tp,
+                    temperature=rollout.temperature,
+                )
+                ent = None
+                if alg.entropy_coef > 0:
+                    ent = forward.vocab_parallel_entropy(
+                        logits, vocab_size=vocab_size, tp_group=groups.tp
+                    )
+                loss, m = policy_loss(
+                    lp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
+                    ratio_level="sequence" if alg.policy_loss == "gspo" else "token",
+                    clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip=alg.dual_clip,
+                    agg_mode=alg.agg_mode, global_tokens=tokens, global_seqs=seqs,
+                    max_len=rollout.max_tokens,
+                    sampler_logprobs=micro["sampler_logprobs"] if alg.tis_cap else None,
+                    tis_cap=alg.tis_cap, entropy=ent, entropy_coef=alg.entropy_coef,
+                    ref_logprobs=micro["ref_logprobs"] if use_ref else None,
+                    kl_coef=alg.kl_coef if use_ref else 0.0, kl_kind=alg.kl_kind,
+                )
+                m = {k: v.detach() for k, v in m.items()}
+                m["loss"] = loss.detach()
+                return loss, m
+
+            zero_grads(actor, optimizer)
+            micro = split_micro_batches(mb, alg.micro_batch_size, pad_to_multiple=pad_to)
+            out = forward.run(actor, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
+            # the mini-batch loss is the sum of the micro-batch shares
+            loss = sum(float(m["loss"]) for m in out) if out else 0.0
+            ok, grad_norm = _step(optimizer, scheduler, math.isfinite(loss), groups)
+            steps.append((ok, grad_norm))
+            if out:
+                mm = _mean_metrics(out)
+                mm["loss"] = loss
+                metrics.append(mm)
+    result = {k: sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]} if metrics else {}
+    result["grad_norm"] = sum(g for _, g in steps) / len(steps)
+    result["skipped_steps"] = sum(1 for ok, _ in steps if not ok)
+    result["lr"] = optimizer.param_groups[0]["lr"]
+    return result
+
+
+def train_value(critic, optimizer, scheduler, batch: dict, *, alg, groups, seed: int,
+                pad_to: int = 1) -> dict:
+    """Critic regression to the GAE returns; returns metrics (last stage)."""
+    metrics: list[dict] = []
+    for epoch in range(alg.ppo_epochs):
+        for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + 7919 + epoch):
+            mb = _select(batch, rows)
+            tokens, seqs = global_denominators([mb["loss_mask"]], group=groups.dp)
+
+            def loss_fn(micro, values):
+                loss, m = value_loss(
+                    values.squeeze(-1).float(), micro["old_values"], micro["returns"],
+                    micro["loss_mask"], clip=alg.value_clip, agg_mode=alg.agg_mode,
+                    global_tokens=tokens, global_seqs=seqs, max_len=None,
+                )
+                m = {f"value_{k}" if not k.startswith("value") else k: v.detach()
+                     for k, v in m.items()}
+                m["value_loss"] = loss.detach()
+                return alg.value_coef * loss, m
+
+            zero_grads(critic, optimizer)
+            micro = split_micro_batches(mb, alg.micro_batch_size, pad_to_multiple=pad_to)
+            out = forward.run(critic, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
+            loss = sum(float(m["value_loss"]) for m in out) if out else 0.0
+            _step(optimizer, scheduler, math.isfinite(loss), groups)
+            if out:
+                mm = _mean_metrics(out)
+                mm["value_loss"] = loss
+                metrics.append(mm)
+    return {k: sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]} if metrics else {}
