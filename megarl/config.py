@@ -73,7 +73,8 @@ class AlgorithmConfig:
     dual_clip: float | None = None
     """Dual-clip constant c (> 1) for negative advantages; null = off."""
     agg_mode: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (see megarl.algorithms.losses)."""
     kl_coef: float = 0.0
     """KL-to-reference coefficient; 0 disables the reference model."""
     kl_kind: str = "k3"

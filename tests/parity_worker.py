@@ -94,12 +94,14 @@ def parity(rank, world, archs: dict, states: dict, layout: dict, batch: dict, nu
         logits = {}
         if groups.tp_rank == 0:
             for m in out:
-                for i, row in zip(m["idx"].tolist(), m["logits"]):
+                for i, row in zip(m["idx"].tolist(), m["logits"], strict=False):
                     logits[i] = row
         # 2) one DistributedOptimizer step
         model = build_model(arch, par, PrecisionConfig(), role="actor")
         load_full_state(model, states[name])
-        opt, _ = build_optimizer(model, OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-4), dtype="fp32")
+        opt, _ = build_optimizer(
+            model, OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-4), dtype="fp32"
+        )
         forward.run(model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
         ok, grad_norm, _ = opt.step()
         params = gather_full_state(model)

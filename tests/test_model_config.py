@@ -14,7 +14,12 @@ from tests.tiny import TINY_LLAMA, TINY_MIXTRAL, TINY_QWEN3
 
 def test_families_map():
     llama = arch_from_hf(TINY_LLAMA)
-    assert (llama.family, llama.head_dim, llama.qk_norm, llama.qkv_bias) == ("llama", 16, False, False)
+    assert (llama.family, llama.head_dim, llama.qk_norm, llama.qkv_bias) == (
+        "llama",
+        16,
+        False,
+        False,
+    )
     qwen3 = arch_from_hf(TINY_QWEN3)
     assert (qwen3.head_dim, qwen3.qk_norm, qwen3.tie_word_embeddings) == (32, True, True)
     qwen2 = arch_from_hf({**TINY_LLAMA, "architectures": ["Qwen2ForCausalLM"]})
@@ -35,7 +40,10 @@ def test_transformer_config_fields():
     "change,expected",
     [
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "accepted architectures"),
-        ({"num_key_value_heads": 3}, "num_attention_heads=4 is not divisible by num_key_value_heads=3"),
+        (
+            {"num_key_value_heads": 3},
+            "num_attention_heads=4 is not divisible by num_key_value_heads=3",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2}}, "rope_scaling.rope_type='yarn'"),
         ({"hidden_size": None}, "required field 'hidden_size' is missing"),

@@ -86,8 +86,9 @@ def test_layout_matches_single_rank(reference, layout, world):
 @pytest.mark.slow
 def test_moe_expert_parallel_matches_single_rank(reference):
     states, ref = reference
-    results = spawn(pw.parity, 2, {"mixtral": TINY_MIXTRAL}, states,
-                    dict(expert_parallel=2), _batch(), 2)
+    results = spawn(
+        pw.parity, 2, {"mixtral": TINY_MIXTRAL}, states, dict(expert_parallel=2), _batch(), 2
+    )
     errs = _compare(ref, results, "mixtral")
     print(f"mixtral ep2: {errs}")
     assert errs["logits"] <= LOGIT_TOL and errs["grads"] <= GRAD_TOL, errs

@@ -17,7 +17,12 @@ def _create(world, model=MODEL, **parallel):
 @pytest.mark.parametrize(
     "world,parallel,model,expected",
     [
-        (6, dict(tensor_parallel=4), MODEL, "world size 6 is not divisible by TP x PP x CP = 4 x 1 x 1"),
+        (
+            6,
+            dict(tensor_parallel=4),
+            MODEL,
+            "world size 6 is not divisible by TP x PP x CP = 4 x 1 x 1",
+        ),
         (6, dict(tensor_parallel=3), MODEL, "num_attention_heads=16 is not divisible by TP=3"),
         (
             12,
@@ -25,8 +30,18 @@ def _create(world, model=MODEL, **parallel):
             dict(num_layers=8, num_attention_heads=24, num_query_groups=8),
             "num_query_groups=8 (KV heads) is not divisible by TP=3",
         ),
-        (2, dict(sequence_parallel=True), MODEL, "sequence_parallel=True requires tensor_parallel > 1"),
-        (4, dict(pipeline_parallel=3), MODEL, "world size 4 is not divisible by TP x PP x CP = 1 x 3 x 1"),
+        (
+            2,
+            dict(sequence_parallel=True),
+            MODEL,
+            "sequence_parallel=True requires tensor_parallel > 1",
+        ),
+        (
+            4,
+            dict(pipeline_parallel=3),
+            MODEL,
+            "world size 4 is not divisible by TP x PP x CP = 1 x 3 x 1",
+        ),
         (3, dict(pipeline_parallel=3), MODEL, "num_layers=8 is not divisible by PP x VPP = 3 x 1"),
         (
             4,

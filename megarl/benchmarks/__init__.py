@@ -14,7 +14,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -69,8 +70,16 @@ def machine_info() -> dict:
     return info
 
 
-def record(name: str, value: float, unit: str, *, floor: float | None = None,
-           floor_unit: str | None = None, higher_is_better: bool = True, **params: Any) -> dict:
+def record(
+    name: str,
+    value: float,
+    unit: str,
+    *,
+    floor: float | None = None,
+    floor_unit: str | None = None,
+    higher_is_better: bool = True,
+    **params: Any,
+) -> dict:
     """One benchmark figure. `ratio_to_floor` is value/floor for rates and floor/value for times
     would be confusing, so it is always reported as "fraction of the physical bound reached"."""
     rec = {"name": name, "value": value, "unit": unit, "machine": machine_info(), "params": params}

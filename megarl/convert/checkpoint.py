@@ -275,7 +275,9 @@ def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | os.Path
         if not k.endswith("_extra_state") and not (value_head and k.startswith("output_layer."))
     )
     if unused:
-        raise CheckpointError(f"{ckpt_dir}: tensor(s) {unused} are in the checkpoint, not the model")
+        raise CheckpointError(
+            f"{ckpt_dir}: tensor(s) {unused} are in the checkpoint, not the model"
+        )
     for k, chunk in enumerate(chunks):
         model = unwrap(chunk)
         res = model.load_state_dict(loaded[f"chunk{k}"], strict=False)

@@ -3,8 +3,8 @@
 The canonical form of a model is a dict `{name: tensor}` with megatron-core's parameter names
 (`decoder.layers.{i}.mlp.linear_fc1.weight`, ...) where `i` is the *global* layer index, expert
 indices are global, and every tensor is whole (TP shards concatenated, vocab rows cut to the real
-`vocab_size`: megatron's padding to a multiple of divisible_by x TP depends on TP). This form does not depend on
-TP / PP / VPP / EP, so it is what layout-invariance tests compare and what the HF mapping
+`vocab_size`: megatron's padding to a multiple of divisible_by x TP depends on TP). This form does
+not depend on TP / PP / VPP / EP, so it is what layout-invariance tests compare and what the HF mapping
 (`megarl.convert.mapping`) consumes.
 
 Only one megatron layout needs care when concatenating TP shards: a gated `linear_fc1` shard is
@@ -18,7 +18,7 @@ checkpoint export and the reference weight sync. The fast sync path is `megarl.r
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,18 +47,20 @@ def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torc
             for i, layer in enumerate(model.decoder.layers):
                 layer_numbers[i] = layer.layer_number - 1
         for local_name, p in model.named_parameters():
-            if local_name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+            if local_name == "output_layer.weight" and getattr(
+                model, "share_embeddings_and_output_weights", False
+            ):
                 continue
             name = local_name
             m = _LAYER.match(name)
             if m:
-                name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + name[m.end():]
+                name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + name[m.end() :]
             e = _EXPERT.search(name)
             if e:
                 mlp = model.decoder.layers[int(m.group(1))].mlp
                 n_local = mlp.experts.num_local_experts
                 g = ep_rank * n_local + int(e.group(1))
-                name = name[: e.start()] + f".local_experts.{g}." + name[e.end():]
+                name = name[: e.start()] + f".local_experts.{g}." + name[e.end() :]
             yield name, local_name, p
 
 
@@ -77,7 +79,7 @@ def _tp_group_for(p):
 def merge_tp(name: str, shards: list[torch.Tensor], partition_dim: int) -> torch.Tensor:
     """Concatenate TP shards of one parameter into the full tensor."""
     if partition_dim == 0 and _is_gated_fc1(name):
-        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards), strict=False)
         return torch.cat(list(gates) + list(ups), dim=0)
     return torch.cat(shards, dim=partition_dim)
 
@@ -156,8 +158,7 @@ def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]
             t = _pad_rows(t, p.shape[0] * tp)
         if _is_tp_sharded(p):
             group = _tp_group_for(p)
-            t = split_tp(name, t, p.partition_dim, dist.get_world_size(group),
-                         dist.get_rank(group))
+            t = split_tp(name, t, p.partition_dim, dist.get_world_size(group), dist.get_rank(group))
         if t.shape != p.shape:
             raise ValueError(f"{name}: canonical shard shape {tuple(t.shape)} != {tuple(p.shape)}")
         p.data.copy_(t)

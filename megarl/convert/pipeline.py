@@ -211,7 +211,9 @@ def hf_to_mcore(
     dtype = _resolve_dtype(dtype, hf_cfg)
     lazy = LazyHFTensors(hf_dir)
     init_single_process()
-    chunks = build_chunks(arch, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    chunks = build_chunks(
+        arch, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+    )
     bar = _Progress(lazy.total_bytes(), "read HF", progress)
 
     def get(name: str) -> torch.Tensor:

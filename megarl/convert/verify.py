@@ -15,7 +15,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
-def test_tokens(vocab_size: int, *, batch: int = 2, seq_len: int = 32, seed: int = 0):
+def sample_tokens(vocab_size: int, *, batch: int = 2, seq_len: int = 32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq_len), generator=g)
 
@@ -87,7 +87,7 @@ def verify(hf_dir: str, ckpt_dir: str, *, tol: float = 1e-3, seq_len: int = 32) 
     from megarl.convert.checkpoint import read_checkpoint_arch
 
     arch = read_checkpoint_arch(ckpt_dir)
-    tokens = test_tokens(arch.vocab_size, seq_len=min(seq_len, arch.max_position_embeddings))
+    tokens = sample_tokens(arch.vocab_size, seq_len=min(seq_len, arch.max_position_embeddings))
     ref = hf_logits(hf_dir, tokens)
     got = megatron_logits(ckpt_dir, tokens)
     res = compare_logits(ref, got)

@@ -89,11 +89,16 @@ class Topology:
         num_attention_heads: int | None = None,
         num_query_groups: int | None = None,
         num_experts: int | None = None,
-    ) -> "Topology":
+    ) -> Topology:
         """Validate `parallel` against the world size and the model shape; raise `TopologyError`
         naming the degrees and the rule that fails."""
         p = parallel
-        tp, pp, cp, ep = p.tensor_parallel, p.pipeline_parallel, p.context_parallel, p.expert_parallel
+        tp, pp, cp, ep = (
+            p.tensor_parallel,
+            p.pipeline_parallel,
+            p.context_parallel,
+            p.expert_parallel,
+        )
         model_parallel = tp * pp * cp
         if world_size % model_parallel:
             raise TopologyError(
@@ -155,11 +160,11 @@ class Topology:
                     )
         return Topology(parallel=p, world_size=world_size, data_parallel=dp)
 
-    def with_parallel(self, **changes) -> "Topology":
+    def with_parallel(self, **changes) -> Topology:
         return Topology.create(dataclasses.replace(self.parallel, **changes), self.world_size)
 
     # ----------------------------------------------------------------- process groups
-    def initialize(self, *, seed: int = 1234) -> "Groups":
+    def initialize(self, *, seed: int = 1234) -> Groups:
         """Initialise torch.distributed (if needed) and megatron-core's parallel state.
 
         On CPU this also installs the CUDA emulation megatron-core needs (see `cpu.py`)."""
@@ -211,7 +216,7 @@ class Groups:
     ep: object
 
     @staticmethod
-    def from_parallel_state() -> "Groups":
+    def from_parallel_state() -> Groups:
         from megatron.core import parallel_state as ps
 
         return Groups(

@@ -22,6 +22,8 @@ import json
 import logging
 import math
 import os
+import secrets
+import string
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -197,7 +199,9 @@ class MetricsLogger:
         if run_id is None and id_file.exists():
             run_id = id_file.read_text().strip()
         if run_id is None:
-            run_id = wandb.util.generate_id()
+            run_id = "".join(
+                secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)
+            )
         id_file.write_text(run_id)
         kwargs = {k: cfg[k] for k in _WANDB_KEYS if k in cfg and k != "id"}
         return wandb.init(dir=str(self.run_dir), mode=mode, id=run_id, resume="allow", **kwargs)

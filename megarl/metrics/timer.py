@@ -41,11 +41,12 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        self._times.setdefault(name, 0.0)  # keeps the order of first entry
         start = self._now()
         try:
             yield
         finally:
-            self._times[name] = self._times.get(name, 0.0) + self._now() - start
+            self._times[name] += self._now() - start
 
     def step_times(self) -> dict[str, float]:
         """Seconds per stage since the last reset, in order of first use."""

@@ -8,7 +8,6 @@ is not. The critic is the same trunk whose output layer is a scalar value head.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +60,8 @@ def _apply_rope_scaling(model, arch: ModelArch) -> None:
     rope = model.rotary_pos_emb
     dim = arch.head_dim
     base = 1.0 / (
-        arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device)
-                            / dim)
+        arch.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device) / dim)
     )
     rope.inv_freq = rope._apply_scaling(
         base,
@@ -100,7 +99,9 @@ def build_gpt_chunk(arch: ModelArch, config, *, vp_stage, role: str, build: Buil
     _apply_rope_scaling(model, arch)
     model.megarl_vocab_size = arch.vocab_size  # logits and exports are cut to the real vocab
     if role == "critic" and post:
-        model.output_layer = ValueHead(config, arch.hidden_size, ps.get_tensor_model_parallel_group())
+        model.output_layer = ValueHead(
+            config, arch.hidden_size, ps.get_tensor_model_parallel_group()
+        )
     return model
 
 
@@ -156,8 +157,9 @@ def build_model(
         bucket_size=None,
     )
     return [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
-                                disable_bucketing=i > 0)
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0
+        )
         for i, c in enumerate(chunks)
     ]
 
@@ -181,5 +183,3 @@ def num_params(arch: ModelArch) -> int:
         mlp = 3 * h * f
     emb = v * h * (1 if arch.tie_word_embeddings else 2)
     return L * (attn + mlp + 2 * h) + emb + h + (2 * arch.head_dim * L if arch.qk_norm else 0)
-
-

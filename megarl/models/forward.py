@@ -13,8 +13,8 @@ the micro-batch and DP split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 
@@ -105,7 +105,9 @@ def vocab_parallel_logprobs(
 
     logits = mask_padded_vocab(logits.float() / temperature, vocab_size, tp_group)
     # megatron's kernel is [s, b] major and returns -log p
-    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.t().contiguous())
+    nll = vocab_parallel_cross_entropy(
+        logits.transpose(0, 1).contiguous(), targets.t().contiguous()
+    )
     return -nll.t()
 
 

@@ -76,7 +76,9 @@ def load_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.exists(path):
-        raise ModelConfigError(f"no HF config at {path}: expected a model directory with config.json")
+        raise ModelConfigError(
+            f"no HF config at {path}: expected a model directory with config.json"
+        )
     with open(path) as f:
         return json.load(f)
 

@@ -38,8 +38,9 @@ class OptimConfig:
             raise ValueError(f"optim.lr={self.lr} must be > 0")
 
 
-def build_optimizer(chunks: list[torch.nn.Module], cfg: OptimConfig, *, dtype: str,
-                    total_steps: int = 1):
+def build_optimizer(
+    chunks: list[torch.nn.Module], cfg: OptimConfig, *, dtype: str, total_steps: int = 1
+):
     """(optimizer, lr scheduler) for DDP-wrapped `chunks`. Also wires megatron's grad finalisation
     (DP reduce, TP reduce of sequence-parallel/qk-norm grads, tied-embedding sync) into the
     chunks' config, which the schedule calls after the last backward."""

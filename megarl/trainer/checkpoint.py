@@ -37,8 +37,9 @@ def _sharded(models: dict, is_loading: bool) -> dict:
             flat = {}
             for part in model_sd.values():
                 flat.update(part)
-            sd[f"{name}_optim"] = opt.sharded_state_dict(flat, is_loading=is_loading,
-                                                         metadata=OPTIM_META)
+            sd[f"{name}_optim"] = opt.sharded_state_dict(
+                flat, is_loading=is_loading, metadata=OPTIM_META
+            )
     return sd
 
 
@@ -109,4 +110,4 @@ def load(path: str, models: dict) -> dict:
 
 
 def _strip(sd: dict, prefix: str) -> dict:
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}
+    return {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in sd.items()}

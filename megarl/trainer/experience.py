@@ -36,14 +36,23 @@ def _assemble(outputs: list[dict], key: str, shape: torch.Size) -> torch.Tensor:
 
 
 def forward_logprobs(
-    chunks, batch: dict, *, micro_batch_size: int, vocab_size: int, groups, temperature: float,
+    chunks,
+    batch: dict,
+    *,
+    micro_batch_size: int,
+    vocab_size: int,
+    groups,
+    temperature: float,
     pad_to: int = 1,
 ) -> torch.Tensor | None:
     """Per-token logprobs of `targets` under `chunks` (no grad). [B, S] on the last PP stage."""
 
     def loss_fn(mb, logits):
         lp = forward.vocab_parallel_logprobs(
-            logits, mb["targets"], vocab_size=vocab_size, tp_group=groups.tp,
+            logits,
+            mb["targets"],
+            vocab_size=vocab_size,
+            tp_group=groups.tp,
             temperature=temperature,
         )
         return torch.zeros(()), {"index": mb["index"], "logprobs": lp.detach()}

@@ -52,43 +52,92 @@ def _step(optimizer, scheduler, loss_ok: bool, groups) -> tuple[bool, float]:
     return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
 
 
-def train_policy(actor, optimizer, scheduler, batch: dict, *, alg, rollout, vocab_size: int,
-                 groups, seed: int, pad_to: int = 1) -> dict:
+def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: float):
+    """loss_fn(micro_batch, logits) -> (share of the mini-batch policy loss, metrics)."""
+    use_ref = alg.kl_coef > 0 and alg.kl_in == "loss"
+
+    def loss_fn(micro, logits):
+        lp = forward.vocab_parallel_logprobs(
+            logits,
+            micro["targets"],
+            vocab_size=vocab_size,
+            tp_group=groups.tp,
+            temperature=rollout.temperature,
+        )
+        ent = None
+        if alg.entropy_coef > 0:
+            ent = forward.vocab_parallel_entropy(logits, vocab_size=vocab_size, tp_group=groups.tp)
+        loss, m = policy_loss(
+            lp,
+            micro["old_logprobs"],
+            micro["advantages"],
+            micro["loss_mask"],
+            ratio_level="sequence" if alg.policy_loss == "gspo" else "token",
+            clip_low=alg.clip_low,
+            clip_high=alg.clip_high,
+            dual_clip=alg.dual_clip,
+            agg_mode=alg.agg_mode,
+            global_tokens=tokens,
+            global_seqs=seqs,
+            max_len=rollout.max_tokens,
+            sampler_logprobs=micro["sampler_logprobs"] if alg.tis_cap else None,
+            tis_cap=alg.tis_cap,
+            entropy=ent,
+            entropy_coef=alg.entropy_coef,
+            ref_logprobs=micro["ref_logprobs"] if use_ref else None,
+            kl_coef=alg.kl_coef if use_ref else 0.0,
+            kl_kind=alg.kl_kind,
+        )
+        m = {k: v.detach() for k, v in m.items()}
+        m["loss"] = loss.detach()
+        return loss, m
+
+    return loss_fn
+
+
+def _value_loss_fn(alg, tokens: float, seqs: float):
+    """loss_fn(micro_batch, values) -> (share of the mini-batch value loss, metrics)."""
+
+    def loss_fn(micro, values):
+        loss, m = value_loss(
+            values.squeeze(-1).float(),
+            micro["old_values"],
+            micro["returns"],
+            micro["loss_mask"],
+            clip=alg.value_clip,
+            agg_mode=alg.agg_mode,
+            global_tokens=tokens,
+            global_seqs=seqs,
+            max_len=None,
+        )
+        m = {k if k.startswith("value") else f"value_{k}": v.detach() for k, v in m.items()}
+        m["value_loss"] = loss.detach()
+        return alg.value_coef * loss, m
+
+    return loss_fn
+
+
+def train_policy(
+    actor,
+    optimizer,
+    scheduler,
+    batch: dict,
+    *,
+    alg,
+    rollout,
+    vocab_size: int,
+    groups,
+    seed: int,
+    pad_to: int = 1,
+) -> dict:
     """PPO/GRPO-family policy update on this rank's batch; returns metrics (last stage)."""
     metrics: list[dict] = []
     steps = []
     for epoch in range(alg.ppo_epochs):
         for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + epoch):
             mb = _select(batch, rows)
-            masks = [mb["loss_mask"]]
-            tokens, seqs = global_denominators(masks, group=groups.dp)
-            use_ref = alg.kl_coef > 0 and alg.kl_in == "loss"
-
-            def loss_fn(micro, logits):
-                lp = forward.vocab_parallel_logprobs(
-                    logits, micro["targets"], vocab_size=vocab_size, tp_group=groups.tp,
-                    temperature=rollout.temperature,
-                )
-                ent = None
-                if alg.entropy_coef > 0:
-                    ent = forward.vocab_parallel_entropy(
-                        logits, vocab_size=vocab_size, tp_group=groups.tp
-                    )
-                loss, m = policy_loss(
-                    lp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
-                    ratio_level="sequence" if alg.policy_loss == "gspo" else "token",
-                    clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip=alg.dual_clip,
-                    agg_mode=alg.agg_mode, global_tokens=tokens, global_seqs=seqs,
-                    max_len=rollout.max_tokens,
-                    sampler_logprobs=micro["sampler_logprobs"] if alg.tis_cap else None,
-                    tis_cap=alg.tis_cap, entropy=ent, entropy_coef=alg.entropy_coef,
-                    ref_logprobs=micro["ref_logprobs"] if use_ref else None,
-                    kl_coef=alg.kl_coef if use_ref else 0.0, kl_kind=alg.kl_kind,
-                )
-                m = {k: v.detach() for k, v in m.items()}
-                m["loss"] = loss.detach()
-                return loss, m
-
+            tokens, seqs = global_denominators([mb["loss_mask"]], group=groups.dp)
+            loss_fn = _policy_loss_fn(alg, rollout, vocab_size, groups, tokens, seqs)
             zero_grads(actor, optimizer)
             micro = split_micro_batches(mb, alg.micro_batch_size, pad_to_multiple=pad_to)
             out = forward.run(actor, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
@@ -107,8 +156,9 @@ def train_policy(actor, optimizer, scheduler, batch: dict, *, alg, rollout, voca
     return result
 
 
-def train_value(critic, optimizer, scheduler, batch: dict, *, alg, groups, seed: int,
-                pad_to: int = 1) -> dict:
+def train_value(
+    critic, optimizer, scheduler, batch: dict, *, alg, groups, seed: int, pad_to: int = 1
+) -> dict:
     """Critic regression to the GAE returns; returns metrics (last stage)."""
     metrics: list[dict] = []
     for epoch in range(alg.ppo_epochs):
@@ -116,17 +166,7 @@ def train_value(critic, optimizer, scheduler, batch: dict, *, alg, groups, seed:
             mb = _select(batch, rows)
             tokens, seqs = global_denominators([mb["loss_mask"]], group=groups.dp)
 
-            def loss_fn(micro, values):
-                loss, m = value_loss(
-                    values.squeeze(-1).float(), micro["old_values"], micro["returns"],
-                    micro["loss_mask"], clip=alg.value_clip, agg_mode=alg.agg_mode,
-                    global_tokens=tokens, global_seqs=seqs, max_len=None,
-                )
-                m = {f"value_{k}" if not k.startswith("value") else k: v.detach()
-                     for k, v in m.items()}
-                m["value_loss"] = loss.detach()
-                return alg.value_coef * loss, m
-
+            loss_fn = _value_loss_fn(alg, tokens, seqs)
             zero_grads(critic, optimizer)
             micro = split_micro_batches(mb, alg.micro_batch_size, pad_to_multiple=pad_to)
             out = forward.run(critic, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)

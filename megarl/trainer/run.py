@@ -1,0 +1,318 @@
+"""Everything one training run holds, built once: topology, models, optimizers, the colocated
+rollout engine and its weight sync, data, reward functions, logging, and resume.
+
+The named steps of the RL loop (`megarl.trainer.loop`) are methods of `Run`, so the loop itself
+reads like the algorithm. Process groups come from the topology and are passed down explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megarl.config import RunConfig, to_dict
+from megarl.convert.layout import gather_full_state, load_full_state
+from megarl.distributed import Topology, device
+from megarl.distributed.topology import Groups
+from megarl.models.builder import BuildConfig, build_model
+from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.models.optim import build_optimizer
+from megarl.trainer import checkpoint
+
+log = logging.getLogger("megarl")
+
+REWARD_ALIASES = {"toy": "megarl.data.toy:toy_reward"}
+
+
+def init_distributed() -> tuple[int, int]:
+    """torch.distributed from torchrun's environment, or a one-process group when run plainly."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            from megarl.distributed.launch import free_port
+
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
+            )
+        device.setup()
+        dist.init_process_group(device.backend())
+    return dist.get_rank(), dist.get_world_size()
+
+
+def load_arch(cfg: RunConfig) -> ModelArch:
+    m = cfg.model
+    if m.config is not None:
+        return arch_from_hf(m.config, where="model.config")
+    if m.hf is not None:
+        return arch_from_hf(m.hf)
+    from megarl.convert.checkpoint import read_checkpoint_arch
+
+    return read_checkpoint_arch(m.mcore_ckpt)
+
+
+def load_tokenizer(cfg: RunConfig, out_dir: str):
+    from megarl.data.tokenizer import load_tokenizer as load
+    from megarl.data.toy import toy_tokenizer
+
+    path = cfg.model.tokenizer or cfg.model.hf or cfg.model.mcore_ckpt
+    if path == "toy":
+        return toy_tokenizer(os.path.join(out_dir, "tokenizer") if dist.get_rank() == 0 else None)
+    if path is None:
+        raise ValueError("model.tokenizer is required when the model comes from model.config")
+    return load(path)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    out_dir: str
+    topo: Topology
+    groups: Groups
+    arch: ModelArch
+    tokenizer: object
+    actor: list
+    actor_opt: object
+    actor_sched: object
+    reference: list | None
+    critic: list | None
+    critic_opt: object
+    critic_sched: object
+    engine: object
+    sync: object
+    dataset: object
+    sampler: object
+    reward_fns: list
+    logger: object
+    step: int = 0
+    bad_steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def create(cfg: RunConfig, out_dir: str) -> Run:
+        rank, world = init_distributed()
+        arch = load_arch(cfg)
+        p = cfg.parallel
+        topo = Topology.create(
+            p,
+            world,
+            num_layers=arch.num_layers,
+            num_attention_heads=arch.num_attention_heads,
+            num_query_groups=arch.num_key_value_heads,
+            num_experts=arch.num_experts,
+        )
+        if rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
+        groups = topo.initialize(seed=cfg.model.init_seed)
+        tokenizer = load_tokenizer(cfg, out_dir)
+        gpu = device.use_gpu()
+        build = BuildConfig(make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        make = lambda role: build_model(arch, p, cfg.precision, role=role, build=build, gpu=gpu)  # noqa: E731
+
+        actor = make("actor")
+        init_state = _initial_state(cfg, arch, actor)
+        updates = cfg.trainer.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
+        actor_opt, actor_sched = build_optimizer(
+            actor, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates
+        )
+        reference = None
+        if cfg.algorithm.kl_coef > 0:
+            reference = make("reference")
+            load_full_state(reference, init_state)
+        critic = critic_opt = critic_sched = None
+        if cfg.algorithm.name == "ppo":
+            critic = make("critic")
+            trunk = dict(init_state)
+            trunk.pop("output_layer.weight", None)
+            trunk["output_layer.weight"] = torch.zeros(1, arch.hidden_size)
+            load_full_state(critic, trunk)
+            critic_opt, critic_sched = build_optimizer(
+                critic, cfg.critic_optim, dtype=cfg.precision.dtype, total_steps=updates
+            )
+        del init_state
+
+        engine, sync = _rollout(cfg, arch, actor, groups, out_dir, gpu)
+        dataset, sampler = _data(cfg, tokenizer, groups)
+        reward_fns = _reward_functions(cfg)
+        from megarl.metrics.sinks import MetricsLogger
+
+        lg = cfg.logging
+        wandb_cfg = None
+        if lg.wandb and lg.wandb_mode != "disabled":
+            wandb_cfg = {
+                "mode": os.environ.get("WANDB_MODE", lg.wandb_mode),
+                "project": lg.wandb_project,
+                "config": to_dict(cfg),
+                "dir": out_dir,
+            }
+        logger = MetricsLogger(out_dir, rank=rank, wandb_cfg=wandb_cfg, tensorboard=lg.tensorboard)
+        run = Run(
+            cfg=cfg,
+            out_dir=out_dir,
+            topo=topo,
+            groups=groups,
+            arch=arch,
+            tokenizer=tokenizer,
+            actor=actor,
+            actor_opt=actor_opt,
+            actor_sched=actor_sched,
+            reference=reference,
+            critic=critic,
+            critic_opt=critic_opt,
+            critic_sched=critic_sched,
+            engine=engine,
+            sync=sync,
+            dataset=dataset,
+            sampler=sampler,
+            reward_fns=reward_fns,
+            logger=logger,
+        )
+        run.maybe_resume()
+        run.sync_weights()
+        return run
+
+    # ------------------------------------------------------------------ checkpoints
+    def _models(self) -> dict:
+        models = {"actor": (self.actor, self.actor_opt)}
+        if self.critic is not None:
+            models["critic"] = (self.critic, self.critic_opt)
+        return models
+
+    def trainer_state(self) -> dict:
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "actor_sched": self.actor_sched.state_dict(),
+            "arch": self.arch.hf_config,
+        }
+        if self.critic_sched is not None:
+            state["critic_sched"] = self.critic_sched.state_dict()
+        return state
+
+    def save(self) -> str:
+        path = checkpoint.save(
+            self.out_dir,
+            self.step,
+            self._models(),
+            self.trainer_state(),
+            keep_last=self.cfg.trainer.keep_last,
+        )
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def maybe_resume(self) -> None:
+        path = checkpoint.latest_checkpoint(self.out_dir) if self.cfg.trainer.resume else None
+        if path is None:
+            return
+        state = checkpoint.load(path, self._models())
+        if state["arch"] != self.arch.hf_config:
+            raise ValueError(f"checkpoint {path} was written for a different model config")
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.actor_sched.load_state_dict(state["actor_sched"])
+        if self.critic_sched is not None:
+            self.critic_sched.load_state_dict(state["critic_sched"])
+        self.logger.truncate_after(self.step)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ------------------------------------------------------------------ weight sync
+    def sync_weights(self) -> dict:
+        if self.sync is None:
+            return {}
+        from megarl.rollout.weight_sync import WeightSync
+
+        assert isinstance(self.sync, WeightSync)
+        return self.sync.sync()
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def _write_yaml(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> dict[str, torch.Tensor]:
+    """Load the starting weights into `actor`; return them in canonical form (for the reference
+    and the critic trunk)."""
+    m = cfg.model
+    if m.hf is not None:
+        from megarl.convert.hf_io import LazyHFTensors
+        from megarl.convert.mapping import hf_to_canonical
+
+        lazy = LazyHFTensors(m.hf)
+        full = dict(hf_to_canonical(arch, lazy.get, lazy.names))
+        load_full_state(actor, full)
+        return full
+    if m.mcore_ckpt is not None:
+        from megarl.convert.checkpoint import load_model_checkpoint
+
+        load_model_checkpoint(actor, m.mcore_ckpt)
+    return gather_full_state(actor)
+
+
+def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: str, gpu: bool):
+    """One engine per model-parallel group on CPU (its source rank), SPMD on every rank on GPU."""
+    from megarl.rollout.engine import RolloutEngine
+    from megarl.rollout.weight_sync import WeightSync
+
+    model_dir = os.path.join(out_dir, "rollout_model")
+    if dist.get_rank() == 0:
+        os.makedirs(model_dir, exist_ok=True)
+        hf = dict(arch.hf_config)
+        tmp = os.path.join(model_dir, "config.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(hf, f, indent=1)
+        os.replace(tmp, os.path.join(model_dir, "config.json"))
+    dist.barrier()
+    hosts_engine = gpu or is_mp_source(groups)
+    engine = (
+        RolloutEngine(model_dir, arch, cfg.rollout, dtype=cfg.precision.dtype)
+        if hosts_engine
+        else None
+    )
+    sync = WeightSync(actor, arch, engine, groups)
+    return engine, sync
+
+
+def is_mp_source(groups: Groups) -> bool:
+    return groups.tp_rank == 0 and groups.pp_rank == 0
+
+
+def _data(cfg: RunConfig, tokenizer, groups: Groups):
+    from megarl.data.dataset import PromptDataset
+    from megarl.data.sampler import PromptSampler
+
+    dataset = PromptDataset.from_config(cfg.data, tokenizer)
+    sampler = PromptSampler(
+        len(dataset),
+        prompts_per_step=cfg.data.prompts_per_step,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dp_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    return dataset, sampler
+
+
+def _reward_functions(cfg: RunConfig) -> list:
+    from megarl.rewards import load_reward_function
+
+    fns = []
+    for spec in cfg.reward.functions:
+        kwargs = cfg.reward.kwargs.get(spec, {})
+        fns.append(load_reward_function(REWARD_ALIASES.get(spec, spec), **kwargs))
+    return fns
