@@ -22,6 +22,7 @@ setup(
         "matplotlib>=3.7",
         "wandb>=0.17",
         "math-verify>=0.7",
+        "pyarrow>=14",  # parquet prompt datasets
     ],
     extras_require={
         # CPU rollout: the CPU build of vLLM (pins torch==2.13.0+cpu)

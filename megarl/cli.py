@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("MEGARL_LOG", "INFO"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    for noisy in ("megatron", "vllm"):  # their per-module INFO lines drown the step log
+        logging.getLogger(noisy).setLevel(os.environ.get("MEGARL_LIB_LOG", "WARNING"))
     from megarl.config import ConfigError, load_config, to_dict
 
     try:

@@ -92,8 +92,8 @@ CASES: dict[str, dict] = {
 }
 
 
-def make_hf_dir(cfg: dict, path: str, seed: int = 0) -> str:
-    """Save a random fp32 HF model built from `cfg` into `path` (norms perturbed off 1)."""
+def make_hf_dir(cfg: dict, path: str, seed: int = 0, dtype=torch.float32) -> str:
+    """Save a random HF model built from `cfg` (norms perturbed off 1) as `dtype` in `path`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -104,7 +104,7 @@ def make_hf_dir(cfg: dict, path: str, seed: int = 0) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     _write_tokenizer(path)
     return path
 
@@ -115,25 +115,71 @@ def _write_tokenizer(path: str) -> None:
         f.write('{"model_max_length": 256, "megarl_test": true}\n')
 
 
-def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of transformers' model loaded from `hf_dir`: [b, s, vocab]."""
-    from transformers import AutoModelForCausalLM
+def convert_worker(rank, world, hf_dirs: dict, out: str, tokens: torch.Tensor):
+    """World 1: per case hf -> mcore (fp32, or bf16 for `*_bf16`) -> hf; logits at TP=1."""
+    from megatron.core import dist_checkpointing
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits.float()
-
-
-def megatron_logits_worker(rank, world, cases: dict, layout: dict, tokens: torch.Tensor):
-    """Load each converted checkpoint at `layout` and return full logits (rank 0; {} elsewhere).
-
-    `cases` maps name -> megatron checkpoint dir."""
+    from megarl.convert.pipeline import hf_to_mcore, mcore_to_hf
     from megarl.convert.verify import megatron_logits
 
-    out = {}
-    for name, ckpt in cases.items():
-        logits = megatron_logits(ckpt, tokens, layout=layout, world=world)
-        if rank == 0:
-            out[name] = logits
-    return out
+    res = {}
+    for name, hf in hf_dirs.items():
+        ckpt, back = os.path.join(out, name, "mcore"), os.path.join(out, name, "hf")
+        hf_to_mcore(hf, ckpt, progress=False)
+        mcore_to_hf(ckpt, back, progress=False, max_shard_bytes=64 * 2**10)
+        res[name] = megatron_logits(ckpt, tokens)
+        res[name + "/keys"] = set(dist_checkpointing.load_tensors_metadata(ckpt))
+    return res
+
+
+def layouts_worker(rank, world, ckpts: dict, out: str, tokens: torch.Tensor):
+    """World 2: logits after loading at TP=2, PP=2 (and EP=2 for MoE); then a checkpoint saved
+    from the first multi-rank layout is reloaded at the last one and gathered whole."""
+    from megarl.convert.checkpoint import read_checkpoint_arch, save_model_checkpoint
+    from megarl.convert.layout import gather_full_state
+    from megarl.convert.verify import forward_logits, load_megatron
+
+    res = {}
+    for name, ckpt in ckpts.items():
+        arch = read_checkpoint_arch(ckpt)
+        layouts = {"pp2": {"pipeline_parallel": 2}}
+        if arch.num_key_value_heads % 2 == 0:
+            layouts = {"tp2": {"tensor_parallel": 2}, **layouts}
+        if arch.is_moe:
+            layouts["ep2"] = {"expert_parallel": 2}
+        resaved = os.path.join(out, name, "resaved")
+        for k, (tag, layout) in enumerate(layouts.items()):
+            chunks_arch, chunks, groups = load_megatron(ckpt, layout=layout, world=world)
+            res[(name, tag)] = forward_logits(chunks, chunks_arch, groups, tokens)
+            if k == 0:
+                save_model_checkpoint(chunks, resaved, arch=arch)
+        _, chunks, _ = load_megatron(resaved, layout=layout, world=world)
+        res[(name, "resaved_" + tag)] = gather_full_state(chunks, to_all=False)
+    # the trainer's models: a DDP-wrapped actor, and a critic whose value head stays initialised
+    from megarl.convert.checkpoint import load_model_checkpoint
+    from megarl.models.builder import build_model
+    from megarl.models.hf_config import PrecisionConfig
+
+    name = next(iter(ckpts))
+    for role in ("actor", "critic"):
+        arch, par, _ = _setup(ckpts[name], {"tensor_parallel": 2}, world)
+        chunks = build_model(arch, par, PrecisionConfig(), role=role)
+        load_model_checkpoint(chunks, ckpts[name])
+        full = gather_full_state(chunks, to_all=False)
+        res[(name, f"{role}_tp2")] = full
+    return res if rank == 0 else {}
+
+
+def _setup(ckpt, layout, world):
+    from megarl.convert.checkpoint import read_checkpoint_arch
+    from megarl.distributed import ParallelConfig, Topology
+
+    arch = read_checkpoint_arch(ckpt)
+    par = ParallelConfig(**layout)
+    groups = Topology.create(
+        par,
+        world,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+    ).initialize(seed=1)
+    return arch, par, groups

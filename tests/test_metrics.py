@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import struct
 import sys
 import time
 import types
@@ -229,8 +230,8 @@ def test_wandb_mirror_flattens_and_defaults_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
     MetricsLogger(tmp_path, rank=0, wandb_cfg={"mode": "offline"}, tensorboard=False).close()
     assert runs[1].init["mode"] == "online" and runs[1].init["id"] == run_id
-    with pytest.raises(ValueError, match="unknown keys.*'projekt'"):
-        MetricsLogger(tmp_path, rank=0, wandb_cfg={"projekt": "p"}, tensorboard=False)
+    MetricsLogger(tmp_path, rank=0, wandb_cfg={"dir": "elsewhere"}, tensorboard=False).close()
+    assert runs[2].init["dir"] == "elsewhere" and runs[2].init["resume"] == "allow"
 
 
 def test_tensorboard_mirror(tmp_path, monkeypatch):
@@ -290,12 +291,12 @@ def test_plot_rewards_writes_png(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with MetricsLogger(tmp_path, rank=0, tensorboard=False) as log:
         for step in range(1, 31):
-            log.log(
-                step, {"reward_mean": step / 30, "kl": 0.01 * step, "response_length_mean": 5.0}
-            )
+            log.log(step, {"reward_mean": step / 30, "kl": 0.01 * step, "response_len": 5.0})
     out = plot_rewards(path, tmp_path / "plots" / "reward.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+    width, height = struct.unpack(">II", data[16:24])  # IHDR
+    assert (width, height) == (700, 780)  # 3 panels: reward, response length, kl
     assert [p.name for p in out.parent.iterdir()] == ["reward.png"]  # no temp file left
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"step": 1, "kl": 0.1}\n')

@@ -40,29 +40,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or loaded; the message names the file or key."""
 
 
-def resolve_hf_config(cfg: dict) -> dict:
-    """Lift transformers 5's `rope_parameters` into the `rope_theta` / `rope_scaling` fields
-    `arch_from_hf` reads (configs saved by transformers >= 5 carry only `rope_parameters`)."""
-    cfg = dict(cfg)
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and "full_attention" not in rp:
-        if cfg.get("rope_theta") is None and rp.get("rope_theta") is not None:
-            cfg["rope_theta"] = rp["rope_theta"]
-        kind = rp.get("rope_type", rp.get("type", "default"))
-        if cfg.get("rope_scaling") is None and kind != "default":
-            cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
-    return cfg
-
-
-def arch_from_hf_dir(hf: str | os.PathLike | dict) -> ModelArch:
-    """`arch_from_hf` on a directory, config.json path or dict, after `resolve_hf_config`."""
-    from megarl.models.hf_config import load_hf_config
-
-    where = os.fspath(hf) if not isinstance(hf, dict) else None
-    return arch_from_hf(resolve_hf_config(load_hf_config(hf)), where=where)
-
-
-# --------------------------------------------------------------------------- metadata
 def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict:
     path = os.path.join(os.fspath(ckpt_dir), META)
     if not os.path.exists(path):
@@ -82,7 +59,7 @@ def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict:
 def read_checkpoint_arch(ckpt_dir: str | os.PathLike) -> ModelArch:
     """The `ModelArch` a checkpoint was written for."""
     meta = read_checkpoint_meta(ckpt_dir)
-    return arch_from_hf(resolve_hf_config(meta["hf_config"]), where=os.path.join(ckpt_dir, META))
+    return arch_from_hf(meta["hf_config"], where=os.path.join(ckpt_dir, META))
 
 
 def _layout() -> dict:
@@ -215,7 +192,12 @@ def save_model_checkpoint(
     _rank0_check(prepare)
     dist.barrier()
     sd = _sharded_state_dict(chunks, arch)
-    dist_checkpointing.save(sd, tmp)
+    try:
+        dist_checkpointing.save(sd, tmp)
+    except BaseException:
+        if dist.get_rank() == 0:  # best effort: peers may still be writing into it
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     model = unwrap(chunks[0])
     meta = {
         "format": FORMAT,

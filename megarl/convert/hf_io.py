@@ -79,7 +79,7 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
 class LazyHFTensors:
     """Mapping-like view of an HF model directory's safetensors tensors, read on demand.
 
-    `names()`, `shape(name)`, `dtype(name)` and `nbytes(name)` read only headers; `get(name)`
+    `names` (a list), `shape(name)`, `dtype(name)` and `nbytes(name)` read only headers; `get(name)`
     reads one tensor into memory (the caller owns it)."""
 
     def __init__(self, directory: str | os.PathLike):
@@ -120,7 +120,9 @@ class LazyHFTensors:
             raise HFCheckpointError(f"{self.dir}: no *.safetensors files{hint}")
         return [os.path.join(self.dir, n) for n in files]
 
+    @property
     def names(self) -> list[str]:
+        """All tensor names, in file order."""
         return list(self._entries)
 
     def __iter__(self) -> Iterator[str]:

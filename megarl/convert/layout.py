@@ -4,8 +4,8 @@ The canonical form of a model is a dict `{name: tensor}` with megatron-core's pa
 (`decoder.layers.{i}.mlp.linear_fc1.weight`, ...) where `i` is the *global* layer index, expert
 indices are global, and every tensor is whole (TP shards concatenated, vocab rows cut to the real
 `vocab_size`: megatron's padding to a multiple of divisible_by x TP depends on TP). This form does
-not depend on TP / PP / VPP / EP, so it is what layout-invariance tests compare and what the HF mapping
-(`megarl.convert.mapping`) consumes.
+not depend on TP / PP / VPP / EP, so it is what layout-invariance tests compare and what the HF
+mapping (`megarl.convert.mapping`) consumes.
 
 Only one megatron layout needs care when concatenating TP shards: a gated `linear_fc1` shard is
 `[gate_r; up_r]`, so the full tensor is `[gate_0..gate_n; up_0..up_n]`, not the concatenation.

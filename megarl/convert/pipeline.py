@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from megarl.convert.checkpoint import (
     CheckpointError,
-    arch_from_hf_dir,
     load_model_checkpoint,
     read_checkpoint_arch,
     read_checkpoint_meta,
@@ -39,7 +38,7 @@ from megarl.convert.hf_io import (
 from megarl.convert.layout import _VOCAB, _pad_rows, local_params, split_tp
 from megarl.convert.mapping import canonical_to_hf, hf_to_canonical
 from megarl.models.builder import unwrap
-from megarl.models.hf_config import DTYPES, ModelArch, load_hf_config
+from megarl.models.hf_config import DTYPES, ModelArch, arch_from_hf, load_hf_config
 
 log = logging.getLogger(__name__)
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -81,8 +80,27 @@ def build_chunks(
         )
         chunk.requires_grad_(False)
         chunk.eval()
+        _mark_tp_params(chunk)
         chunks.append(chunk)
     return chunks
+
+
+def _mark_tp_params(model: torch.nn.Module) -> None:
+    """megatron sets `tensor_model_parallel` / `partition_dim` on weights only inside its init
+    functions, which `perform_initialization=False` skips; `layout` relies on them."""
+    from megatron.core.tensor_parallel import layers
+
+    dims = {
+        layers.ColumnParallelLinear: 0,
+        layers.RowParallelLinear: 1,
+        layers.VocabParallelEmbedding: 0,
+    }
+    for module in model.modules():
+        dim = next((d for cls, d in dims.items() if isinstance(module, cls)), None)
+        w = getattr(module, "weight", None)
+        if dim is not None and isinstance(w, torch.nn.Parameter):
+            if not getattr(w, "tensor_model_parallel", False):
+                layers.set_tensor_model_parallel_attributes(w, True, dim, 1)
 
 
 @torch.no_grad()
@@ -198,7 +216,7 @@ def hf_to_mcore(
     t0 = time.perf_counter()
     _refuse_existing(out_dir, overwrite)
     hf_cfg = load_hf_config(hf_dir)
-    arch = arch_from_hf_dir(hf_dir)
+    arch = arch_from_hf(hf_dir)
     # fail now, before reading anything, if the suggested layout cannot hold this model
     Topology.create(
         ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
@@ -221,7 +239,7 @@ def hf_to_mcore(
         return lazy.get(name)
 
     # fail on unknown/missing keys and shapes before any data is read
-    stream = hf_to_canonical(arch, get, lazy.names(), shape_of=lazy.shape)
+    stream = hf_to_canonical(arch, get, lazy.names, shape_of=lazy.shape)
     fill_from_canonical(chunks, stream)
     bar.close()
     t_read = time.perf_counter() - t0
@@ -232,6 +250,7 @@ def hf_to_mcore(
         tokenizer_dir=hf_dir,
         overwrite=overwrite,
         extra_meta={
+            "hf_config": hf_cfg,  # as written by the source (arch.hf_config is normalised)
             "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
             "suggested_layout": {"tensor_parallel": tp, "pipeline_parallel": pp},
             "source": os.path.abspath(hf_dir),

@@ -32,15 +32,12 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def megatron_logits(
-    ckpt_dir: str, tokens: torch.Tensor, *, layout: dict | None = None, world: int = 1
-) -> torch.Tensor:
-    """megatron's fp32 logits [b, s, vocab] for `tokens` after loading `ckpt_dir` at `layout`
-    (ParallelConfig fields). Collective over `world` ranks; every rank gets the logits."""
+def load_megatron(ckpt_dir: str, *, layout: dict | None = None, world: int = 1):
+    """Initialise megatron at `layout` (ParallelConfig fields) over `world` ranks and load
+    `ckpt_dir` into fp32 chunks. Collective. Returns (arch, chunks, groups)."""
     from megarl.convert.checkpoint import load_model_checkpoint, read_checkpoint_arch
     from megarl.convert.pipeline import build_chunks
     from megarl.distributed import ParallelConfig, Topology
-    from megarl.models import forward
 
     arch = read_checkpoint_arch(ckpt_dir)
     par = ParallelConfig(**(layout or {}))
@@ -55,6 +52,12 @@ def megatron_logits(
     groups = topo.initialize(seed=0)
     chunks = build_chunks(arch, par, dtype="fp32")
     load_model_checkpoint(chunks, ckpt_dir)
+    return arch, chunks, groups
+
+
+def forward_logits(chunks, arch, groups, tokens: torch.Tensor) -> torch.Tensor:
+    """Full-vocab fp32 logits [b, s, vocab] of `tokens` [b, s]; every rank gets them."""
+    from megarl.models import forward
 
     def loss_fn(mb, out):
         full = forward.gather_vocab(out.float(), vocab_size=arch.vocab_size, tp_group=groups.tp)
@@ -66,6 +69,15 @@ def megatron_logits(
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return next(p for p in parts if p is not None)
+
+
+def megatron_logits(
+    ckpt_dir: str, tokens: torch.Tensor, *, layout: dict | None = None, world: int = 1
+) -> torch.Tensor:
+    """megatron's fp32 logits [b, s, vocab] for `tokens` after loading `ckpt_dir` at `layout`.
+    Collective over `world` ranks; every rank gets the logits."""
+    arch, chunks, groups = load_megatron(ckpt_dir, layout=layout, world=world)
+    return forward_logits(chunks, arch, groups, tokens)
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict:
@@ -85,8 +97,11 @@ def verify(hf_dir: str, ckpt_dir: str, *, tol: float = 1e-3, seq_len: int = 32) 
 
     Returns the `compare_logits` dict plus `ok` (max |delta| <= tol)."""
     from megarl.convert.checkpoint import read_checkpoint_arch
+    from megarl.convert.pipeline import init_single_process
 
     arch = read_checkpoint_arch(ckpt_dir)
+    if not dist.is_initialized():
+        init_single_process()
     tokens = sample_tokens(arch.vocab_size, seq_len=min(seq_len, arch.max_position_embeddings))
     ref = hf_logits(hf_dir, tokens)
     got = megatron_logits(ckpt_dir, tokens)

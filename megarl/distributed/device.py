@@ -67,6 +67,30 @@ def _patch_missing_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _patch_optimizer_step_state()
+
+
+def _patch_optimizer_step_state() -> None:
+    """Without TE/Apex megatron-core 0.16.1 uses torch Adam, which keeps a per-parameter 'step'
+    tensor; the DistributedOptimizer restores 'step' separately and then copies every state key
+    from the checkpoint tensors, which have no 'step' (KeyError on every checkpoint load). Keep
+    the already-restored 'step' instead."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(orig, "_megarl_patched", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return orig(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states._megarl_patched = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 def _is_cuda(dev) -> bool:

@@ -12,7 +12,12 @@ import json
 import os
 from pathlib import Path
 
-RESPONSE_LENGTH_KEYS = ("response_length_mean", "response_len_mean", "response_length")
+RESPONSE_LENGTH_KEYS = (
+    "response_len",
+    "response_length_mean",
+    "response_len_mean",
+    "response_length",
+)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

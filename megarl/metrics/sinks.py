@@ -33,7 +33,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-_WANDB_KEYS = ("project", "entity", "name", "group", "tags", "notes", "config", "id")
 
 
 def json_safe(value: Any) -> Any:
@@ -96,8 +95,9 @@ class MetricsLogger:
         wandb_cfg: dict | None = None,
         tensorboard: bool = True,
     ) -> None:
-        """wandb_cfg: None disables wandb; else keys among mode ("offline" | "online" |
-        "disabled"), project, entity, name, group, tags, notes, config, id."""
+        """wandb_cfg: None disables wandb; else `mode` ("offline" | "online" | "disabled"), `id`
+        (default: kept in run_dir/wandb_run_id) and any other `wandb.init` keyword (project,
+        entity, name, group, tags, config, dir — default run_dir —, ...)."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self.enabled = rank == 0
@@ -182,11 +182,6 @@ class MetricsLogger:
         return max((s for s in steps if s is not None), default=None)
 
     def _open_wandb(self, cfg: dict) -> Any:
-        unknown = set(cfg) - {"mode", *_WANDB_KEYS}
-        if unknown:
-            raise ValueError(
-                f"wandb config: unknown keys {sorted(unknown)}; accepted: mode, {_WANDB_KEYS}"
-            )
         mode = os.environ.get("WANDB_MODE") or cfg.get("mode") or "offline"
         if mode == "disabled":
             return None
@@ -203,8 +198,10 @@ class MetricsLogger:
                 secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)
             )
         id_file.write_text(run_id)
-        kwargs = {k: cfg[k] for k in _WANDB_KEYS if k in cfg and k != "id"}
-        return wandb.init(dir=str(self.run_dir), mode=mode, id=run_id, resume="allow", **kwargs)
+        kwargs = {k: v for k, v in cfg.items() if k not in ("mode", "id")}
+        kwargs.setdefault("dir", str(self.run_dir))
+        kwargs.setdefault("resume", "allow")
+        return wandb.init(mode=mode, id=run_id, **kwargs)
 
 
 def _open_tensorboard(log_dir: Path) -> Any:

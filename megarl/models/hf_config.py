@@ -83,6 +83,24 @@ def load_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
         return json.load(f)
 
 
+def resolve_hf_config(cfg: dict) -> dict:
+    """Map transformers 5 config spellings onto the fields `arch_from_hf` reads: configs it saves
+    carry `rope_parameters` instead of `rope_theta` / `rope_scaling`, and Qwen3-MoE's
+    `num_local_experts` instead of `num_experts`."""
+    cfg = dict(cfg)
+    if cfg.get("num_experts") is None and cfg.get("model_type") == "qwen3_moe":
+        if cfg.get("num_local_experts") is not None:
+            cfg["num_experts"] = cfg["num_local_experts"]
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" not in rp:
+        if cfg.get("rope_theta") is None and rp.get("rope_theta") is not None:
+            cfg["rope_theta"] = rp["rope_theta"]
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if cfg.get("rope_scaling") is None and kind != "default":
+            cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    return cfg
+
+
 def _get(cfg: dict, key: str, where: str, default=dataclasses.MISSING):
     if key in cfg and cfg[key] is not None:
         return cfg[key]
@@ -93,7 +111,8 @@ def _get(cfg: dict, key: str, where: str, default=dataclasses.MISSING):
 
 def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) -> ModelArch:
     """Map an HF config (dict, config.json path or model dir) to a validated `ModelArch`."""
-    cfg = load_hf_config(config)
+    original = load_hf_config(config)
+    cfg = resolve_hf_config(original)
     where = where or (os.fspath(config) if not isinstance(config, dict) else "HF config")
     archs = cfg.get("architectures") or []
     family = ARCHITECTURES.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
@@ -176,7 +195,7 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
-        hf_config=cfg,
+        hf_config=original,
         **moe,
     )
 

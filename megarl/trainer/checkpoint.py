@@ -18,13 +18,16 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from megarl.models.builder import unwrap
+
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _model_sd(chunks, prefix: str) -> dict:
-    return {f"chunk{i}": c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
+    # the GPTModel itself: DDP / Float16Module wrappers would add "module." to every key
+    return {f"chunk{i}": unwrap(c).sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
 
 
 def _sharded(models: dict, is_loading: bool) -> dict:
@@ -72,6 +75,8 @@ def save(run_dir: str, step: int, models: dict, trainer_state: dict, *, keep_las
         os.makedirs(tmp)
     dist.barrier()
     dist_checkpointing.save(_sharded(models, is_loading=False), tmp)
+    if os.environ.get("MEGARL_TEST_CRASH_IN_SAVE"):  # fault injection for the crash test
+        os._exit(17)
     if dist.get_rank() == 0:
         state = {**trainer_state, "torch_rng": torch.get_rng_state()}
         torch.save(state, os.path.join(tmp, "trainer_state.pt.tmp"))
@@ -91,6 +96,9 @@ def load(path: str, models: dict) -> dict:
     state_file = os.path.join(path, "trainer_state.pt")
     if not os.path.exists(state_file):
         raise FileNotFoundError(f"{path} is not a complete megarl checkpoint (no trainer_state.pt)")
+    for _, opt in models.values():
+        if opt is not None:
+            _materialize_optimizer_state(opt)
     try:
         loaded = dist_checkpointing.load(_sharded(models, is_loading=True), path)
     except Exception as e:
@@ -100,13 +108,41 @@ def load(path: str, models: dict) -> dict:
         ) from e
     for name, (chunks, opt) in models.items():
         for i, c in enumerate(chunks):
-            part = loaded[name][f"chunk{i}"]
-            c.load_state_dict(_strip(part, f"{name}."), strict=True)
+            part = _strip(loaded[name][f"chunk{i}"], f"{name}.")
+            missing, unexpected = unwrap(c).load_state_dict(part, strict=False)
+            unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"checkpoint {path}: {name} chunk {i} missing keys {missing}, "
+                                   f"unexpected keys {unexpected}")
         if opt is not None:
+            # the dummy state only served to describe the layout; megatron re-allocates it
+            # (with the checkpoint's 'step') when the torch optimizer's state is empty
+            for o in getattr(opt, "chained_optimizers", [opt]):
+                o.optimizer.state.clear()
             opt.load_state_dict(loaded[f"{name}_optim"])
     state = torch.load(state_file, weights_only=False)
     torch.set_rng_state(state.pop("torch_rng"))
     return state
+
+
+def _materialize_optimizer_state(opt) -> None:
+    """A fresh torch Adam has no per-param state (no 'step'), and megatron's DistributedOptimizer
+    then cannot describe its state for loading (megatron-core 0.16 without TE/Apex). Take one
+    no-op step (zero grads, lr 0, no weight decay) so every state tensor exists."""
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        inner = o.optimizer
+        params = [p for g in inner.param_groups for p in g["params"] if p.numel()]
+        if all(len(inner.state[p]) for p in params):
+            continue
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad()
+        for g, (lr, wd) in zip(inner.param_groups, saved, strict=True):
+            g["lr"], g["weight_decay"] = lr, wd
 
 
 def _strip(sd: dict, prefix: str) -> dict:

@@ -19,6 +19,7 @@ from megarl.algorithms.advantages import masked_mean
 from megarl.algorithms.distributed_advantage import gae_advantages, gather_advantages
 from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
+from megarl.distributed import device
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.timer import StageTimer
 from megarl.trainer import experience as xp
@@ -85,7 +86,7 @@ def generate(run: Run):
 
     prompts = run.dataset.batch(run.sampler.next_step())
     rollout = None
-    if run.engine is not None:
+    if device.use_gpu() or is_mp_source(run.groups):  # SPMD engines on GPU must all step
         rollout = run.engine.generate(prompts.prompt_ids, seed=run.cfg.trainer.seed + run.step)
     box = [rollout]
     group = ps.get_model_parallel_group()
@@ -239,8 +240,28 @@ def collect_metrics(run: Run, batch, rewards, reward_metrics, train_metrics, tim
     dist.broadcast_object_list(box, src=dist.get_global_rank(pp, g.pp_size - 1), group=pp)
     out = box[0]
     out["time_s"] = {**times, "step": step_s}
-    out["tokens_per_s"] = out.pop("tokens") / step_s
+    tokens = out.pop("tokens")
+    out["tokens_per_s"] = tokens / step_s
+    mfu = _train_mfu(run, tokens, times.get("train"), batch)
+    if mfu is not None:
+        out["mfu"] = mfu
     return out
+
+
+def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> float | None:
+    """Model FLOPs utilisation of the policy-update stage (GPU only: needs a known peak)."""
+    from megarl.distributed import device
+    from megarl.metrics.throughput import flops_per_token, peak_flops
+
+    if not train_s or not device.use_gpu():
+        return None
+    peak = peak_flops(torch.cuda.get_device_name(), run.cfg.precision.torch_dtype)
+    if peak is None:
+        return None
+    seq = float(batch["seq_len"].float().mean())
+    fpt = flops_per_token(run.arch, seq_len=int(seq), training=True, causal=True)
+    achieved = tokens * run.cfg.algorithm.ppo_epochs * fpt / train_s
+    return achieved / (peak * dist.get_world_size())
 
 
 def _mismatch(trainer_lp, sampler_lp, mask) -> dict:
@@ -305,5 +326,3 @@ def _pad_to(run: Run) -> int:
     # sequence parallelism splits the sequence over TP ranks
     return run.groups.tp_size if run.cfg.parallel.sequence_parallel else 1
 
-
-__all__ = ["train", "is_mp_source"]

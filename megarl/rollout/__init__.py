@@ -1,0 +1,32 @@
+"""Colocated rollout: a vLLM engine per trainer rank and the Megatron -> vLLM weight sync.
+
+- `engine`: `RolloutConfig`, `Rollout`, `RolloutEngine` (generation from token ids).
+- `weight_sync`: `WeightSync` (plan once, bulk collectives each step), `naive_sync` (reference).
+- `plan`, `vllm_layout`: the resharding plan and vLLM's parameter layouts.
+- `mismatch`: `logprob_mismatch`, the trainer-vs-sampler metric.
+
+Imports are lazy so that `import megarl.rollout` does not pull in vLLM.
+"""
+
+from __future__ import annotations
+
+_EXPORTS = {
+    "RolloutConfig": "megarl.rollout.engine",
+    "Rollout": "megarl.rollout.engine",
+    "RolloutEngine": "megarl.rollout.engine",
+    "WeightSync": "megarl.rollout.weight_sync",
+    "naive_sync": "megarl.rollout.weight_sync",
+    "SyncError": "megarl.rollout.weight_sync",
+    "PlanError": "megarl.rollout.vllm_layout",
+    "logprob_mismatch": "megarl.rollout.mismatch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megarl.rollout' has no attribute {name!r}")

