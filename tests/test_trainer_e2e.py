@@ -61,7 +61,7 @@ def _check_run(out, rows, steps):
     assert os.path.exists(os.path.join(out, "config.yaml"))
 
 
-FAST = ["trainer.steps=14", "optim.lr=3e-3", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2"]
+FAST = ["trainer.steps=14"]
 
 
 @pytest.mark.slow
