@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from megarl.trainer.loop import train
+    from megarl.trainer.loop import TrainingDiverged, train
     from megarl.trainer.run import init_distributed
 
     init_distributed()
@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
         out = [os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")]
         dist.broadcast_object_list(out, src=0)
-    run = train(cfg, out[0])
+    try:
+        run = train(cfg, out[0])
+    except TrainingDiverged as e:
+        print(f"megarl: {e}", file=sys.stderr)
+        return 3
     if dist.get_rank() == 0:
         print(
             f"megarl: run directory {os.path.abspath(run.out_dir)} "

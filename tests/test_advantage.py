@@ -243,7 +243,7 @@ def test_registry():
 # ---------------------------------------------------------------- GAE
 def ref_gae(rewards, values, lengths, gamma, lam):
     adv, ret = [], []
-    for r, v, n in zip(rewards, values, lengths):
+    for r, v, n in zip(rewards, values, lengths, strict=False):
         a_row = [0.0] * len(r)
         last = 0.0
         for t in reversed(range(n)):
@@ -303,4 +303,4 @@ def test_independent_of_thread_count():
     finally:
         torch.set_num_threads(before)
     for other in outs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=False))

@@ -8,7 +8,7 @@ from megarl.config import ConfigError, apply_override, load_config, to_dict
 def test_default_config_loads_and_round_trips(tmp_path):
     cfg = load_config()
     assert cfg.algorithm.name == "grpo" and cfg.model.tokenizer == "toy"
-    assert cfg.rollout.n == 8 and cfg.data.prompts_per_step == 16
+    assert cfg.rollout.n == 16 and cfg.data.prompts_per_step == 32
     import yaml
 
     path = tmp_path / "c.yaml"

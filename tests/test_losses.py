@@ -40,7 +40,10 @@ def _batch(seed: int = 0, b: int = 4, t: int = 5):
 # ---------------------------------------------------------------- aggregation
 def ref_aggregate(values, mask, mode, max_len=None):
     """Plain loops over the *global* batch: no shares, no external denominators."""
-    rows = [[v for v, m in zip(vr, mr) if m] for vr, mr in zip(values.tolist(), mask.tolist())]
+    rows = [
+        [v for v, m in zip(vr, mr, strict=False) if m]
+        for vr, mr in zip(values.tolist(), mask.tolist(), strict=False)
+    ]
     nonempty = [r for r in rows if r]
     if mode == "token-mean":
         return sum(sum(r) for r in rows) / sum(len(r) for r in rows)

@@ -23,9 +23,19 @@ SCORED = [f"{a}/{w.layout_name(lay)}" for a, lays in w.LAYOUTS.items() for lay i
 # ----------------------------------------------------------------------------- pure
 @pytest.mark.parametrize(
     "field,value",
-    [("n", 0), ("temperature", 0.0), ("temperature", 3.0), ("top_p", 0.0), ("top_k", 0),
-     ("max_tokens", 0), ("stop_token_ids", (-1,)), ("stop_token_ids", [1]),
-     ("tensor_parallel", 0), ("kv_cache_memory_bytes", 1000), ("gpu_memory_utilization", 1.5)],
+    [
+        ("n", 0),
+        ("temperature", 0.0),
+        ("temperature", 3.0),
+        ("top_p", 0.0),
+        ("top_k", 0),
+        ("max_tokens", 0),
+        ("stop_token_ids", (-1,)),
+        ("stop_token_ids", [1]),
+        ("tensor_parallel", 0),
+        ("kv_cache_memory_bytes", 1000),
+        ("gpu_memory_utilization", 1.5),
+    ],
 )
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(RolloutConfigError, match=f"rollout.{field}="):
@@ -43,8 +53,7 @@ def test_logprob_mismatch_mean_max_over_mask():
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
     m = logprob_mismatch(a, b, mask)
     assert m == {"mean": pytest.approx(0.75 / 4), "max": 0.5, "tokens": 4}
-    assert logprob_mismatch(a, b, torch.zeros_like(mask)) == {"mean": 0.0, "max": 0.0,
-                                                             "tokens": 0}
+    assert logprob_mismatch(a, b, torch.zeros_like(mask)) == {"mean": 0.0, "max": 0.0, "tokens": 0}
     with pytest.raises(ValueError, match="shapes differ"):
         logprob_mismatch(a, b[:, :2], mask)
 
@@ -66,8 +75,10 @@ def test_sampler_logprobs_match_megatron(results, key):
             if m is None:  # not the last pipeline stage
                 continue
             scored += 1
-            print(f"{key} rank{rank} {what}: mean {m['mean']:.2e} max {m['max']:.2e} "
-                  f"over {m['tokens']} tokens")
+            print(
+                f"{key} rank{rank} {what}: mean {m['mean']:.2e} max {m['max']:.2e} "
+                f"over {m['tokens']} tokens"
+            )
             assert m["tokens"] > 0
             assert m["max"] <= MISMATCH_TOL
     assert scored >= 3

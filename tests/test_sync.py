@@ -80,3 +80,8 @@ def test_interrupted_sync_names_the_parameter_and_recovers(results, label):
             assert rec["state"] == "partial" and rec["generate_refused"]
         assert rec["state_after_resync"] == "synced"
         assert rec["bitwise_after_resync"] == []
+
+
+def test_unknown_vllm_module_is_refused_at_plan_time(results):
+    msg = results[0]["unknown_module"]
+    assert "'norm.mystery.weight'" in msg and "Linear" in msg and "vLLM 0." in msg

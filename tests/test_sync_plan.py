@@ -38,37 +38,59 @@ def _sources(arch, tp: int, rank: int) -> tuple[SourceParam, ...]:
 
 
 def _metas(arch, tp: int, vllm_tp: int = 1) -> list[RankMeta]:
-    return [RankMeta(r, (0, 0), 0, r, tp, _sources(arch, tp, r),
-                     w.fake_vllm(arch, vllm_tp, r % vllm_tp)) for r in range(tp)]
+    return [
+        RankMeta(
+            r, (0, 0), 0, r, tp, _sources(arch, tp, r), w.fake_vllm(arch, vllm_tp, r % vllm_tp)
+        )
+        for r in range(tp)
+    ]
 
 
 # ----------------------------------------------------------------------------- vLLM rules
 def test_qkv_pieces_tp1_and_replicated_kv():
-    attrs = dict(head_size=32, num_heads=4, num_kv_heads=2, total_kv_heads=2, kv_replicas=1,
-                 tp_rank=0, tp_size=1, hidden=128)
-    q, k, v = pieces_for_module("qkv", "m.qkv_proj", "weight", attrs, ["q_proj", "k_proj",
-                                                                       "v_proj"])
+    attrs = dict(
+        head_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        total_kv_heads=2,
+        kv_replicas=1,
+        tp_rank=0,
+        tp_size=1,
+        hidden=128,
+    )
+    q, k, v = pieces_for_module(
+        "qkv", "m.qkv_proj", "weight", attrs, ["q_proj", "k_proj", "v_proj"]
+    )
     assert (q.hf, q.hf_start, q.length, q.offset) == ("m.q_proj.weight", 0, 128, 0)
     assert (k.hf, k.hf_start, k.length, k.offset) == ("m.k_proj.weight", 0, 64, 128)
     assert (v.hf, v.offset, v.hf_shape) == ("m.v_proj.weight", 192, (64, 128))
     # TP'=4 over 2 KV heads: rank 3 holds query heads 3, KV head 1 (replicated on ranks 2, 3)
     attrs.update(num_heads=1, num_kv_heads=1, kv_replicas=2, tp_rank=3, tp_size=4)
-    q, k, v = pieces_for_module("qkv", "m.qkv_proj", "bias", attrs, ["q_proj", "k_proj",
-                                                                     "v_proj"])
+    q, k, v = pieces_for_module("qkv", "m.qkv_proj", "bias", attrs, ["q_proj", "k_proj", "v_proj"])
     assert (q.hf_start, q.length, q.hf_shape) == (96, 32, (128,))
     assert (k.hf_start, k.length, k.offset, v.offset) == (32, 32, 32, 64)
 
 
 def test_merged_row_and_vocab_pieces():
-    gate, up = pieces_for_module("merged", "m.gate_up_proj", "weight",
-                                 dict(output_sizes=[256, 256], tp_rank=1, tp_size=2, hidden=8),
-                                 ["gate_proj", "up_proj"])
+    gate, up = pieces_for_module(
+        "merged",
+        "m.gate_up_proj",
+        "weight",
+        dict(output_sizes=[256, 256], tp_rank=1, tp_size=2, hidden=8),
+        ["gate_proj", "up_proj"],
+    )
     assert (gate.hf_start, gate.length, gate.offset, up.offset) == (128, 128, 0, 128)
-    (row,) = pieces_for_module("row", "m.o_proj", "weight",
-                               dict(input_size=128, output_size=8, tp_rank=1, tp_size=2), None)
+    (row,) = pieces_for_module(
+        "row", "m.o_proj", "weight", dict(input_size=128, output_size=8, tp_rank=1, tp_size=2), None
+    )
     assert (row.dim, row.hf_start, row.length, row.hf_shape) == (1, 64, 64, (8, 128))
-    (emb,) = pieces_for_module("vocab", "model.embed_tokens", "weight",
-                               dict(org_start=128, org_end=250, org_vocab=250, hidden=8), None)
+    (emb,) = pieces_for_module(
+        "vocab",
+        "model.embed_tokens",
+        "weight",
+        dict(org_start=128, org_end=250, org_vocab=250, hidden=8),
+        None,
+    )
     assert (emb.hf_start, emb.length, emb.offset, emb.hf_shape) == (128, 122, 0, (250, 8))
 
 
@@ -90,10 +112,16 @@ def test_coverage_errors_name_the_parameter():
 
 def test_moe_is_refused_at_plan_time():
     from megarl.rollout.weight_sync import WeightSync
-    from tests.tiny import TINY_MIXTRAL
 
+    mixtral = dict(
+        w.LLAMA,
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     with pytest.raises(PlanError, match="MoE"):
-        WeightSync([], arch_from_hf(TINY_MIXTRAL), None, None)
+        WeightSync([], arch_from_hf(mixtral), None, None)
 
 
 # ----------------------------------------------------------------------------- index maps
@@ -113,8 +141,11 @@ def test_index_maps_reproduce_the_hf_mapping(hf):
 def test_plan_single_rank_aliases_all_but_interleaved_qkv():
     plan = build_plan(LLAMA, _metas(LLAMA, 1), 0)
     assert plan.mode == "local"
-    staged = {plan.pieces[k].hf.rsplit(".", 2)[-2] for k in range(len(plan.pieces))
-              if k not in plan.aliases}
+    staged = {
+        plan.pieces[k].hf.rsplit(".", 2)[-2]
+        for k in range(len(plan.pieces))
+        if k not in plan.aliases
+    }
     assert staged == {"q_proj", "k_proj", "v_proj"}  # per query group: one run per KV head
     q = next(k for k, p in enumerate(plan.pieces) if p.hf.endswith("0.self_attn.q_proj.weight"))
     segs = [s for b in plan.buckets for s in b.local if s.piece == q]

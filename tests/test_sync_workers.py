@@ -155,8 +155,7 @@ def digest(state: dict[str, torch.Tensor]) -> str:
 def compare_bitwise(a: dict, b: dict) -> dict:
     names = sorted(set(a) | set(b))
     diff = [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]
-    return {"params": len(names), "elements": sum(t.numel() for t in a.values()),
-            "different": diff}
+    return {"params": len(names), "elements": sum(t.numel() for t in a.values()), "different": diff}
 
 
 # ----------------------------------------------------------------------------- Megatron side
@@ -175,19 +174,25 @@ def megatron_scores(chunks, arch, groups, prompts: list, responses: list) -> dic
         n = len(s) - 1
         tokens[i, :n] = torch.tensor(s[:-1])
         targets[i, :n] = torch.tensor(s[1:])
-        mask[i, len(p) - 1: n] = 1
+        mask[i, len(p) - 1 : n] = 1
 
     def loss_fn(mb, out):
-        lp = forward.vocab_parallel_logprobs(out, mb["targets"], vocab_size=arch.vocab_size,
-                                             tp_group=groups.tp)
+        lp = forward.vocab_parallel_logprobs(
+            out, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
+        )
         full = forward.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
-        return torch.zeros(()), {"idx": mb["idx"], "logprobs": lp.detach(),
-                                 "argmax": full.argmax(-1),
-                                 "top2": full.float().topk(2, dim=-1).values}
+        return torch.zeros(()), {
+            "idx": mb["idx"],
+            "logprobs": lp.detach(),
+            "argmax": full.argmax(-1),
+            "top2": full.float().topk(2, dim=-1).values,
+        }
 
     # two micro-batches: the interleaved (VPP) schedule wants a multiple of PP
-    mbs = [{"tokens": tokens[i], "targets": targets[i], "mask": mask[i], "idx": i}
-           for i in torch.arange(B).chunk(2)]
+    mbs = [
+        {"tokens": tokens[i], "targets": targets[i], "mask": mask[i], "idx": i}
+        for i in torch.arange(B).chunk(2)
+    ]
     with torch.no_grad():
         outs = forward.run(chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size)
     if not outs:
@@ -198,14 +203,19 @@ def megatron_scores(chunks, arch, groups, prompts: list, responses: list) -> dic
         lp[m["idx"]] = m["logprobs"][:n, :T]
         am[m["idx"]] = m["argmax"][:n, :T]
         top2[m["idx"]] = m["top2"][:n, :T]
-    return {"logprobs": lp, "argmax": am, "mask": mask, "targets": targets,
-            "margin": top2[..., 0] - top2[..., 1]}
+    return {
+        "logprobs": lp,
+        "argmax": am,
+        "mask": mask,
+        "targets": targets,
+        "margin": top2[..., 0] - top2[..., 1],
+    }
 
 
 def sampler_tensor(prompts, rollout, T: int) -> torch.Tensor:
     out = torch.zeros(len(rollout.response_ids), T)
     for i, (p, lps) in enumerate(zip(prompts, rollout.response_logprobs, strict=True)):
-        out[i, len(p) - 1: len(p) - 1 + len(lps)] = torch.tensor(lps)
+        out[i, len(p) - 1 : len(p) - 1 + len(lps)] = torch.tensor(lps)
     return out
 
 
@@ -219,14 +229,19 @@ def score_rollout(chunks, arch, groups, rollout) -> dict | None:
     samp = sampler_tensor(prompts, rollout, sc["mask"].shape[1])
     mm = logprob_mismatch(sc["logprobs"], samp, sc["mask"])
     m = sc["mask"].bool()
-    return {**mm, "argmax_equal": bool((sc["argmax"][m] == sc["targets"][m]).all()),
-            "min_margin": float(sc["margin"][m].min())}
+    return {
+        **mm,
+        "argmax_equal": bool((sc["argmax"][m] == sc["targets"][m]).all()),
+        "min_margin": float(sc["margin"][m].min()),
+    }
 
 
 def prompts_for(seed: int, count: int = 4) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, TOKENS_VOCAB, (int(5 + i % 4),), generator=g).tolist()
-            for i in range(count)]
+    return [
+        torch.randint(0, TOKENS_VOCAB, (int(5 + i % 4),), generator=g).tolist()
+        for i in range(count)
+    ]
 
 
 # ----------------------------------------------------------------------------- simulated GPU
@@ -240,9 +255,12 @@ def fake_vllm(arch, tp: int, rank: int):
     kv = arch.num_key_value_heads
     nkv, rep = (1, tp // kv) if tp >= kv else (kv // tp, 1)
     per = -(-arch.vocab_size // 64) * 64 // tp
-    vocab = dict(org_start=min(rank * per, arch.vocab_size),
-                 org_end=min((rank + 1) * per, arch.vocab_size), org_vocab=arch.vocab_size,
-                 hidden=h)
+    vocab = dict(
+        org_start=min(rank * per, arch.vocab_size),
+        org_end=min((rank + 1) * per, arch.vocab_size),
+        org_vocab=arch.vocab_size,
+        hidden=h,
+    )
     mods = [("model.embed_tokens", "vocab", vocab, None, [(per, h)])]
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
@@ -251,18 +269,44 @@ def fake_vllm(arch, tp: int, rank: int):
         qkv_shapes = [(qkv_rows, h)] + ([(qkv_rows,)] if arch.qkv_bias else [])
         mods += [
             (p + "input_layernorm", "full", {}, None, [(h,)]),
-            (p + "self_attn.qkv_proj", "qkv", dict(head_size=hd, num_heads=nh, num_kv_heads=nkv,
-                                                   total_kv_heads=kv, kv_replicas=rep,
-                                                   tp_rank=rank, tp_size=tp, hidden=h),
-             ["q_proj", "k_proj", "v_proj"], qkv_shapes),
-            (p + "self_attn.o_proj", "row", dict(input_size=q, output_size=h, tp_rank=rank,
-                                                 tp_size=tp), None, [(h, q // tp)]),
+            (
+                p + "self_attn.qkv_proj",
+                "qkv",
+                dict(
+                    head_size=hd,
+                    num_heads=nh,
+                    num_kv_heads=nkv,
+                    total_kv_heads=kv,
+                    kv_replicas=rep,
+                    tp_rank=rank,
+                    tp_size=tp,
+                    hidden=h,
+                ),
+                ["q_proj", "k_proj", "v_proj"],
+                qkv_shapes,
+            ),
+            (
+                p + "self_attn.o_proj",
+                "row",
+                dict(input_size=q, output_size=h, tp_rank=rank, tp_size=tp),
+                None,
+                [(h, q // tp)],
+            ),
             (p + "post_attention_layernorm", "full", {}, None, [(h,)]),
-            (p + "mlp.gate_up_proj", "merged", dict(output_sizes=[ffn, ffn], tp_rank=rank,
-                                                    tp_size=tp, hidden=h),
-             ["gate_proj", "up_proj"], [(2 * ffn // tp, h)]),
-            (p + "mlp.down_proj", "row", dict(input_size=ffn, output_size=h, tp_rank=rank,
-                                              tp_size=tp), None, [(h, ffn // tp)]),
+            (
+                p + "mlp.gate_up_proj",
+                "merged",
+                dict(output_sizes=[ffn, ffn], tp_rank=rank, tp_size=tp, hidden=h),
+                ["gate_proj", "up_proj"],
+                [(2 * ffn // tp, h)],
+            ),
+            (
+                p + "mlp.down_proj",
+                "row",
+                dict(input_size=ffn, output_size=h, tp_rank=rank, tp_size=tp),
+                None,
+                [(h, ffn // tp)],
+            ),
         ]
     mods.append(("model.norm", "full", {}, None, [(h,)]))
     if not arch.tie_word_embeddings:
@@ -289,12 +333,20 @@ def simulate_tp(chunks, arch, groups, full_hf: dict, vllm_tp: int, vllm_rank: in
     desc = fake_vllm(arch, vllm_tp, vllm_rank)
     check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
     sources, params = _sources(chunks)
-    meta = RankMeta(dist.get_rank(), (groups.dp_rank, 0), groups.pp_rank, groups.tp_rank,
-                    groups.tp_size, tuple(sources), desc)
+    meta = RankMeta(
+        dist.get_rank(),
+        (groups.dp_rank, 0),
+        groups.pp_rank,
+        groups.tp_rank,
+        groups.tp_size,
+        tuple(sources),
+        desc,
+    )
     metas = [None] * dist.get_world_size()
     dist.all_gather_object(metas, meta)
-    mine = sorted([m for m in metas if m.group_key == meta.group_key],
-                  key=lambda m: (m.pp_rank, m.tp_rank))
+    mine = sorted(
+        [m for m in metas if m.group_key == meta.group_key], key=lambda m: (m.pp_rank, m.tp_rank)
+    )
     group = dist.new_group([m.rank for m in mine]) if len(mine) > 1 else None
     plan = build_plan(arch, mine, [m.rank for m in mine].index(meta.rank), bucket_bytes=64_000)
     tensors = {p.name: torch.full(p.shape, float("nan")) for p in desc.params}
@@ -305,8 +357,12 @@ def simulate_tp(chunks, arch, groups, full_hf: dict, vllm_tp: int, vllm_rank: in
         want = full_hf[pc.hf].narrow(pc.dim, pc.hf_start, pc.length)
         if not torch.equal(got, want):
             bad.append(pc.param + " <- " + pc.hf)
-    return {"mode": plan.mode, "buckets": len(plan.buckets), "pieces": len(desc.pieces),
-            "different": bad}
+    return {
+        "mode": plan.mode,
+        "buckets": len(plan.buckets),
+        "pieces": len(desc.pieces),
+        "different": bad,
+    }
 
 
 # ----------------------------------------------------------------------------- the job
@@ -316,9 +372,13 @@ def _setup(arch, layout, world):
     from megarl.models.hf_config import PrecisionConfig
 
     par = ParallelConfig(**layout)
-    groups = Topology.create(par, world, num_layers=arch.num_layers,
-                             num_attention_heads=arch.num_attention_heads,
-                             num_query_groups=arch.num_key_value_heads).initialize(seed=0)
+    groups = Topology.create(
+        par,
+        world,
+        num_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+    ).initialize(seed=0)
     return build_model(arch, par, PrecisionConfig(), role="actor"), groups
 
 
@@ -350,8 +410,11 @@ def job(rank: int, world: int) -> dict:
             load_full_state(chunks, trained)  # one "optimizer step" later
             stats = ws.sync()
             ours = engine.call(dense_state)
-            out = {"stats": stats, "aliases": len(ws.reshard.aliased),
-                   "pieces": len(ws.plan.pieces)}
+            out = {
+                "stats": stats,
+                "aliases": len(ws.reshard.aliased),
+                "pieces": len(ws.plan.pieces),
+            }
             prompts = prompts_for(3)
             sampled = engine.generate(prompts, seed=11)
             greedy = engine.generate(prompts, n=1, greedy=True)
@@ -374,7 +437,22 @@ def job(rank: int, world: int) -> dict:
                 res["faults"] = faults(ws, engine, chunks, ref)
             res["layouts"][key] = out
         engine.close()
+    res["unknown_module"] = unknown_module_error()
     return res
+
+
+def unknown_module_error() -> str:
+    """describe_model on a model holding a module kind it cannot fill (needs vLLM imported)."""
+    from megarl.rollout.vllm_layout import PlanError, describe_model
+
+    model = torch.nn.Module()
+    model.norm = torch.nn.Module()
+    model.norm.mystery = torch.nn.Linear(4, 4)
+    try:
+        describe_model(model, tp_rank=0, tp_size=1)
+    except PlanError as e:
+        return str(e)
+    return ""
 
 
 def engine_contract(engine, cfg) -> dict:

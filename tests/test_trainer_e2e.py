@@ -26,10 +26,14 @@ def _train(out, *overrides, nproc=1, config=None, check=True, env=None):
     cmd += ["--out", str(out)]
     for o in (*QUIET, *overrides):
         cmd += ["--set", o]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **(env or {})})
+    # output to a file, not a pipe: a crashed run's orphaned helper processes could hold a pipe
+    log = os.path.join(str(out) + ".log")
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=900,
+                              env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
-        raise AssertionError(f"megarl train failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        with open(log) as f:
+            raise AssertionError(f"megarl train failed ({proc.returncode}):\n{f.read()[-6000:]}")
     return proc
 
 
@@ -108,16 +112,19 @@ def _same_metrics(a: list[dict], b: list[dict]) -> None:
 @pytest.mark.slow
 def test_resume_is_exact_and_survives_a_crash_mid_save(tmp_path):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    _train(straight, "trainer.steps=6", "trainer.export_hf=true")
-    _train(halves, "trainer.steps=3")
+    # the LR schedule must not depend on trainer.steps, which differs between the two halves
+    fixed = "optim.decay_steps=64"
+    _train(straight, "trainer.steps=6", "trainer.export_hf=true", fixed)
+    _train(halves, "trainer.steps=3", fixed)
     # the next save is killed half-way (after the tensor files, before the commit): the run dies
     crash = {"MEGARL_TEST_CRASH_IN_SAVE": "1"}
-    proc = _train(halves, "trainer.steps=6", "trainer.save_every=6", env=crash, check=False)
+    proc = _train(halves, "trainer.steps=6", "trainer.save_every=6", fixed, env=crash,
+                  check=False)
     assert proc.returncode != 0
     names = sorted(os.listdir(halves / "checkpoints"))
     assert "step_000003" in names and "step_000006" not in names, names
     # ... and the previous checkpoint still resumes, exactly
-    _train(halves, "trainer.steps=6", "trainer.export_hf=true")
+    _train(halves, "trainer.steps=6", "trainer.export_hf=true", fixed)
     _same_metrics(_metrics(straight), _metrics(halves))
     a, b = _hf(straight), _hf(halves)
     assert a.keys() == b.keys()
@@ -141,3 +148,18 @@ def test_resume_at_another_layout(tmp_path):
     rows = _metrics(dst)
     assert [r["step"] for r in rows] == [4, 5]
     assert max(r["logprob_mismatch_max"] for r in rows) <= 1e-4
+
+
+@pytest.mark.slow
+def test_non_finite_loss_is_skipped_then_the_run_stops(tmp_path):
+    proc = _train(tmp_path, "trainer.steps=6", "trainer.max_bad_steps=2", "trainer.save_every=1",
+                  "reward.functions=[tests.rewards_for_tests:inf_reward]", check=False)
+    assert proc.returncode != 0  # megarl exits 3; torchrun reports any child failure as 1
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["skipped_steps"] == 8 for r in rows)  # 2 epochs x 4 mini-batches, all dropped
+    # step 1 was skipped but not yet fatal, so its (unchanged) weights were saved; the fatal
+    # step 2 wrote nothing
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001"]
+    with open(str(tmp_path) + ".log") as f:
+        assert "consecutive steps with a NaN/Inf loss" in f.read()

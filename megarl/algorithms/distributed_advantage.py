@@ -77,11 +77,14 @@ def _gather_rewards_and_ids(
             torch.repeat_interleave(
                 c[: 2 * kr].view(torch.int64), c[2 * k_max : 2 * k_max + kr], output_size=n
             )
-            for c, kr, n in zip(chunks, runs, sizes)
+            for c, kr, n in zip(chunks, runs, sizes, strict=False)
         ]
     )
     all_rewards = torch.cat(
-        [c[3 * k_max : 3 * k_max + r_words * n].view(wire.dtype) for c, n in zip(chunks, sizes)]
+        [
+            c[3 * k_max : 3 * k_max + r_words * n].view(wire.dtype)
+            for c, n in zip(chunks, sizes, strict=False)
+        ]
     )
     return all_rewards.to(rewards.dtype), all_ids, sizes
 

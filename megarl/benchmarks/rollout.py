@@ -26,15 +26,23 @@ from megarl.benchmarks import record, register_suite
 from megarl.distributed.launch import spawn
 
 MODEL = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=512,
-    intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-    tie_word_embeddings=False, hidden_act="silu",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
 )
 
 
-def _worker(rank: int, world: int, num_prompts: int, n: int, max_tokens: int,
-            repeats: int) -> dict:
+def _worker(rank: int, world: int, num_prompts: int, n: int, max_tokens: int, repeats: int) -> dict:
     from vllm import SamplingParams
 
     from megarl.models.hf_config import arch_from_hf
@@ -50,10 +58,20 @@ def _worker(rank: int, world: int, num_prompts: int, n: int, max_tokens: int,
     cfg = RolloutConfig(n=n, max_tokens=max_tokens, kv_cache_memory_bytes=256 * 2**20)
     engine = RolloutEngine(mdir, arch, cfg)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, arch.vocab_size, (32 + i % 32,), generator=g).tolist()
-               for i in range(num_prompts)]
-    direct_params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0,
-                                   seed=0, ignore_eos=True, detokenize=False, flat_logprobs=True)
+    prompts = [
+        torch.randint(0, arch.vocab_size, (32 + i % 32,), generator=g).tolist()
+        for i in range(num_prompts)
+    ]
+    direct_params = SamplingParams(
+        n=n,
+        temperature=1.0,
+        max_tokens=max_tokens,
+        logprobs=0,
+        seed=0,
+        ignore_eos=True,
+        detokenize=False,
+        flat_logprobs=True,
+    )
     inputs = [{"prompt_token_ids": p} for p in prompts]
 
     def megarl() -> int:
@@ -85,10 +103,18 @@ def suite(args) -> list[dict]:
         raise RuntimeError(f"megarl and vLLM generated different token counts: {res['tokens']}")
     megarl = statistics.median(res["rates"]["megarl"])
     direct = statistics.median(res["rates"]["direct"])
-    params = dict(model_params=45_000_000, prompts=num_prompts, n=n, max_tokens=max_tokens,
-                  tokens_per_call=res["tokens"]["megarl"], repeats=repeats,
-                  threads=res["threads"], overhead_pct=100 * (1 - megarl / direct),
-                  all_megarl=res["rates"]["megarl"], all_direct=res["rates"]["direct"])
+    params = dict(
+        model_params=45_000_000,
+        prompts=num_prompts,
+        n=n,
+        max_tokens=max_tokens,
+        tokens_per_call=res["tokens"]["megarl"],
+        repeats=repeats,
+        threads=res["threads"],
+        overhead_pct=100 * (1 - megarl / direct),
+        all_megarl=res["rates"]["megarl"],
+        all_direct=res["rates"]["direct"],
+    )
     return [
         record("megarl_tokens_per_s", megarl, "tokens/s", floor=direct, **params),
         record("vllm_direct_tokens_per_s", direct, "tokens/s", **params),

@@ -12,7 +12,7 @@ Only one megatron layout needs care when concatenating TP shards: a gated `linea
 QKV shards hold whole query groups, so plain concatenation is right.
 
 This module is the *naive* path (object collectives, full tensors on every rank): it serves tests,
-checkpoint export and the reference weight sync. The fast sync path is `megarl.rollout.sync`.
+checkpoint export and the reference weight sync. The fast sync path is `megarl.rollout.weight_sync`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,21 @@ from megarl.models.builder import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+# Transformer-Engine's spec fuses the pre-attention / pre-MLP norms into the next linear layer;
+# canonical names are the local spec's
+_TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def _canonical_norm_name(local_name: str) -> str:
+    for te, local in _TE_FUSED_NORMS.items():
+        if local_name.endswith(te):
+            return local_name[: -len(te)] + local
+    return local_name
 
 
 def _is_gated_fc1(name: str) -> bool:
@@ -51,7 +66,7 @@ def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torc
                 model, "share_embeddings_and_output_weights", False
             ):
                 continue
-            name = local_name
+            name = _canonical_norm_name(local_name)
             m = _LAYER.match(name)
             if m:
                 name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + name[m.end() :]

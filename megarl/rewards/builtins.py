@@ -51,7 +51,7 @@ def math_verify_reward(
     timeout = _MATH_PARSE_TIMEOUT_S if main else None
     configs = _math_extraction_configs()
     out: list[float | None] = []
-    for completion, gold_text in zip(completions, answer):
+    for completion, gold_text in zip(completions, answer, strict=False):
         gold = parse(str(gold_text), parsing_timeout=timeout)
         if not gold:
             out.append(None)

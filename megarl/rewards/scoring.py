@@ -62,7 +62,9 @@ def load_reward_function(spec: str, **kwargs: Any) -> RewardFunction:
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
-            raise ValueError(f"reward function {spec!r}: cannot import {module_name!r}: {err}")
+            raise ValueError(
+                f"reward function {spec!r}: cannot import {module_name!r}: {err}"
+            ) from err
         fn = getattr(module, attr, None)
         if fn is None:
             raise ValueError(f"reward function {spec!r}: module {module_name!r} has no {attr!r}")

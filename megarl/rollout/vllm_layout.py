@@ -120,8 +120,9 @@ def pieces_for_module(
 
     if kind == "qkv":
         if packed is None or len(packed) != 3:
-            raise PlanError(f"vLLM parameter {name!r}: QKV module needs 3 packed HF names, got "
-                            f"{packed}")
+            raise PlanError(
+                f"vLLM parameter {name!r}: QKV module needs 3 packed HF names, got {packed}"
+            )
         hs, nh, nkv = attrs["head_size"], attrs["num_heads"], attrs["num_kv_heads"]
         r, kv_r = attrs["tp_rank"], attrs["tp_rank"] // attrs["kv_replicas"]
         q_total, kv_total = nh * hs * attrs["tp_size"], attrs["total_kv_heads"] * hs
@@ -134,8 +135,9 @@ def pieces_for_module(
     if kind == "merged":
         sizes, t, r = attrs["output_sizes"], attrs["tp_size"], attrs["tp_rank"]
         if packed is None or len(packed) != len(sizes):
-            raise PlanError(f"vLLM parameter {name!r}: {len(sizes)} merged outputs but packed HF "
-                            f"names {packed}")
+            raise PlanError(
+                f"vLLM parameter {name!r}: {len(sizes)} merged outputs but packed HF names {packed}"
+            )
         out, offset = [], 0
         for hf_name, size in zip(hf, sizes, strict=True):
             local = size // t
@@ -144,8 +146,9 @@ def pieces_for_module(
         return out
     if kind == "column":
         local = attrs["output_size"] // attrs["tp_size"]
-        return [rows(hf[0], attrs["output_size"], attrs["tp_rank"] * local, local, 0,
-                     attrs["hidden"])]
+        return [
+            rows(hf[0], attrs["output_size"], attrs["tp_rank"] * local, local, 0, attrs["hidden"])
+        ]
     if kind == "row":
         if is_bias:  # row-parallel biases are added after the reduce: whole on every rank
             n = attrs["output_size"]
@@ -196,20 +199,34 @@ def _module_kind(module) -> tuple[str, dict]:
             hidden=module.input_size,
         )
     if cls is L.ColumnParallelLinear:
-        return "column", dict(output_size=module.output_size, tp_rank=module.tp_rank,
-                              tp_size=module.tp_size, hidden=module.input_size)
+        return "column", dict(
+            output_size=module.output_size,
+            tp_rank=module.tp_rank,
+            tp_size=module.tp_size,
+            hidden=module.input_size,
+        )
     if cls is L.RowParallelLinear:
-        return "row", dict(input_size=module.input_size, tp_rank=module.tp_rank,
-                           tp_size=module.tp_size, output_size=module.output_size)
+        return "row", dict(
+            input_size=module.input_size,
+            tp_rank=module.tp_rank,
+            tp_size=module.tp_size,
+            output_size=module.output_size,
+        )
     if cls is L.ReplicatedLinear:
         return "replicated", dict(output_size=module.output_size, input_size=module.input_size)
     if isinstance(module, VocabParallelEmbedding):
         idx = module.shard_indices
         if idx.num_added_elements:
-            raise PlanError(f"{cls.__name__} with added vocabulary (LoRA extra tokens) is not "
-                            "supported by weight sync")
-        return "vocab", dict(org_start=idx.org_vocab_start_index, org_end=idx.org_vocab_end_index,
-                             org_vocab=module.org_vocab_size, hidden=module.embedding_dim)
+            raise PlanError(
+                f"{cls.__name__} with added vocabulary (LoRA extra tokens) is not "
+                "supported by weight sync"
+            )
+        return "vocab", dict(
+            org_start=idx.org_vocab_start_index,
+            org_end=idx.org_vocab_end_index,
+            org_vocab=module.org_vocab_size,
+            hidden=module.embedding_dim,
+        )
     if cls.__name__.endswith(_NORM_SUFFIXES):
         return "full", {}
     return "unknown", {}
@@ -224,8 +241,7 @@ def _logical_shape(module, kind: str, leaf: str, param: torch.Tensor) -> tuple[i
         out = module.output_size_per_partition
         return (out,) if leaf == "bias" else (out, module.input_size_per_partition)
     if kind == "replicated":
-        return (module.output_size,) if leaf == "bias" else (module.output_size,
-                                                              module.input_size)
+        return (module.output_size,) if leaf == "bias" else (module.output_size, module.input_size)
     return tuple(param.shape)
 
 
@@ -263,10 +279,15 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
             last = mod_name.rpartition(".")[2]
             packed = packed_map.get(last) if kind in ("qkv", "merged") else None
             if kind in ("qkv", "merged") and packed is None:
-                raise PlanError(f"vLLM parameter {name!r}: the model declares no "
-                                f"packed_modules_mapping for {last!r}")
-            params.append(VllmParam(name, shape, type(module).__name__,
-                                    repacked=p.numel() == 0 and 0 not in shape))
+                raise PlanError(
+                    f"vLLM parameter {name!r}: the model declares no "
+                    f"packed_modules_mapping for {last!r}"
+                )
+            params.append(
+                VllmParam(
+                    name, shape, type(module).__name__, repacked=p.numel() == 0 and 0 not in shape
+                )
+            )
             pieces.extend(pieces_for_module(kind, mod_name, leaf, attrs_p, packed))
     dtype = next(iter(model.parameters())).dtype
     return VllmDescription(
@@ -280,8 +301,9 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
     )
 
 
-def check_coverage(desc: VllmDescription, hf_shapes: dict[str, tuple[int, ...]], *,
-                   tied: bool) -> None:
+def check_coverage(
+    desc: VllmDescription, hf_shapes: dict[str, tuple[int, ...]], *, tied: bool
+) -> None:
     """Every vLLM parameter fully covered by pieces of HF tensors megarl produces, and every HF
     tensor megarl produces consumed; otherwise a `PlanError` naming the parameters."""
     problems = []
@@ -290,11 +312,15 @@ def check_coverage(desc: VllmDescription, hf_shapes: dict[str, tuple[int, ...]],
         by_param.setdefault(pc.param, []).append(pc)
         want = hf_shapes.get(pc.hf)
         if want is None:
-            problems.append(f"vLLM parameter {pc.param!r} needs HF tensor {pc.hf!r}, which "
-                            "megarl's HF mapping does not produce")
+            problems.append(
+                f"vLLM parameter {pc.param!r} needs HF tensor {pc.hf!r}, which "
+                "megarl's HF mapping does not produce"
+            )
         elif tuple(want) != tuple(pc.hf_shape):
-            problems.append(f"HF tensor {pc.hf!r}: megarl's mapping gives shape {tuple(want)}, "
-                            f"vLLM expects {tuple(pc.hf_shape)}")
+            problems.append(
+                f"HF tensor {pc.hf!r}: megarl's mapping gives shape {tuple(want)}, "
+                f"vLLM expects {tuple(pc.hf_shape)}"
+            )
     for p in desc.params:
         ps = by_param.get(p.name, [])
         if not ps:
@@ -305,15 +331,19 @@ def check_coverage(desc: VllmDescription, hf_shapes: dict[str, tuple[int, ...]],
         extent = p.shape[ps[0].dim] if len(dims) == 1 else -1
         # vocab shards keep padding rows at the end; everything else must be covered exactly
         if covered > extent or (covered < extent and p.module not in _VOCAB_MODULES):
-            problems.append(f"vLLM parameter {p.name!r} shape {p.shape}: pieces cover {covered} "
-                            f"of {extent} along dim {sorted(dims)}")
+            problems.append(
+                f"vLLM parameter {p.name!r} shape {p.shape}: pieces cover {covered} "
+                f"of {extent} along dim {sorted(dims)}"
+            )
     used = {pc.hf for pc in desc.pieces}
     if desc.tp_size == 1:
         unused = sorted(set(hf_shapes) - used)
         if unused:
-            problems.append(f"HF tensors megarl produces but vLLM ({desc.model_class}) has no "
-                            f"parameter for: {unused[:8]}{' ...' if len(unused) > 8 else ''}"
-                            f" (tie_word_embeddings={tied})")
+            problems.append(
+                f"HF tensors megarl produces but vLLM ({desc.model_class}) has no "
+                f"parameter for: {unused[:8]}{' ...' if len(unused) > 8 else ''}"
+                f" (tie_word_embeddings={tied})"
+            )
     if problems:
         raise PlanError(
             f"weight sync cannot map this model into vLLM {desc.vllm_version} "

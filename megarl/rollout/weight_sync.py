@@ -21,7 +21,13 @@ that raises part-way raises `SyncError` naming the vLLM parameter, HF tensor and
 it was working on; the engine is then in a known state: on CPU either untouched (failure while
 staging) or each layer old-or-new with `weight_state="partial"`; on GPU `weight_state="partial"`.
 A "partial" engine refuses to generate; every sync rewrites every parameter, so the next
-successful one restores it.
+successful one restores it. Inputs that would fail on every rank (names, shapes, dtypes) fail at
+plan time; a fault that hits only some ranks in the middle of an exchange leaves the others
+waiting in that bucket's collective until the process group's timeout.
+
+Memory (per rank, allocated once): send / receive buffers of at most one bucket (`bucket_bytes`,
+256 MiB by default) and, on backends that repack, staging for every piece that is not a
+zero-copy view (the QKV tensors at the same layout, nearly the whole model when TP or PP > 1).
 
 `naive_sync` is the reference: gather full canonical tensors with object collectives, map them
 to HF names, hand them to vLLM's loader. Tests compare against it; the benchmark times both.
@@ -39,7 +45,7 @@ import torch.distributed as dist
 from megarl.convert.layout import gather_full_state, local_params
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import ModelArch
-from megarl.rollout.engine import RolloutEngine, WeightLoadError
+from megarl.rollout.engine import SYNCED, RolloutEngine, WeightLoadError
 from megarl.rollout.plan import RankMeta, SourceParam, SyncPlan, build_plan
 from megarl.rollout.vllm_layout import PlanError, check_coverage, describe_model
 
@@ -63,6 +69,7 @@ class TensorTarget:
     staged = False
 
     def __init__(self, tensors: dict[str, torch.Tensor], plan: SyncPlan):
+        self.aliased: set[int] = set()
         self.views = []
         for pc in plan.pieces:
             t = tensors[pc.param]
@@ -75,14 +82,20 @@ class StagingTarget:
 
     staged = True
 
-    def __init__(self, plan: SyncPlan, dtype: torch.dtype, device, aliased: set[int]):
+    def __init__(self, plan: SyncPlan, dtype: torch.dtype, device):
+        # zero-copy views of trainer parameters where one covers a piece whole, same dtype
+        same = plan.src_dtype == str(dtype).removeprefix("torch.")
+        self.aliased = set(plan.aliases) if same else set()
         self.views = []
         for k, pc in enumerate(plan.pieces):
             if pc.hf_start != 0 or pc.length != pc.hf_shape[pc.dim]:
-                raise PlanError(f"vLLM parameter {pc.param!r} holds a slice of {pc.hf!r}: the "
-                                "reload path needs whole HF tensors (vLLM TP=1)")
-            self.views.append(None if k in aliased else torch.empty(pc.shape, dtype=dtype,
-                                                                    device=device))
+                raise PlanError(
+                    f"vLLM parameter {pc.param!r} holds a slice of {pc.hf!r}: the "
+                    "reload path needs whole HF tensors (vLLM TP=1)"
+                )
+            self.views.append(
+                None if k in self.aliased else torch.empty(pc.shape, dtype=dtype, device=device)
+            )
 
 
 # ----------------------------------------------------------------------------- the executor
@@ -94,16 +107,17 @@ class Reshard:
         self.target = target
         device = params[0].device if params else torch.device("cpu")
         dtype = params[0].dtype if params else torch.float32
-        self.aliased = set(plan.aliases) if getattr(target, "staged", False) and (
-            str(dtype).removeprefix("torch.") == plan.dst_dtype) else set()
+        self.aliased = target.aliased
         self.send = torch.empty(plan.send_capacity(), dtype=dtype, device=device)
         caps = plan.recv_capacity()
         if plan.mode == "all_to_all":
             self.recv = [torch.empty(sum(caps), dtype=dtype, device=device)]
         else:  # members broadcast one after another: one buffer serves them all
             self.recv = [torch.empty(max(caps, default=0), dtype=dtype, device=device)]
-        self.bytes_received = sum(b.recv_numel(m) for b in plan.buckets
-                                  for m in range(len(plan.members))) * self.send.element_size()
+        self.bytes_received = (
+            sum(b.recv_numel(m) for b in plan.buckets for m in range(len(plan.members)))
+            * self.send.element_size()
+        )
 
     def _src(self, seg) -> torch.Tensor:
         return self.params[seg.param].data.narrow(seg.dim, seg.src_start, seg.length)
@@ -116,18 +130,23 @@ class Reshard:
 
     def _fail(self, what: str, seg, e: Exception) -> SyncError:
         pc = self.plan.pieces[seg.piece]
-        src = self.plan.sources[seg.param].canonical if seg.src == self.plan.me else (
-            f"member {seg.src}'s parameter #{seg.param}")
+        src = (
+            self.plan.sources[seg.param].canonical
+            if seg.src == self.plan.me
+            else (f"member {seg.src}'s parameter #{seg.param}")
+        )
         return SyncError(
             f"weight sync failed {what} vLLM parameter {pc.param!r} (HF {pc.hf!r}, from "
             f"Megatron {self.plan.piece_canonical[seg.piece]!r}, source {src}): "
-            f"{type(e).__name__}: {e}", pc.param)
+            f"{type(e).__name__}: {e}",
+            pc.param,
+        )
 
     def _pack(self, segs, buf: torch.Tensor, offset: int = 0) -> int:
         for seg in segs:
             try:
                 src = self._src(seg)
-                buf[offset: offset + seg.numel].view(src.shape).copy_(src)
+                buf[offset : offset + seg.numel].view(src.shape).copy_(src)
             except Exception as e:
                 raise self._fail("packing", seg, e) from e
             offset += seg.numel
@@ -137,7 +156,7 @@ class Reshard:
         for seg in segs:
             try:
                 dst = self._dst(seg)
-                dst.copy_(buf[offset: offset + seg.numel].view(dst.shape))
+                dst.copy_(buf[offset : offset + seg.numel].view(dst.shape))
             except Exception as e:
                 raise self._fail("unpacking into", seg, e) from e
             offset += seg.numel
@@ -173,8 +192,15 @@ class Reshard:
             elif plan.mode == "all_to_all":
                 ins = [bk.send_numel(m) for m in range(len(members))]
                 outs = [bk.recv_numel(m) for m in range(len(members))]
-                self._collective(bk, dist.all_to_all_single, self.recv[0][: sum(outs)],
-                                 self.send[: sum(ins)], outs, ins, group=self.group)
+                self._collective(
+                    bk,
+                    dist.all_to_all_single,
+                    self.recv[0][: sum(outs)],
+                    self.send[: sum(ins)],
+                    outs,
+                    ins,
+                    group=self.group,
+                )
                 off = 0
                 for m in range(len(members)):
                     off = self._unpack(bk.recv[m], self.recv[0], off)
@@ -184,9 +210,11 @@ class Reshard:
             fn(*args, **kwargs)
         except Exception as e:
             names = sorted({self.plan.pieces[k].param for k in bk.pieces})
-            raise SyncError(f"weight sync collective failed for the bucket holding {names[:4]}"
-                            f"{' ...' if len(names) > 4 else ''}: {type(e).__name__}: {e}",
-                            names[0] if names else None) from e
+            raise SyncError(
+                f"weight sync collective failed for the bucket holding {names[:4]}"
+                f"{' ...' if len(names) > 4 else ''}: {type(e).__name__}: {e}",
+                names[0] if names else None,
+            ) from e
 
     def feed(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Phase 2 (staged targets): (HF name, tensor) in vLLM parameter order; aliased pieces
@@ -197,8 +225,9 @@ class Reshard:
                 try:
                     t = self._src(seg)
                     if tuple(t.shape) != pc.shape:
-                        raise ValueError(f"source slice has shape {tuple(t.shape)}, the HF "
-                                         f"tensor {pc.shape}")
+                        raise ValueError(
+                            f"source slice has shape {tuple(t.shape)}, the HF tensor {pc.shape}"
+                        )
                 except Exception as e:
                     raise self._fail("reading", seg, e) from e
                 yield pc.hf, t
@@ -223,10 +252,16 @@ def _sources(chunks) -> tuple[list[SourceParam], list[torch.nn.Parameter]]:
     metas, params = [], []
     for canonical, _, p in local_params(chunks):
         sharded = bool(getattr(p, "tensor_model_parallel", False)) and (
-            getattr(p, "partition_dim", -1) >= 0)
-        metas.append(SourceParam(canonical, tuple(p.shape),
-                                 p.partition_dim if sharded else -1,
-                                 str(p.dtype).removeprefix("torch.")))
+            getattr(p, "partition_dim", -1) >= 0
+        )
+        metas.append(
+            SourceParam(
+                canonical,
+                tuple(p.shape),
+                p.partition_dim if sharded else -1,
+                str(p.dtype).removeprefix("torch."),
+            )
+        )
         params.append(p)
     return metas, params
 
@@ -234,24 +269,41 @@ def _sources(chunks) -> tuple[list[SourceParam], list[torch.nn.Parameter]]:
 class WeightSync:
     """Megatron -> vLLM weight sync with a plan computed once (see module docstring)."""
 
-    def __init__(self, chunks, arch: ModelArch, engine: RolloutEngine, groups, *,
-                 bucket_bytes: int = 256 * 2**20):
+    def __init__(
+        self,
+        chunks,
+        arch: ModelArch,
+        engine: RolloutEngine,
+        groups,
+        *,
+        bucket_bytes: int = 256 * 2**20,
+    ):
         if arch.is_moe:
             raise PlanError(
                 f"weight sync for MoE models ({arch.family}) is not mapped yet: vLLM fuses "
                 "experts into FusedMoE w13/w2 parameters the plan does not describe"
             )
         self.chunks, self.arch, self.engine = chunks, arch, engine
+        engine.wake_up(["weights"])  # GPU: the plan takes views of vLLM's weight storage
         desc = engine.call(_describe, engine.tp_rank, engine.tp_size)
         check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
         repacked = any(p.repacked for p in desc.params)
         if repacked and not engine.call(_has_reload):
-            raise PlanError(f"vLLM {desc.vllm_version} repacks weights but its model runner has "
-                            "no reload_weights(); megarl's sync needs vLLM >= 0.32")
+            raise PlanError(
+                f"vLLM {desc.vllm_version} repacks weights but its model runner has "
+                "no reload_weights(); megarl's sync needs vLLM >= 0.32"
+            )
         sources, self.params = _sources(chunks)
         cp_rank = dist.get_rank(groups.cp) if groups.cp is not None else 0
-        meta = RankMeta(dist.get_rank(), (groups.dp_rank, cp_rank), groups.pp_rank,
-                        groups.tp_rank, groups.tp_size, tuple(sources), desc)
+        meta = RankMeta(
+            dist.get_rank(),
+            (groups.dp_rank, cp_rank),
+            groups.pp_rank,
+            groups.tp_rank,
+            groups.tp_size,
+            tuple(sources),
+            desc,
+        )
         metas: list = [None] * dist.get_world_size()
         dist.all_gather_object(metas, meta)  # the one metadata exchange
         by_key: dict[tuple, list[RankMeta]] = {}
@@ -266,16 +318,20 @@ class WeightSync:
         me = [m.rank for m in mine].index(meta.rank)
         self.plan = build_plan(arch, mine, me, bucket_bytes=bucket_bytes)
         if repacked:
-            dtype = getattr(torch, desc.dtype)
-            aliased = set(self.plan.aliases) if self.plan.src_dtype == desc.dtype else set()
-            target = StagingTarget(self.plan, dtype, self._device(), aliased)
+            target = StagingTarget(self.plan, getattr(torch, desc.dtype), self._device())
         else:
             target = TensorTarget(engine.call(_named_params), self.plan)
         self.reshard = Reshard(self.plan, self.params, self.group, target)
         self.staged = repacked
-        log.info("weight sync plan: %d pieces, %d buckets, mode=%s, %.1f MB per sync, %d "
-                 "zero-copy pieces", len(self.plan.pieces), len(self.plan.buckets),
-                 self.plan.mode, self.plan.bytes_total / 1e6, len(self.reshard.aliased))
+        log.info(
+            "weight sync plan: %d pieces, %d buckets, mode=%s, %.1f MB per sync, %d "
+            "zero-copy pieces",
+            len(self.plan.pieces),
+            len(self.plan.buckets),
+            self.plan.mode,
+            self.plan.bytes_total / 1e6,
+            len(self.reshard.aliased),
+        )
 
     def _device(self):
         return self.params[0].device if self.params else torch.device("cpu")
@@ -296,13 +352,15 @@ class WeightSync:
                 self.engine.load_hf_weights(self.reshard.feed())
             except WeightLoadError as e:
                 if isinstance(e.__cause__, SyncError):  # raised by our feed, inside the reload
-                    raise SyncError(f"{e.__cause__} (engine weight_state='partial')",
-                                    e.__cause__.param) from e
+                    raise SyncError(
+                        f"{e.__cause__} (engine weight_state='partial')", e.__cause__.param
+                    ) from e
                 param = next((p.param for p in self.plan.pieces if p.hf == e.param), e.param)
-                raise SyncError(f"weight sync failed writing vLLM parameter {param!r}: {e}",
-                                param) from e
+                raise SyncError(
+                    f"weight sync failed writing vLLM parameter {param!r}: {e}", param
+                ) from e
         else:
-            self.engine.weight_state = "synced"
+            self.engine.weight_state = SYNCED
             self.engine.failed_param = None
         t2 = time.perf_counter()
         return {
@@ -320,8 +378,7 @@ def naive_sync(chunks, arch: ModelArch, engine: RolloutEngine) -> dict:
     vLLM's loader. Collective over the world."""
     t0 = time.perf_counter()
     full = gather_full_state(chunks)
-    elem = torch.empty((), dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16",
-                                                 "fp16": "float16"}[engine.dtype])).element_size()
+    elem = torch.empty((), dtype=engine.torch_dtype).element_size()
     nbytes = 0
 
     def items():

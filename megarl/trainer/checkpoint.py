@@ -74,9 +74,12 @@ def save(run_dir: str, step: int, models: dict, trainer_state: dict, *, keep_las
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    for _, opt in models.values():  # a run whose every update so far was skipped (NaN)
+        if opt is not None:
+            _materialize_optimizer_state(opt)
     dist_checkpointing.save(_sharded(models, is_loading=False), tmp)
     if os.environ.get("MEGARL_TEST_CRASH_IN_SAVE"):  # fault injection for the crash test
-        os._exit(17)
+        raise RuntimeError("MEGARL_TEST_CRASH_IN_SAVE: crash between writing and committing")
     if dist.get_rank() == 0:
         state = {**trainer_state, "torch_rng": torch.get_rng_state()}
         torch.save(state, os.path.join(tmp, "trainer_state.pt.tmp"))
@@ -120,6 +123,7 @@ def load(path: str, models: dict) -> dict:
             for o in getattr(opt, "chained_optimizers", [opt]):
                 o.optimizer.state.clear()
             opt.load_state_dict(loaded[f"{name}_optim"])
+            _unshare_step_tensors(opt)
     state = torch.load(state_file, weights_only=False)
     torch.set_rng_state(state.pop("torch_rng"))
     return state
@@ -143,6 +147,16 @@ def _materialize_optimizer_state(opt) -> None:
         inner.zero_grad()
         for g, (lr, wd) in zip(inner.param_groups, saved, strict=True):
             g["lr"], g["weight_decay"] = lr, wd
+
+
+def _unshare_step_tensors(opt) -> None:
+    """megatron-core 0.16 (no TE/Apex) restores torch Adam's per-parameter 'step' as ONE tensor
+    shared by every parameter; torch increments it in place once per parameter, which breaks
+    Adam's bias correction after a resume. Give each parameter its own copy."""
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        for state in o.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def _strip(sd: dict, prefix: str) -> dict:

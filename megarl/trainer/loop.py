@@ -29,6 +29,10 @@ from megarl.trainer.update import train_policy, train_value
 log = logging.getLogger("megarl")
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss."""
+
+
 def train(cfg: RunConfig, out_dir: str) -> Run:
     run = Run.create(cfg, out_dir)
     timer = StageTimer()
@@ -68,8 +72,13 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         run.logger.log(run.step, metrics)
         if cfg.logging.progress:
             bar.update(run.step, metrics)
-        if _bad_step(run, metrics):
-            break
+        if _bad_step(run, metrics):  # no checkpoint is written from a diverged state
+            run.close()
+            raise TrainingDiverged(
+                f"stopped at step {run.step}: {run.bad_steps} consecutive steps with a NaN/Inf "
+                f"loss (trainer.max_bad_steps={cfg.trainer.max_bad_steps}); the newest checkpoint "
+                f"in {run.out_dir}/checkpoints is from before the divergence"
+            )
         every = cfg.trainer.save_every
         if (every and run.step % every == 0) or run.step == cfg.trainer.steps:
             run.save()
@@ -271,28 +280,28 @@ def _mismatch(trainer_lp, sampler_lp, mask) -> dict:
 
 
 def _bad_step(run: Run, metrics: dict) -> bool:
+    """Count consecutive steps whose loss was non-finite (their updates were dropped)."""
     loss = metrics.get("loss", 0.0)
     if metrics.get("skipped_steps", 0) or not math.isfinite(loss):
         run.bad_steps += 1
         log.warning(
             "step %d: non-finite loss, update skipped (%d in a row)", run.step, run.bad_steps
         )
-        if run.bad_steps >= run.cfg.trainer.max_bad_steps:
-            log.error("stopping: %d consecutive steps with NaN/Inf loss", run.bad_steps)
-            return True
-    else:
-        run.bad_steps = 0
+        return run.bad_steps >= run.cfg.trainer.max_bad_steps
+    run.bad_steps = 0
     return False
 
 
 def finish(run: Run) -> None:
     """Plot the reward curve; optionally export the policy as an HF directory."""
-    if dist.get_rank() == 0:
+    metrics = os.path.join(run.out_dir, "metrics.jsonl")
+    if dist.get_rank() == 0 and os.path.exists(metrics):
         from megarl.metrics.plots import plot_rewards
 
-        plot_rewards(
-            os.path.join(run.out_dir, "metrics.jsonl"), os.path.join(run.out_dir, "reward.png")
-        )
+        try:
+            plot_rewards(metrics, os.path.join(run.out_dir, "reward.png"))
+        except ValueError as e:  # e.g. a resumed run that had no step left to do
+            log.warning("no reward plot: %s", e)
     if run.cfg.trainer.export_hf:
         export_hf(run, os.path.join(run.out_dir, "hf"))
     run.close()

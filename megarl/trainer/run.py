@@ -101,6 +101,13 @@ class Run:
     def create(cfg: RunConfig, out_dir: str) -> Run:
         rank, world = init_distributed()
         arch = load_arch(cfg)
+        longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+        if longest > arch.max_position_embeddings:
+            raise ValueError(
+                f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_tokens "
+                f"({cfg.rollout.max_tokens}) = {longest} exceeds the model's "
+                f"max_position_embeddings ({arch.max_position_embeddings})"
+            )
         p = cfg.parallel
         topo = Topology.create(
             p,
