@@ -31,14 +31,7 @@ def make_states(rank, world, archs: dict, seed: int):
 def _setup(hf, layout, world, seed=0):
     arch = arch_from_hf(hf)
     par = ParallelConfig(**layout)
-    topo = Topology.create(
-        par,
-        world,
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        num_experts=arch.num_experts,
-    )
+    topo = Topology.for_model(par, world, arch)
     groups = topo.initialize(seed=seed)
     return arch, par, groups
 

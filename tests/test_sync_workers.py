@@ -372,13 +372,7 @@ def _setup(arch, layout, world):
     from megarl.models.hf_config import PrecisionConfig
 
     par = ParallelConfig(**layout)
-    groups = Topology.create(
-        par,
-        world,
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-    ).initialize(seed=0)
+    groups = Topology.for_model(par, world, arch).initialize(seed=0)
     return build_model(arch, par, PrecisionConfig(), role="actor"), groups
 
 

@@ -41,14 +41,7 @@ def load_megatron(ckpt_dir: str, *, layout: dict | None = None, world: int = 1):
 
     arch = read_checkpoint_arch(ckpt_dir)
     par = ParallelConfig(**(layout or {}))
-    topo = Topology.create(
-        par,
-        world,
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        num_experts=arch.num_experts,
-    )
+    topo = Topology.for_model(par, world, arch)
     groups = topo.initialize(seed=0)
     chunks = build_chunks(arch, par, dtype="fp32")
     load_model_checkpoint(chunks, ckpt_dir)

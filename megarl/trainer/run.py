@@ -109,14 +109,7 @@ class Run:
                 f"max_position_embeddings ({arch.max_position_embeddings})"
             )
         p = cfg.parallel
-        topo = Topology.create(
-            p,
-            world,
-            num_layers=arch.num_layers,
-            num_attention_heads=arch.num_attention_heads,
-            num_query_groups=arch.num_key_value_heads,
-            num_experts=arch.num_experts,
-        )
+        topo = Topology.for_model(p, world, arch)
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
