@@ -160,6 +160,18 @@ class Topology:
                     )
         return Topology(parallel=p, world_size=world_size, data_parallel=dp)
 
+    @staticmethod
+    def for_model(parallel: ParallelConfig, world_size: int, arch) -> Topology:
+        """`create` with the shape rules of a `ModelArch` (layers, heads, KV heads, experts)."""
+        return Topology.create(
+            parallel,
+            world_size,
+            num_layers=arch.num_layers,
+            num_attention_heads=arch.num_attention_heads,
+            num_query_groups=arch.num_key_value_heads,
+            num_experts=arch.num_experts,
+        )
+
     def with_parallel(self, **changes) -> Topology:
         return Topology.create(dataclasses.replace(self.parallel, **changes), self.world_size)
 
