@@ -127,7 +127,7 @@ def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, dict]:
 
 def forward_passes(run: Run, batch: dict) -> None:
     """Old-policy and reference logprobs, and critic values, into `batch` (last PP stage)."""
-    alg, mbs, g = run.cfg.algorithm, run.cfg.algorithm.micro_batch_size, run.groups
+    mbs, g = run.cfg.algorithm.micro_batch_size, run.groups
     kw = dict(
         micro_batch_size=mbs,
         vocab_size=run.arch.vocab_size,
@@ -142,7 +142,6 @@ def forward_passes(run: Run, batch: dict) -> None:
         batch["old_values"] = xp.forward_values(
             run.critic, batch, micro_batch_size=mbs, groups=g, pad_to=_pad_to(run)
         )
-    del alg
 
 
 def advantages(run: Run, batch: dict, rewards: torch.Tensor, prompt_index, global_ids) -> None:

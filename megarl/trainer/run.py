@@ -227,11 +227,7 @@ class Run:
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self) -> dict:
-        if self.sync is None:
-            return {}
-        from megarl.rollout.weight_sync import WeightSync
-
-        assert isinstance(self.sync, WeightSync)
+        """Push the actor's weights into this rank's vLLM engine (collective)."""
         return self.sync.sync()
 
     def close(self) -> None:
