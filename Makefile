@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: install test train lint bench
+.PHONY: install test train lint bench gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -31,3 +31,20 @@ lint: install
 
 bench: install
 	$(PY) tools/benchmark.py --suite all --json bench.json
+
+# cp312 wheels the lent GPU machine (Python 3.12, torch from its image, no network) lacks; carry
+# .gpu_wheels/ there and run `bash tools/gpu_check.sh` (README "GPU check")
+GPU_WHEELS := .gpu_wheels
+GPU_WHEEL_REQS := megatron-core==0.16.1
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	rm -f $(GPU_WHEELS)/*.whl
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip download --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d $(GPU_WHEELS) $(GPU_WHEEL_REQS)
+	du -sh $(GPU_WHEELS)
+
+gpu-check:
+	bash tools/gpu_check.sh

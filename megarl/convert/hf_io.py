@@ -6,11 +6,13 @@ caller keeps (an mmap'ed file would count its touched pages in RSS). Names, dtyp
 come from the headers without reading data; `model.safetensors.index.json` is honoured when
 present, otherwise every `*.safetensors` file in the directory is read.
 
-Writing buffers one shard (at most `max_shard_bytes`), writes it with safetensors, and names the
-shards as transformers does (`model-00001-of-00003.safetensors` + index; a single shard is
-`model.safetensors`). Everything is written into a hidden temporary sibling directory that is
-renamed onto `out_dir` at the end, so an interrupted write never leaves a directory that looks
-complete.
+Writing (`write_hf_files`) buffers one shard (at most `max_shard_bytes`), writes it with
+safetensors, and names the shards as transformers does (`model-00001-of-00003.safetensors` +
+index; a single shard is `model.safetensors`). When every name, shape and dtype is known in
+advance, `StreamingShardWriter` instead writes each shard's header first and then appends the
+tensors one at a time (nothing buffered). Everything is written into a hidden temporary sibling
+directory (`AtomicDir`) that is renamed onto `out_dir` at the end, so an interrupted write never
+leaves a directory that looks complete.
 """
 
 from __future__ import annotations
@@ -157,18 +159,40 @@ class LazyHFTensors:
         return sum(self.nbytes(n) for n in self._entries)
 
     def get(self, name: str) -> torch.Tensor:
-        path, start, meta = self._entry(name)
-        begin, end = meta["data_offsets"]
-        t = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
-        buf = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        if buf.numel() != end - begin:
+        meta = self._entry(name)[2]
+        return self._read(name, 0, meta["shape"][0] if meta["shape"] else 1)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows `start:stop` of a tensor (dim 0), reading only their bytes: a row range of a
+        row-major tensor is one contiguous byte range of the file."""
+        shape = self._entry(name)[2]["shape"]
+        if not shape or not 0 <= start <= stop <= shape[0]:
             raise HFCheckpointError(
-                f"{path}: tensor {name!r} has {end - begin} bytes for shape {meta['shape']} "
-                f"{meta['dtype']} ({buf.numel()} expected)"
+                f"{self.file_of(name)}: rows {start}:{stop} of {name!r} (shape {shape}) do not "
+                "exist"
             )
+        return self._read(name, start, stop)
+
+    def _read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        path, data_start, meta = self._entry(name)
+        begin, end = meta["data_offsets"]
+        shape = list(meta["shape"])
+        dtype = _DTYPES[meta["dtype"]]
+        full = 1
+        for d in shape:
+            full *= d
+        if full * dtype.itemsize != end - begin:
+            raise HFCheckpointError(
+                f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} "
+                f"{meta['dtype']} ({full * dtype.itemsize} expected)"
+            )
+        row = (end - begin) // shape[0] if shape and shape[0] else 0
+        t = torch.empty([stop - start, *shape[1:]] if shape else [], dtype=dtype)
+        if not t.numel():
+            return t
+        view = memoryview(t.view(-1).view(torch.uint8).numpy())
         with open(path, "rb", buffering=0) as f:
-            f.seek(start + begin)
-            view = memoryview(buf.numpy())
+            f.seek(data_start + begin + start * row)
             got = 0
             while got < len(view):
                 n = f.readinto(view[got:])
@@ -301,6 +325,125 @@ def write_hf_files(
         with open(os.path.join(directory, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": final}, f, indent=2)
     return final
+
+
+_DTYPE_TAGS = {v: k for k, v in _DTYPES.items()}
+
+
+class StreamingShardWriter:
+    """Safetensors shards written tensor by tensor, for tensors whose names, shapes and dtypes
+    are known before the first byte (`specs`, in writing order).
+
+    A safetensors header lists every tensor's byte range, so with the specs up front each shard's
+    header is written first and each tensor's bytes are appended as it arrives: nothing is
+    buffered (peak: the tensor passed to `write`). Shards are cut in order at `max_shard_bytes`
+    and named as transformers does; `close()` checks that every spec was written and writes the
+    index when there is more than one shard. Tensors are not padded for alignment (safetensors
+    forbids gaps), so mixed-dtype specs can leave a tensor at an odd offset; one dtype cannot."""
+
+    def __init__(
+        self,
+        directory: str,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        *,
+        max_shard_bytes: int = 2 * 2**30,
+    ):
+        self.dir = directory
+        self.specs = specs
+        groups: list[list[int]] = []
+        size = 0
+        for k, (name, shape, dtype) in enumerate(specs):
+            if dtype not in _DTYPE_TAGS:
+                raise HFCheckpointError(f"tensor {name!r}: dtype {dtype} cannot be written")
+            n = _nbytes(shape, dtype)
+            if not groups or (size + n > max_shard_bytes and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += n
+        if len(set(n for n, _, _ in specs)) != len(specs):
+            raise HFCheckpointError("tensor names in the writing plan are not unique")
+        self.files = [
+            "model.safetensors"
+            if len(groups) == 1
+            else f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+            for g in range(len(groups))
+        ]
+        self.file_of = {specs[k][0]: self.files[g] for g, ks in enumerate(groups) for k in ks}
+        self._groups = groups
+        self._next = 0  # index into specs
+        self._file = None
+        self._left = 0  # tensors still to write into the open file
+
+    def _open(self, g: int) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for k in self._groups[g]:
+            name, shape, dtype = self.specs[k]
+            n = _nbytes(shape, dtype)
+            header[name] = {
+                "dtype": _DTYPE_TAGS[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # as safetensors pads: the data starts 8-byte aligned
+        self._file = open(os.path.join(self.dir, self.files[g]), "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._left = len(self._groups[g])
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Append the next tensor of the plan (its name, shape and dtype must match)."""
+        if self._next >= len(self.specs):
+            raise HFCheckpointError(f"tensor {name!r} given after all {len(self.specs)} planned")
+        want, shape, dtype = self.specs[self._next]
+        if name != want or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise HFCheckpointError(
+                f"tensor #{self._next} is {name!r} {tuple(t.shape)} {t.dtype}; the plan expects "
+                f"{want!r} {tuple(shape)} {dtype}"
+            )
+        if self._file is None:
+            self._open(next(g for g, ks in enumerate(self._groups) if self._next in ks))
+        t = t.detach().contiguous().cpu()
+        if t.numel():
+            self._file.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        self._next += 1
+        self._left -= 1
+        if self._left == 0:
+            self._file.close()
+            self._file = None
+
+    def close(self) -> dict[str, str]:
+        """Finish; returns the weight map (name -> file)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._next != len(self.specs):
+            raise HFCheckpointError(
+                f"only {self._next} of {len(self.specs)} planned tensors were written (next: "
+                f"{self.specs[self._next][0]!r})"
+            )
+        if len(self.files) > 1:
+            total = sum(_nbytes(s, d) for _, s, d in self.specs)
+            with open(os.path.join(self.dir, INDEX), "w") as f:
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": self.file_of}, f, indent=2
+                )
+        return dict(self.file_of)
+
+    def abort(self) -> None:
+        """Close the open file (the caller discards the directory)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def save_hf_dir(

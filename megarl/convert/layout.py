@@ -11,8 +11,10 @@ Only one megatron layout needs care when concatenating TP shards: a gated `linea
 `[gate_r; up_r]`, so the full tensor is `[gate_0..gate_n; up_0..up_n]`, not the concatenation.
 QKV shards hold whole query groups, so plain concatenation is right.
 
-This module is the *naive* path (object collectives, full tensors on every rank): it serves tests,
-checkpoint export and the reference weight sync. The fast sync path is `megarl.rollout.weight_sync`.
+`gather_full_state` / `load_full_state` are the *naive* path (object collectives, the full model on
+every rank): they serve tests and the reference weight sync only. Production paths move one tensor
+at a time: `megarl.convert.sharded` (initial weights), `megarl.convert.stream` (HF export),
+`megarl.rollout.weight_sync` (the per-step sync).
 """
 
 from __future__ import annotations
@@ -109,6 +111,30 @@ def split_tp(name: str, full: torch.Tensor, partition_dim: int, tp: int, rank: i
 
 def _is_tp_sharded(p) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False)) and getattr(p, "partition_dim", -1) >= 0
+
+
+def tp_shard(p) -> tuple[int, int, int]:
+    """`(partition_dim, tp_size, tp_rank)` of a parameter in its TP group (the expert-TP group for
+    experts); `(-1, 1, 0)` for a tensor every TP rank holds whole."""
+    if not _is_tp_sharded(p):
+        return -1, 1, 0
+    group = _tp_group_for(p)
+    return p.partition_dim, dist.get_world_size(group), dist.get_rank(group)
+
+
+def is_contributor(p) -> bool:
+    """Whether this rank's copy of `p` is the one whole-model readers take: DP replicas (the
+    expert-DP group for experts) hold equal copies, so only DP rank 0's counts; of a tensor that
+    is not TP-sharded, only TP rank 0's."""
+    from megatron.core import parallel_state as ps
+
+    if _is_expert(p):
+        dp_rank = ps.get_expert_data_parallel_rank()
+        tp_rank = ps.get_expert_tensor_parallel_rank()
+    else:
+        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        tp_rank = ps.get_tensor_model_parallel_rank()
+    return dp_rank == 0 and (_is_tp_sharded(p) or tp_rank == 0)
 
 
 def gather_full_state(

@@ -233,22 +233,29 @@ def _dims(arch: ModelArch) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class _Item:
-    """One instance of a rule: concrete names and shapes."""
+class MappedTensor:
+    """One instance of a rule: a canonical tensor and the HF tensor(s) it is made of, with
+    concrete names and shapes."""
 
     rule: Rule
     canonical: str
     hf: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
 
+    @property
+    def kind(self) -> str:
+        return self.rule.kind
 
-def _instances(arch: ModelArch) -> Iterator[_Item]:
+
+def _instances(arch: ModelArch) -> Iterator[MappedTensor]:
     dims = _dims(arch)
     rules = table_for(arch)
     shapes = {r: tuple(tuple(dims[d] for d in s) for s in r.shapes) for r in rules}
 
-    def inst(r: Rule, **idx) -> _Item:
-        return _Item(r, r.canonical.format(**idx), tuple(h.format(**idx) for h in r.hf), shapes[r])
+    def inst(r: Rule, **idx) -> MappedTensor:
+        return MappedTensor(
+            r, r.canonical.format(**idx), tuple(h.format(**idx) for h in r.hf), shapes[r]
+        )
 
     glob = [r for r in rules if "{i}" not in r.canonical]
     layer = [r for r in rules if "{i}" in r.canonical]
@@ -315,18 +322,14 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...], what: s
         )
 
 
-def hf_to_canonical(
+def check_hf_names(
     arch: ModelArch,
-    get: Callable[[str], torch.Tensor],
     hf_names: Iterable[str],
     *,
     shape_of: Callable[[str], tuple[int, ...]] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream `(canonical_name, tensor)` built from HF tensors read lazily with `get(name)`.
-
-    `hf_names` are the names the HF files hold; before anything is read, names no rule consumes
-    and mapped names that are missing raise `MappingError` naming them. With `shape_of` (shape
-    without loading) shapes are checked up front too; otherwise each is checked when read."""
+) -> None:
+    """Raise `MappingError` naming them when the HF files hold names no rule consumes or lack
+    mapped names; with `shape_of` (shape without loading) check every mapped shape too."""
     items = list(_instances(arch))
     present = set(hf_names)
     expected = {n for item in items for n in item.hf}
@@ -348,16 +351,40 @@ def hf_to_canonical(
         for item in items:
             for n, s in zip(item.hf, item.shapes, strict=True):
                 _check_shape(n, shape_of(n), s, "HF tensor")
-    for item in items:
-        ts = []
-        for n, s in zip(item.hf, item.shapes, strict=True):
-            t = get(n)
-            _check_shape(n, t.shape, s, "HF tensor")
-            ts.append(t)
-        yield item.canonical, _to_megatron(arch, item.rule.kind, ts)
 
 
-def _canonical_index(arch: ModelArch) -> dict[str, _Item]:
+def canonical_from_hf(
+    arch: ModelArch, item: MappedTensor, tensors: list[torch.Tensor]
+) -> torch.Tensor:
+    """The canonical tensor of `item` from its HF tensors (in `item.hf` order), shapes checked."""
+    for n, s, t in zip(item.hf, item.shapes, tensors, strict=True):
+        _check_shape(n, t.shape, s, "HF tensor")
+    return _to_megatron(arch, item.kind, tensors)
+
+
+def hf_to_canonical(
+    arch: ModelArch,
+    get: Callable[[str], torch.Tensor],
+    hf_names: Iterable[str],
+    *,
+    shape_of: Callable[[str], tuple[int, ...]] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(canonical_name, tensor)` built from HF tensors read lazily with `get(name)`.
+
+    `hf_names` are the names the HF files hold; before anything is read, names no rule consumes
+    and mapped names that are missing raise `MappingError` naming them. With `shape_of` (shape
+    without loading) shapes are checked up front too; otherwise each is checked when read."""
+    check_hf_names(arch, hf_names, shape_of=shape_of)
+    for item in _instances(arch):
+        yield item.canonical, canonical_from_hf(arch, item, [get(n) for n in item.hf])
+
+
+def mapped_tensors(arch: ModelArch) -> dict[str, MappedTensor]:
+    """Canonical name -> its `MappedTensor`, in canonical (= HF writing) order."""
+    return _canonical_index(arch)
+
+
+def _canonical_index(arch: ModelArch) -> dict[str, MappedTensor]:
     return {item.canonical: item for item in _instances(arch)}
 
 

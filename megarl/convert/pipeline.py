@@ -71,12 +71,12 @@ def build_chunks(
     parallel = parallel or ParallelConfig()
     config = transformer_config(arch, parallel, PrecisionConfig(dtype=dtype), gpu=False)
     config.perform_initialization = False  # torch.empty weights: no seconds spent on random init
-    build = BuildConfig(make_vocab_size_divisible_by=make_vocab_size_divisible_by, use_te=False)
+    build = BuildConfig(make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
         chunk = build_gpt_chunk(
-            arch, config, vp_stage=vp_stage, role="reference", build=build, gpu=False
+            arch, config, vp_stage=vp_stage, role="reference", build=build, use_te=False
         )
         chunk.requires_grad_(False)
         chunk.eval()

@@ -47,7 +47,11 @@ def device() -> torch.device:
 
 
 def backend() -> str:
-    return "nccl" if use_gpu() else "gloo"
+    """The process-group backend. On GPU a device-mapped one: CUDA tensors go through NCCL, CPU
+    tensors (rewards, flags, metrics, object collectives) through gloo, so no collective needs
+    its tensors moved and object collectives stay in host memory (torch picks "cpu" for them
+    when the group has a CPU backend)."""
+    return "cpu:gloo,cuda:nccl" if use_gpu() else "gloo"
 
 
 def setup() -> None:

@@ -46,6 +46,15 @@ class ParallelConfig:
         for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise TopologyError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.context_parallel > 1:
+            # accepted silently before, yet nothing split the sequence: refuse until the TE path
+            # (load-balanced 2 x CP chunks, logprobs re-assembled) exists and is tested
+            raise TopologyError(
+                f"parallel.context_parallel={self.context_parallel}: context parallelism is not "
+                "implemented in megarl yet (the forward does not split sequences across CP ranks "
+                "and megatron-core's local attention cannot do CP); accepted: 1. For long "
+                "sequences use tensor_parallel with sequence_parallel=true, or pipeline_parallel"
+            )
 
 
 @dataclass(frozen=True)

@@ -151,3 +151,15 @@ def peak_flops(device_name: str, dtype: Any) -> float | None:
         if pattern in name:
             return peaks.get(key)
     return None
+
+
+def precision_mfu(
+    device_name: str, dtype: Any, fp8: bool, achieved_flops_per_s: float, num_devices: int
+) -> dict[str, float]:
+    """MFU against the peak of the precision the GEMMs run in: `mfu` (the FP8 peak when `fp8`,
+    else `dtype`'s) and, in FP8 runs, `mfu_bf16` against the BF16 peak (the figure comparable
+    with BF16 runs). Keys whose peak is unknown (CPUs, devices not in the table) are omitted."""
+    peaks = {"mfu": peak_flops(device_name, "fp8" if fp8 else dtype)}
+    if fp8:
+        peaks["mfu_bf16"] = peak_flops(device_name, "bf16")
+    return {k: achieved_flops_per_s / (p * num_devices) for k, p in peaks.items() if p}

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.models.hf_config import ModelArch, PrecisionConfig, transformer_config
-from megarl.models.specs import block_spec
+from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig, transformer_config
+from megarl.models.specs import block_spec, require_transformer_engine
 
 ROLES = ("actor", "reference", "critic")
 
@@ -23,7 +23,7 @@ class BuildConfig:
     make_vocab_size_divisible_by: int = 128
     """Embedding rows are padded to a multiple of this x TP (megatron convention)."""
     use_te: bool | None = None
-    """Transformer-Engine layer spec; None = on GPU when TE imports, never on CPU."""
+    """Override of `precision.transformer_engine`; None = decided by `resolve_use_te`."""
 
 
 class ValueHead(torch.nn.Module):
@@ -72,11 +72,35 @@ def _apply_rope_scaling(model, arch: ModelArch) -> None:
     )
 
 
-def build_gpt_chunk(arch: ModelArch, config, *, vp_stage, role: str, build: BuildConfig, gpu: bool):
+def resolve_use_te(precision: PrecisionConfig, build: BuildConfig, *, gpu: bool) -> bool:
+    """Whether to build Transformer-Engine layers. On GPU they are the default and a missing TE
+    is an error (never a silent fall-back to the slower local layers); the local spec on GPU
+    only with `precision.transformer_engine: false`."""
+    if build.use_te is not None:
+        return build.use_te
+    want = precision.transformer_engine
+    if want is False:
+        return False
+    if not gpu:
+        if want:
+            raise ModelConfigError(
+                "precision.transformer_engine=true needs a CUDA GPU; this process runs on CPU. "
+                "Accepted on CPU: null or false"
+            )
+        return False
+    require_transformer_engine(
+        "training on GPU (the default layer spec there; set precision.transformer_engine: "
+        "false to use megatron-core's local layers instead, slower and without FP8)"
+    )
+    return True
+
+
+def build_gpt_chunk(
+    arch: ModelArch, config, *, vp_stage, role: str, build: BuildConfig, use_te: bool
+):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    use_te = build.use_te if build.use_te is not None else (gpu and _te_available())
     has_vpp = ps.get_virtual_pipeline_model_parallel_world_size() is not None
     pre = ps.is_pipeline_first_stage(ignore_virtual=not has_vpp, vp_stage=vp_stage)
     post = ps.is_pipeline_last_stage(ignore_virtual=not has_vpp, vp_stage=vp_stage)
@@ -105,15 +129,6 @@ def build_gpt_chunk(arch: ModelArch, config, *, vp_stage, role: str, build: Buil
     return model
 
 
-def _te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
-
-
 def build_model(
     arch: ModelArch,
     parallel,
@@ -135,11 +150,14 @@ def build_model(
 
     if role not in ROLES:
         raise ValueError(f"role={role!r}; accepted: {ROLES}")
+    use_te = resolve_use_te(precision, build, gpu=gpu)
     config = transformer_config(arch, parallel, precision, gpu=gpu)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
-        chunk = build_gpt_chunk(arch, config, vp_stage=vp_stage, role=role, build=build, gpu=gpu)
+        chunk = build_gpt_chunk(
+            arch, config, vp_stage=vp_stage, role=role, build=build, use_te=use_te
+        )
         if gpu:
             chunk.cuda(torch.cuda.current_device())
         if precision.dtype != "fp32":

@@ -1,8 +1,10 @@
 """The one seam into megatron: `forward_step` + `get_forward_backward_func`.
 
-Micro-batches are dicts of CPU/GPU tensors with at least `tokens [b, s]`; every pipeline stage
-iterates the same list (only the first stage reads the tokens, the last one the targets). The
-causal mask is passed explicitly (megatron would otherwise build one on "cuda").
+Micro-batches are dicts of tensors with at least `tokens [b, s]`, collated on the host; `run` is
+the one place that moves them to the model's device (every tensor but the host-side `index`
+rows, which the callers use to place results into host tensors). Every pipeline stage iterates
+the same list (only the first stage reads the tokens, the last one the targets). The causal mask
+is passed explicitly (megatron would otherwise build one on "cuda").
 
 Loss scaling. `loss_fn(micro_batch, output) -> (loss, metrics)` must return this micro-batch's
 *share* of the global loss (its numerator over the global denominator). megatron then divides by
@@ -45,7 +47,8 @@ def run(
     (empty list on other stages). With `forward_only=False` grads accumulate in the chunks."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    micro_batches = pad_micro_batches(micro_batches)
+    dev = next(chunks[0].parameters()).device
+    micro_batches = [to_device(mb, dev) for mb in pad_micro_batches(micro_batches)]
     num_mb = len(micro_batches)
     scale = 1.0 if forward_only else float(num_mb * dp_size)
 
@@ -72,6 +75,32 @@ def run(
         forward_only=forward_only,
     )
     return list(out or [])
+
+
+def sequence_multiple(tp: int, sequence_parallel: bool, fp8_recipe: str | None) -> int:
+    """What every micro-batch's sequence length is padded to a multiple of. Sequence parallelism
+    splits the sequence over the TP ranks; Transformer-Engine's FP8 GEMMs need the flattened
+    token dimension (micro-batch x local sequence) divisible by 16 (32 for MXFP8, as
+    `megatron.core.fp8_utils.get_fp8_align_size`), which a local sequence length that is a
+    multiple of it guarantees for any micro-batch size. `fp8_recipe`: None when FP8 is off."""
+    multiple = tp if sequence_parallel else 1
+    if fp8_recipe is None:
+        return multiple
+    return multiple * (32 if fp8_recipe == "mxfp8" else 16)
+
+
+# micro-batch fields that stay on the host: row indices into host-side result tensors
+HOST_FIELDS = ("index",)
+
+
+def to_device(mb: dict, device: torch.device) -> dict:
+    """`mb` with every tensor but `HOST_FIELDS` on `device` (a no-op for tensors already there)."""
+    return {
+        k: v.to(device, non_blocking=True)
+        if isinstance(v, torch.Tensor) and k not in HOST_FIELDS
+        else v
+        for k, v in mb.items()
+    }
 
 
 def pad_micro_batches(micro_batches: list[dict]) -> list[dict]:

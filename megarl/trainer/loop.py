@@ -15,15 +15,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from megarl.algorithms.advantages import masked_mean
 from megarl.algorithms.distributed_advantage import gae_advantages, gather_advantages
 from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
-from megarl.distributed import device
 from megarl.metrics.progress import StepProgress
+from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.timer import StageTimer
+from megarl.models.forward import sequence_multiple
 from megarl.trainer import experience as xp
-from megarl.trainer.run import Run, is_mp_source
+from megarl.trainer.run import Run
 from megarl.trainer.update import train_policy, train_value
 
 log = logging.getLogger("megarl")
@@ -89,22 +89,21 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
 
 # ---------------------------------------------------------------------- the named steps
 def generate(run: Run):
-    """This DP rank's prompts and their samples. On CPU only the model-parallel source rank
-    generates; the rollout is broadcast to the rest of its TP x PP group."""
-    from megatron.core import parallel_state as ps
-
+    """This DP rank's prompts and their samples (each prompt generated once, by the engines of
+    its model-parallel group: `megarl.rollout.dispatch`); then the engine sleeps (GPU: frees its
+    weights and KV cache for the trainer) until the next weight sync wakes it."""
     prompts = run.dataset.batch(run.sampler.next_step())
-    rollout = None
-    if device.use_gpu() or is_mp_source(run.groups):  # SPMD engines on GPU must all step
-        rollout = run.engine.generate(prompts.prompt_ids, seed=run.cfg.trainer.seed + run.step)
-    box = [rollout]
-    group = ps.get_model_parallel_group()
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return prompts, box[0]
+    count = len(prompts.prompt_ids)
+    positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
+    seed = run.cfg.trainer.seed * 1_000_003 + run.step
+    rollout = run.dispatcher.generate(prompts.prompt_ids, positions, seed)
+    run.engine.sleep()
+    return prompts, rollout
 
 
-def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, dict]:
-    """Rewards [B] for this rank's samples (TRL protocol; dataset columns passed through)."""
+def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics]:
+    """Rewards [B] for this rank's samples (TRL protocol; dataset columns passed through), and
+    each function's mean over the samples it applies to (None = not applicable)."""
     from megarl.rewards import score as score_fn
 
     tok = run.tokenizer
@@ -120,8 +119,11 @@ def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, dict]:
         columns,
         on_error=run.cfg.reward.on_error,
     )
-    metrics = {f"reward/{k}": float(torch.nanmean(v)) for k, v in per_fn.items()}
-    metrics["reward_errors"] = errors
+    metrics = LocalMetrics()
+    for k, v in per_fn.items():
+        ok = ~torch.isnan(v)
+        metrics.add_ratio(f"reward/{k}", v[ok].double().sum(), ok.sum())
+    metrics.add_sum("reward_errors", errors)
     return total, metrics
 
 
@@ -178,9 +180,9 @@ def advantages(run: Run, batch: dict, rewards: torch.Tensor, prompt_index, globa
     batch["advantages"] = adv[:, None] * mask
 
 
-def update(run: Run, batch: dict) -> dict:
+def update(run: Run, batch: dict) -> LocalMetrics:
     alg, g, seed = run.cfg.algorithm, run.groups, run.cfg.trainer.seed * 1000003 + run.step
-    metrics = {}
+    metrics = LocalMetrics()
     if run.critic is not None:
         metrics.update(
             train_value(
@@ -212,36 +214,46 @@ def update(run: Run, batch: dict) -> dict:
     return metrics
 
 
-def collect_metrics(run: Run, batch, rewards, reward_metrics, train_metrics, times, step_s) -> dict:
-    """Global (DP-averaged) metrics, delivered to global rank 0."""
+def collect_metrics(
+    run: Run,
+    batch,
+    rewards,
+    reward_metrics: LocalMetrics,
+    train_metrics: LocalMetrics,
+    times,
+    step_s,
+) -> dict:
+    """Global metrics (the values one process holding the whole batch would log), delivered
+    to global rank 0."""
     from megatron.core import parallel_state as ps
 
     g, mask = run.groups, batch["loss_mask"]
-    resp = batch["response_len"].float()
-    local = {
-        "reward_mean": rewards.float().mean().item(),
-        "reward_std": rewards.float().std().item() if len(rewards) > 1 else 0.0,
-        "response_len": resp.mean().item(),
-        "tokens": float(batch["seq_len"].sum()),
-        **reward_metrics,
-        **train_metrics,
-    }
+    r = rewards.double()
+    local = LocalMetrics()
+    local.add_ratio("reward_mean", r.sum(), len(r))
+    local.add_ratio("_reward_sq", r.square().sum(), len(r))
+    local.add_ratio("response_len", batch["response_len"].sum(), len(r))
+    local.add_sum("tokens", batch["seq_len"].sum())
+    local.update(reward_metrics)
+    local.update(train_metrics)
     if g.is_last_stage:
-        old = batch["old_logprobs"]
-        mm = _mismatch(old, batch["sampler_logprobs"], mask)
-        local["logprob_mismatch"] = mm["mean"]
-        local["logprob_mismatch_max"] = mm["max"]
+        old, valid = batch["old_logprobs"], mask.bool()
+        diff = (old.double() - batch["sampler_logprobs"].double()).abs()[valid]
+        local.add_ratio("logprob_mismatch", diff.sum(), diff.numel())
+        local.add_max("logprob_mismatch_max", diff.max() if diff.numel() else 0.0)
+        kl = 0.0
         if "ref_logprobs" in batch:
-            local["kl"] = masked_mean(kl_penalty(old, batch["ref_logprobs"], "k3"), mask).item()
-        else:
-            local["kl"] = 0.0
-    # average over DP replicas (every rank of a stage holds the same keys)
-    keys = sorted(local)
-    vec = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(vec, group=g.dp)
-    vec /= g.dp_size
-    merged = dict(zip(keys, vec.tolist(), strict=True))
-    merged["tokens"] *= g.dp_size  # a sum, not a mean
+            kl = kl_penalty(old, batch["ref_logprobs"], "k3")[valid].double().sum()
+        local.add_ratio("kl", kl, valid.sum())
+    local.add_sum("_samples", len(r))
+    merged = local.reduce(g.dp)
+    n, mean = merged.pop("_samples"), merged["reward_mean"]
+    var = (merged.pop("_reward_sq") - mean * mean) * n / max(n - 1, 1)  # unbiased, as torch.std
+    merged["reward_std"] = math.sqrt(max(var, 0.0))
+    # every prompt generated once: samples generated in the world = prompts x n
+    made = torch.tensor([float(run.dispatcher.samples_generated)], dtype=torch.float64)
+    dist.all_reduce(made)
+    merged["rollout/samples_generated"] = made.item()
     # the last stage's view reaches rank 0 through the pipeline group
     box = [merged]
     pp = ps.get_pipeline_model_parallel_group()
@@ -250,32 +262,29 @@ def collect_metrics(run: Run, batch, rewards, reward_metrics, train_metrics, tim
     out["time_s"] = {**times, "step": step_s}
     tokens = out.pop("tokens")
     out["tokens_per_s"] = tokens / step_s
-    mfu = _train_mfu(run, tokens, times.get("train"), batch)
-    if mfu is not None:
-        out["mfu"] = mfu
+    out.update(_train_mfu(run, tokens, times.get("train"), batch))
     return out
 
 
-def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> float | None:
-    """Model FLOPs utilisation of the policy-update stage (GPU only: needs a known peak)."""
+def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> dict:
+    """Model FLOPs utilisation of the policy-update stage (GPU only: needs a known peak); see
+    `megarl.metrics.throughput.precision_mfu`."""
     from megarl.distributed import device
-    from megarl.metrics.throughput import flops_per_token, peak_flops
+    from megarl.metrics.throughput import flops_per_token, precision_mfu
 
     if not train_s or not device.use_gpu():
-        return None
-    peak = peak_flops(torch.cuda.get_device_name(), run.cfg.precision.torch_dtype)
-    if peak is None:
-        return None
+        return {}
+    prec = run.cfg.precision
     seq = float(batch["seq_len"].float().mean())
     fpt = flops_per_token(run.arch, seq_len=int(seq), training=True, causal=True)
     achieved = tokens * run.cfg.algorithm.ppo_epochs * fpt / train_s
-    return achieved / (peak * dist.get_world_size())
-
-
-def _mismatch(trainer_lp, sampler_lp, mask) -> dict:
-    from megarl.rollout import mismatch
-
-    return mismatch.logprob_mismatch(trainer_lp, sampler_lp, mask)
+    return precision_mfu(
+        torch.cuda.get_device_name(),
+        prec.torch_dtype,
+        prec.fp8 is not None,
+        achieved,
+        dist.get_world_size(),
+    )
 
 
 def _bad_step(run: Run, metrics: dict) -> bool:
@@ -308,20 +317,18 @@ def finish(run: Run) -> None:
 
 
 def export_hf(run: Run, out: str) -> None:
-    from megarl.convert.hf_io import save_hf_dir
-    from megarl.convert.layout import gather_full_state
-    from megarl.convert.mapping import canonical_to_hf
+    """The actor as an HF directory written by rank 0, streamed one tensor at a time
+    (collective; no rank holds the whole model)."""
+    from megarl.convert.stream import save_hf_streaming
 
-    full = gather_full_state(run.actor, to_all=False)
-    if dist.get_rank() == 0:
-        tok_dir = os.path.join(run.out_dir, "tokenizer")
-        save_hf_dir(
-            out,
-            run.arch.hf_config,
-            canonical_to_hf(run.arch, full.items()),
-            tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
-            overwrite=True,
-        )
+    tok_dir = os.path.join(run.out_dir, "tokenizer")  # only rank 0 reads it
+    save_hf_streaming(
+        run.actor,
+        run.arch,
+        out,
+        tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
+        overwrite=True,
+    )
     dist.barrier()
 
 
@@ -331,6 +338,7 @@ def _pad_id(run: Run) -> int:
 
 
 def _pad_to(run: Run) -> int:
-    # sequence parallelism splits the sequence over TP ranks
-    return run.groups.tp_size if run.cfg.parallel.sequence_parallel else 1
-
+    prec = run.cfg.precision
+    return sequence_multiple(
+        run.groups.tp_size, run.cfg.parallel.sequence_parallel, prec.fp8 and prec.fp8_recipe
+    )

@@ -7,9 +7,11 @@ reads like the algorithm. Process groups come from the topology and are passed d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import yaml
 
 from megarl.config import RunConfig, to_dict
-from megarl.convert.layout import gather_full_state, load_full_state
+from megarl.convert.sharded import copy_weights
 from megarl.distributed import Topology, device
 from megarl.distributed.topology import Groups
 from megarl.models.builder import BuildConfig, build_model
@@ -88,6 +90,7 @@ class Run:
     critic_sched: object
     engine: object
     sync: object
+    dispatcher: object
     dataset: object
     sampler: object
     reward_fns: list
@@ -110,17 +113,22 @@ class Run:
             )
         p = cfg.parallel
         topo = Topology.for_model(p, world, arch)
+        gpu = device.use_gpu()
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
-            _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
         groups = topo.initialize(seed=cfg.model.init_seed)
         tokenizer = load_tokenizer(cfg, out_dir)
-        gpu = device.use_gpu()
+        # everything a user can get wrong is checked before the models and the engine exist
+        cfg = _resolve_rollout(cfg, arch, tokenizer, gpu)
+        if rank == 0:
+            _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
+        dataset, sampler = _data(cfg, tokenizer, groups)
+        reward_fns = _reward_functions(cfg)
         build = BuildConfig(make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
         make = lambda role: build_model(arch, p, cfg.precision, role=role, build=build, gpu=gpu)  # noqa: E731
 
         actor = make("actor")
-        init_state = _initial_state(cfg, arch, actor)
+        _initial_state(cfg, arch, actor)
         updates = cfg.trainer.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
         actor_opt, actor_sched = build_optimizer(
             actor, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates
@@ -128,22 +136,16 @@ class Run:
         reference = None
         if cfg.algorithm.kl_coef > 0:
             reference = make("reference")
-            load_full_state(reference, init_state)
+            copy_weights(actor, reference)  # the initial policy (resume loads the actor later)
         critic = critic_opt = critic_sched = None
         if cfg.algorithm.name == "ppo":
             critic = make("critic")
-            trunk = dict(init_state)
-            trunk.pop("output_layer.weight", None)
-            trunk["output_layer.weight"] = torch.zeros(1, arch.hidden_size)
-            load_full_state(critic, trunk)
+            copy_weights(actor, critic)  # the actor's trunk; the value head starts at zero
             critic_opt, critic_sched = build_optimizer(
                 critic, cfg.critic_optim, dtype=cfg.precision.dtype, total_steps=updates
             )
-        del init_state
 
-        engine, sync = _rollout(cfg, arch, actor, groups, out_dir, gpu)
-        dataset, sampler = _data(cfg, tokenizer, groups)
-        reward_fns = _reward_functions(cfg)
+        engine, sync, dispatcher = _rollout(cfg, arch, actor, groups, out_dir)
         from megarl.metrics.sinks import MetricsLogger
 
         lg = cfg.logging
@@ -172,6 +174,7 @@ class Run:
             critic_sched=critic_sched,
             engine=engine,
             sync=sync,
+            dispatcher=dispatcher,
             dataset=dataset,
             sampler=sampler,
             reward_fns=reward_fns,
@@ -227,8 +230,17 @@ class Run:
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self) -> dict:
-        """Push the actor's weights into this rank's vLLM engine (collective)."""
-        return self.sync.sync()
+        """Push the actor's weights into this rank's vLLM engine (collective).
+
+        The engine slept after generating (GPU: its weights and KV cache were freed while the
+        trainer used the memory): release the trainer's cached blocks, wake the weights, write
+        them (the sync also drops vLLM's prefix cache, computed with the old weights), then wake
+        the KV cache."""
+        torch.cuda.empty_cache()  # a no-op on CPU
+        self.engine.wake_up(["weights"])
+        stats = self.sync.sync()
+        self.engine.wake_up(["kv_cache"])
+        return stats
 
     def close(self) -> None:
         self.logger.close()
@@ -241,48 +253,58 @@ def _write_yaml(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> dict[str, torch.Tensor]:
-    """Load the starting weights into `actor`; return them in canonical form (for the reference
-    and the critic trunk)."""
+def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:
+    """Load the starting weights into `actor`, each rank reading only the shards it holds
+    (`model.hf`: the HF tensors of its own parameters; `model.mcore_ckpt`: a sharded
+    `dist_checkpointing` load; random init from `model.config`: nothing to read). No rank holds
+    the whole model; the reference and the critic trunk are then copied from the actor's shards."""
     m = cfg.model
     if m.hf is not None:
-        from megarl.convert.hf_io import LazyHFTensors
-        from megarl.convert.mapping import hf_to_canonical
+        from megarl.convert.sharded import load_hf_sharded
 
-        lazy = LazyHFTensors(m.hf)
-        full = dict(hf_to_canonical(arch, lazy.get, lazy.names))
-        load_full_state(actor, full)
-        return full
-    if m.mcore_ckpt is not None:
+        load_hf_sharded(actor, arch, m.hf)
+    elif m.mcore_ckpt is not None:
         from megarl.convert.checkpoint import load_model_checkpoint
 
         load_model_checkpoint(actor, m.mcore_ckpt)
-    return gather_full_state(actor)
 
 
-def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: str, gpu: bool):
+def _resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> RunConfig:
+    """`cfg` with the rollout's stop tokens resolved (None = the model's EOS ids), after
+    checking that vLLM is importable and that its KV cache can hold one whole sequence."""
+    from megarl.rollout.engine import check_kv_cache, require_vllm, resolve_stop_tokens
+
+    dirs = [d for d in (cfg.model.hf, cfg.model.tokenizer, cfg.model.mcore_ckpt) if d]
+    stop = resolve_stop_tokens(cfg.rollout.stop_token_ids, tokenizer, arch.hf_config, dirs)
+    if cfg.rollout.stop_token_ids is None:
+        log.info("rollout.stop_token_ids: %s (the model's EOS ids)", list(stop) or "none found")
+    rollout = dataclasses.replace(cfg.rollout, stop_token_ids=stop)
+    check_kv_cache(arch, rollout, dtype=cfg.precision.dtype, gpu=gpu)
+    require_vllm()
+    return dataclasses.replace(cfg, rollout=rollout)
+
+
+def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: str):
     """An engine on every rank: SPMD (external_launcher, its own TP) on GPU; on CPU a TP=1
-    engine per rank that receives the full model. Only the model-parallel source rank's engine
-    generates on CPU (`loop.generate`); the others just hold synced weights."""
+    engine per rank that receives the full model. The dispatcher has each prompt generated
+    once, by the engines of its model-parallel group."""
+    from megarl.rollout.dispatch import RolloutDispatcher
     from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync
 
+    # vLLM reads the model's config.json from a directory on every node: the first rank of
+    # each node writes it (the same bytes; atomic per writer, so a shared run directory is fine)
     model_dir = os.path.join(out_dir, "rollout_model")
-    if dist.get_rank() == 0:
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         os.makedirs(model_dir, exist_ok=True)
-        hf = dict(arch.hf_config)
-        tmp = os.path.join(model_dir, "config.json.tmp")
+        tmp = os.path.join(model_dir, f".config.json.{socket.gethostname()}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
-            json.dump(hf, f, indent=1)
+            json.dump(dict(arch.hf_config), f, indent=1)
         os.replace(tmp, os.path.join(model_dir, "config.json"))
     dist.barrier()
     engine = RolloutEngine(model_dir, arch, cfg.rollout, dtype=cfg.precision.dtype)
     sync = WeightSync(actor, arch, engine, groups)
-    return engine, sync
-
-
-def is_mp_source(groups: Groups) -> bool:
-    return groups.tp_rank == 0 and groups.pp_rank == 0
+    return engine, sync, RolloutDispatcher(engine, groups.dp_rank)
 
 
 def _data(cfg: RunConfig, tokenizer, groups: Groups):

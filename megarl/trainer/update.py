@@ -4,6 +4,12 @@ Each mini-batch is one optimizer step. Its loss denominators (valid tokens, sequ
 counted over the whole mini-batch across DP ranks before the forward passes, so every micro-batch
 returns its exact share of the mini-batch loss and the update does not depend on the micro-batch
 size or the DP split (see megarl.algorithms.losses and megarl.models.forward).
+
+Metrics follow the same rule: a micro-batch's token-mean metric is turned into its share of the
+mini-batch's global token mean (x its valid tokens / the global count), so summing over
+micro-batches and DP ranks gives what one process would log; maxima are maxima. The update
+functions return `LocalMetrics` (mean over the optimizer steps of this rank's shares), which
+the trainer reduces over DP (`megarl.metrics.reduce`).
 """
 
 from __future__ import annotations
@@ -15,8 +21,15 @@ import torch.distributed as dist
 
 from megarl.algorithms.losses import global_denominators, policy_loss, value_loss
 from megarl.data.batch import split_micro_batches
+from megarl.metrics.reduce import LocalMetrics
 from megarl.models import forward
 from megarl.models.optim import zero_grads
+
+# metrics that are maxima over tokens, not token means
+MAX_METRICS = ("ratio_max",)
+# policy_loss's "kl" (current policy vs reference, the estimator in the loss) is logged as
+# "kl_loss"; "kl" is the rollout policy's k3 KL to the reference over the rollout batch
+RENAMED = {"kl": "kl_loss"}
 
 
 def mini_batches(num_rows: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -36,9 +49,28 @@ def _select(batch: dict, rows: torch.Tensor) -> dict:
     }
 
 
-def _mean_metrics(outputs: list[dict]) -> dict[str, float]:
-    keys = {k for m in outputs for k in m if k != "index"}
-    return {k: float(sum(float(m[k]) for m in outputs if k in m) / len(outputs)) for k in keys}
+def _shares(metrics: dict, loss: torch.Tensor, mask: torch.Tensor, tokens: float) -> dict:
+    """A micro-batch's token-mean metrics as shares of the mini-batch's global token mean."""
+    weight = mask.sum() / tokens
+    out = {
+        RENAMED.get(k, k): v.detach() if k in MAX_METRICS else v.detach() * weight
+        for k, v in metrics.items()
+    }
+    out["loss"] = loss.detach()
+    return out
+
+
+def _step_metrics(outputs: list[dict], steps: int) -> LocalMetrics:
+    """One optimizer step's micro-batch metrics, pre-divided by the number of steps (so the
+    LocalMetrics of all steps add up to the mean over steps)."""
+    lm = LocalMetrics()
+    for m in outputs:
+        for k, v in m.items():
+            if k in MAX_METRICS:
+                lm.add_max(k, float(v))
+            elif k != "index":
+                lm.add_sum(k, float(v) / steps)
+    return lm
 
 
 def _step(optimizer, scheduler, loss_ok: bool, groups) -> tuple[bool, float]:
@@ -88,9 +120,7 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
             kl_coef=alg.kl_coef if use_ref else 0.0,
             kl_kind=alg.kl_kind,
         )
-        m = {k: v.detach() for k, v in m.items()}
-        m["loss"] = loss.detach()
-        return loss, m
+        return loss, _shares(m, loss, micro["loss_mask"], tokens)
 
     return loss_fn
 
@@ -110,8 +140,9 @@ def _value_loss_fn(alg, tokens: float, seqs: float):
             global_seqs=seqs,
             max_len=None,
         )
-        m = {k if k.startswith("value") else f"value_{k}": v.detach() for k, v in m.items()}
-        m["value_loss"] = loss.detach()
+        m = {k if k.startswith("value") else f"value_{k}": v for k, v in m.items()}
+        m = _shares(m, loss, micro["loss_mask"], tokens)
+        m["value_loss"] = m.pop("loss")
         return alg.value_coef * loss, m
 
     return loss_fn
@@ -130,9 +161,11 @@ def train_policy(
     seed: int,
     pad_to: int = 1,
 ) -> dict:
-    """PPO/GRPO-family policy update on this rank's batch; returns metrics (last stage)."""
-    metrics: list[dict] = []
+    """PPO/GRPO-family policy update on this rank's batch; returns this rank's metrics (shares
+    on the last stage; optimizer figures on every rank)."""
+    metrics = LocalMetrics()
     steps = []
+    total = alg.ppo_epochs * alg.mini_batches
     for epoch in range(alg.ppo_epochs):
         for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + epoch):
             mb = _select(batch, rows)
@@ -145,22 +178,20 @@ def train_policy(
             loss = sum(float(m["loss"]) for m in out) if out else 0.0
             ok, grad_norm = _step(optimizer, scheduler, math.isfinite(loss), groups)
             steps.append((ok, grad_norm))
-            if out:
-                mm = _mean_metrics(out)
-                mm["loss"] = loss
-                metrics.append(mm)
-    result = {k: sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]} if metrics else {}
-    result["grad_norm"] = sum(g for _, g in steps) / len(steps)
-    result["skipped_steps"] = sum(1 for ok, _ in steps if not ok)
-    result["lr"] = optimizer.param_groups[0]["lr"]
-    return result
+            metrics.update(_step_metrics(out, total))
+    # the grad norm is global (megatron reduces it over the model), so equal on every rank
+    metrics.add_same("grad_norm", sum(g for _, g in steps) / len(steps))
+    metrics.add_same("skipped_steps", sum(1 for ok, _ in steps if not ok))
+    metrics.add_same("lr", optimizer.param_groups[0]["lr"])
+    return metrics
 
 
 def train_value(
     critic, optimizer, scheduler, batch: dict, *, alg, groups, seed: int, pad_to: int = 1
 ) -> dict:
-    """Critic regression to the GAE returns; returns metrics (last stage)."""
-    metrics: list[dict] = []
+    """Critic regression to the GAE returns; returns this rank's metric shares (last stage)."""
+    metrics = LocalMetrics()
+    total = alg.ppo_epochs * alg.mini_batches
     for epoch in range(alg.ppo_epochs):
         for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + 7919 + epoch):
             mb = _select(batch, rows)
@@ -172,8 +203,5 @@ def train_value(
             out = forward.run(critic, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
             loss = sum(float(m["value_loss"]) for m in out) if out else 0.0
             _step(optimizer, scheduler, math.isfinite(loss), groups)
-            if out:
-                mm = _mean_metrics(out)
-                mm["value_loss"] = loss
-                metrics.append(mm)
-    return {k: sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]} if metrics else {}
+            metrics.update(_step_metrics(out, total))
+    return metrics

@@ -1,0 +1,141 @@
+"""Initial weights without the whole model on any rank: each rank fills only its own shards.
+
+`load_hf_sharded(chunks, arch, hf_dir)` reads, for every parameter this rank holds (see
+`layout.local_params`), only the HF tensors it is made of (`mapping.mapped_tensors`), and of a
+tensor split along dim 0 by TP (column-parallel weights, QKV, [gate; up], vocab rows) only this TP
+rank's rows: a row range of a row-major safetensors tensor is one contiguous byte range
+(`LazyHFTensors.get_rows`). A fused QKV shard holds whole query groups and an fc1 shard is
+`[gate_r; up_r]`, so the mapping's pure transforms build the shard from the slices of q/k/v (or
+gate/up) directly. Tensors split along dim 1 (row-parallel: o_proj, down_proj) are strided in the
+file and are read whole, then sliced. Peak extra memory: one such whole HF tensor, or one QKV
+shard's inputs plus the shard. There is no communication (DP replicas read the same bytes), so a
+rank that fails to read raises on its own and nothing waits for it. The result is bit-identical
+to `layout.load_full_state(chunks, dict(hf_to_canonical(...)))`: both only copy and concatenate.
+
+`copy_weights(src, dst)` fills a model built at the same layout on the same rank from another
+(the reference and the critic trunk from the initial actor): a local copy by parameter name, no
+communication. A critic destination's value head is zeroed (the critic starts at value 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.layout import _VOCAB, local_params, tp_shard
+from megarl.convert.mapping import (
+    MappedTensor,
+    MappingError,
+    canonical_from_hf,
+    check_hf_names,
+    gate_up_to_megatron,
+    mapped_tensors,
+    qkv_to_megatron,
+)
+from megarl.models.builder import ValueHead, unwrap
+from megarl.models.hf_config import ModelArch
+
+_EMBED = "embedding.word_embeddings.weight"
+
+
+@torch.no_grad()
+def load_hf_sharded(
+    chunks: list[torch.nn.Module], arch: ModelArch, hf_dir: str | os.PathLike
+) -> None:
+    """Fill this rank's parameters of `chunks` from the HF directory `hf_dir` (not collective).
+
+    Names and shapes of the HF files are checked against `arch` before any data is read
+    (`MappingError` names the key); a parameter the mapping does not know raises naming it."""
+    lazy = LazyHFTensors(hf_dir)
+    check_hf_names(arch, lazy.names, shape_of=lazy.shape)
+    items = mapped_tensors(arch)
+    for name, local_name, p in local_params(chunks):
+        item = items.get(name)
+        if item is None:
+            raise MappingError(
+                f"parameter {local_name!r} (canonical {name!r}) has no {arch.family} HF mapping "
+                f"in {lazy.dir}"
+            )
+        t = _read_shard(lazy, arch, item, p)
+        if t.shape != p.shape:
+            raise MappingError(
+                f"{lazy.dir}: {name!r} read as {tuple(t.shape)}, parameter {local_name!r} is "
+                f"{tuple(p.shape)}"
+            )
+        p.data.copy_(t)
+        del t
+    _fill_tied_output(chunks, lazy, items[_EMBED])
+
+
+def _read_shard(lazy: LazyHFTensors, arch: ModelArch, item: MappedTensor, p) -> torch.Tensor:
+    """This rank's shard of canonical tensor `item` (vocab rows padded with zeros)."""
+    dim, tp, r = tp_shard(p)
+    if dim != 0:  # whole on every TP rank, or strided in the file: read whole, keep a slice
+        full = canonical_from_hf(arch, item, [lazy.get(n) for n in item.hf])
+        return full if dim < 0 else full.chunk(tp, dim=dim)[r]
+    if item.kind == "qkv":
+        groups = arch.num_key_value_heads // tp  # whole query groups per TP rank
+        per = arch.num_attention_heads // arch.num_key_value_heads
+        hd = arch.head_dim
+        q_rows, kv_rows = groups * per * hd, groups * hd
+        q, k, v = (
+            lazy.get_rows(n, r * rows, (r + 1) * rows)
+            for n, rows in zip(item.hf, (q_rows, kv_rows, kv_rows), strict=True)
+        )
+        return qkv_to_megatron(q, k, v, groups * per, groups, hd)
+    if item.kind == "gate_up":
+        rows = item.shapes[0][0] // tp
+        gate, up = (lazy.get_rows(n, r * rows, (r + 1) * rows) for n in item.hf)
+        return gate_up_to_megatron(gate, up)
+    if item.kind != "copy":
+        raise MappingError(f"{item.canonical!r}: rule kind {item.kind!r} cannot be TP-split")
+    return _rows_padded(lazy, item.hf[0], r * p.shape[0], p.shape[0], item.canonical in _VOCAB)
+
+
+def _rows_padded(lazy: LazyHFTensors, hf_name: str, start: int, rows: int, vocab: bool):
+    """Rows `start:start+rows` of an HF tensor; for vocab tensors rows past the real vocabulary
+    are megatron's padding (zeros, never sampled)."""
+    have = lazy.shape(hf_name)[0]
+    if not vocab or start + rows <= have:
+        return lazy.get_rows(hf_name, start, start + rows)
+    got = lazy.get_rows(hf_name, min(start, have), have)
+    pad = torch.zeros(rows - got.shape[0], *got.shape[1:], dtype=got.dtype)
+    return torch.cat([got, pad])
+
+
+def _fill_tied_output(chunks, lazy: LazyHFTensors, embed: MappedTensor) -> None:
+    """With tied embeddings and PP > 1 the last stage holds its own copy of the embedding (the
+    first stage's is a regular parameter, filled above)."""
+    for chunk in chunks:
+        model = unwrap(chunk)
+        tied = getattr(model, "share_embeddings_and_output_weights", False)
+        if tied and model.post_process and not model.pre_process:
+            w = model.shared_embedding_or_output_weight()
+            _, _, r = tp_shard(w)
+            w.data.copy_(_rows_padded(lazy, embed.hf[0], r * w.shape[0], w.shape[0], True))
+
+
+@torch.no_grad()
+def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
+    """Copy `src`'s parameters into `dst`, built at the same layout on this rank (no
+    communication). A critic `dst` (value-head output layer) gets the trunk; its head is zeroed."""
+    if len(src) != len(dst):
+        raise ValueError(f"copy_weights: {len(src)} source chunk(s) but {len(dst)} destination(s)")
+    for k, (s_chunk, d_chunk) in enumerate(zip(src, dst, strict=True)):
+        s_model, d_model = unwrap(s_chunk), unwrap(d_chunk)
+        have = dict(s_model.named_parameters())
+        head = getattr(d_model, "output_layer", None)
+        for name, p in d_model.named_parameters():
+            if isinstance(head, ValueHead) and name.startswith("output_layer."):
+                p.data.zero_()
+                continue
+            q = have.get(name)
+            if q is None or q.shape != p.shape:
+                got = "absent" if q is None else f"shape {tuple(q.shape)}"
+                raise ValueError(
+                    f"copy_weights: chunk {k} parameter {name!r} {tuple(p.shape)} is {got} in "
+                    "the source (models must be built from one arch at one layout)"
+                )
+            p.data.copy_(q.data)

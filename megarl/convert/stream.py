@@ -1,0 +1,198 @@
+"""Export a distributed model as an HF directory, one tensor at a time (collective).
+
+Global rank 0 writes. Memory beyond the parameters: rank 0 holds the pieces of one canonical
+tensor, then the merged tensor and its HF split (at most 2x the largest tensor; measured by
+tests/test_memory_bounds.py); every other rank holds nothing (it sends its parameters as they
+are). The plan comes from one small metadata exchange (`gather_object` of names, shapes and
+dtypes to rank 0; object collectives carry metadata only: on an NCCL-only group they stage
+max-object-size x world bytes on the device):
+
+1. Every rank lists the shards it contributes (`layout.is_contributor`: DP rank 0 of each
+   replica set; of a tensor every TP rank holds whole, TP rank 0), keyed by canonical name.
+2. Rank 0 checks that the shards cover every canonical tensor of the arch exactly once (all TP
+   pieces, same dtype), opens the output directory and plans the safetensors shards from the
+   HF shapes (`mapping.hf_shapes_for`), then tells every rank whether to go on (broadcast of one
+   error string: a refused directory fails on every rank, nobody waits in a send).
+3. All ranks walk the canonical tensors in HF writing order. A contributor other than rank 0
+   copies each of its shards to host memory and `send`s it to rank 0: on GPU the process group is
+   device-mapped (`cpu:gloo,cuda:nccl`), so these point-to-point messages go through gloo and no
+   NCCL communicator is created per (sender, rank 0) pair (there would be up to world - 1 of
+   them, each with device buffers); the export is bound by the disk anyway;
+   rank 0 `recv`s the pieces of one tensor (or takes its own), merges the TP pieces
+   (`layout.merge_tp`), cuts vocab padding, maps it to HF (`mapping.canonical_to_hf`: QKV per
+   query group, [gate; up]) and appends the HF tensor(s) to the open shard file
+   (`hf_io.StreamingShardWriter`, which writes each shard's header up front). Everyone sends in
+   the same global order and rank 0 receives in it, so the point-to-point pairs always match.
+4. A write error on rank 0 does not stop the receiving (the senders would block): rank 0 keeps
+   receiving and discarding, then aborts the directory and broadcasts the error, which every rank
+   raises. The directory is written under a temporary name and renamed at the end (`AtomicDir`).
+
+Not handled: an error on a sender while others are mid-stream leaves rank 0 waiting in `recv`
+until the process group's timeout (as any collective would).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megarl.convert.hf_io import AtomicDir, StreamingShardWriter, copy_tokenizer_files
+from megarl.convert.layout import _VOCAB, is_contributor, local_params, merge_tp, tp_shard
+from megarl.convert.mapping import canonical_names_for, canonical_to_hf, hf_shapes_for
+from megarl.models.hf_config import ModelArch
+
+log = logging.getLogger(__name__)
+
+
+def save_hf_streaming(
+    chunks: list[torch.nn.Module],
+    arch: ModelArch,
+    out_dir: str | os.PathLike,
+    *,
+    hf_config: dict | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+    overwrite: bool = False,
+) -> str:
+    """Write the model held by `chunks` across all ranks as an HF directory on rank 0
+    (collective over the default group). Tensors keep the parameters' dtype; `hf_config`
+    (default `arch.hf_config`) becomes config.json. Returns the absolute `out_dir`."""
+    order = canonical_names_for(arch)
+    index = {n: i for i, n in enumerate(order)}
+    mine: dict[str, torch.Tensor] = {}
+    meta = []
+    for name, local_name, p in local_params(chunks):
+        if not is_contributor(p):
+            continue
+        dim, tp, r = tp_shard(p)
+        mine[name] = p.detach()
+        meta.append((name, local_name, dim, tp, r, tuple(p.shape), str(p.dtype)))
+    rank = dist.get_rank()
+    metas: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(meta, metas, dst=0)
+
+    plan = writer = out = None
+    err: list[str | None] = [None]
+    if rank == 0:
+        try:
+            plan = _plan(arch, metas, order)
+            out = AtomicDir(out_dir, overwrite=overwrite)
+            dtype = getattr(torch, next(iter(plan.values()))[0].dtype.removeprefix("torch."))
+            specs = [(n, s, dtype) for n, s in hf_shapes_for(arch).items()]
+            writer = StreamingShardWriter(out.tmp, specs, max_shard_bytes=max_shard_bytes)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            err[0] = f"{type(e).__name__}: {e}"
+            if out is not None:
+                out.abort()
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise RuntimeError(f"HF export to {out_dir} refused: {err[0]}")
+
+    if rank != 0:
+        for name in sorted(mine, key=lambda n: index[n]):
+            dist.send(mine[name].detach().cpu().contiguous(), dst=0)  # host: gloo, see above
+    else:
+        err[0] = _receive_and_write(arch, plan, mine, writer, order)
+        if err[0] is None:
+            try:
+                writer.close()
+                with open(os.path.join(out.tmp, "config.json"), "w") as f:
+                    json.dump(hf_config or arch.hf_config, f, indent=2, sort_keys=True)
+                if tokenizer_dir is not None:
+                    copy_tokenizer_files(tokenizer_dir, out.tmp)
+                out.commit()
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                err[0] = f"{type(e).__name__}: {e}"
+        if err[0] is not None:
+            writer.abort()
+            out.abort()
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise RuntimeError(f"HF export to {out_dir} failed: {err[0]}")
+    return os.path.abspath(os.fspath(out_dir))
+
+
+class Piece(NamedTuple):
+    """One rank's TP piece of a canonical tensor."""
+
+    src: int
+    """Global rank that sends it."""
+    dim: int
+    """TP partition dim, -1 = whole."""
+    tp_rank: int
+    tp_size: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _plan(arch: ModelArch, metas: list[list], order: list[str]) -> dict[str, list[Piece]]:
+    """canonical name -> its pieces sorted by TP rank; raises naming the tensor when a piece is
+    missing, doubled or inconsistent, or a tensor has no HF name."""
+    pieces: dict[str, list[Piece]] = {}
+    where: dict[str, str] = {}
+    for src, meta in enumerate(metas):
+        for name, local_name, dim, tp, r, shape, dtype in meta:
+            pieces.setdefault(name, []).append(Piece(src, dim, r, tp, shape, dtype))
+            where[name] = f"rank {src} {local_name!r}"
+    extra = sorted(set(pieces) - set(order))
+    if extra:
+        raise ValueError(
+            f"tensor(s) {extra[:4]} (e.g. {where[extra[0]]}) have no {arch.family} HF mapping"
+        )
+    plan = {}
+    for name in order:
+        got = sorted(pieces.get(name, []), key=lambda x: x.tp_rank)
+        tp = got[0].tp_size if got else 1
+        layouts = {(x.dim, x.tp_size) for x in got}
+        if [x.tp_rank for x in got] != list(range(tp)) or len(layouts) != 1:
+            raise ValueError(
+                f"canonical tensor {name!r}: pieces (rank, tp_rank) "
+                f"{[(x.src, x.tp_rank) for x in got]}, expected exactly one per TP rank "
+                f"0..{tp - 1} on DP rank 0"
+            )
+        plan[name] = got
+    dtypes = sorted({x.dtype for v in plan.values() for x in v})
+    if len(dtypes) != 1:
+        raise ValueError(f"parameters have several dtypes {dtypes}; the export writes one")
+    return plan
+
+
+def _receive_and_write(arch, plan, mine, writer, order) -> str | None:
+    """Rank 0: receive every tensor in order; write it unless a write already failed (then
+    keep receiving so that no sender blocks). Returns the first error, or None."""
+    err = None
+    dtype = writer.specs[0][2]  # the one dtype of all pieces (checked by `_plan`)
+    for name in order:
+        parts = []
+        for x in plan[name]:
+            if x.src == 0:
+                parts.append(mine[name].cpu())
+            else:
+                buf = torch.empty(x.shape, dtype=dtype)
+                dist.recv(buf, src=x.src)
+                parts.append(buf)
+        if err is not None:
+            continue
+        try:
+            full = _merge(arch, name, plan[name][0].dim, parts)
+            del parts
+            for hf_name, t in canonical_to_hf(arch, [(name, full)]):
+                writer.write(hf_name, t)
+            del full
+        except Exception as e:  # noqa: BLE001 - reported after the stream drains
+            err = f"{type(e).__name__} while writing {name!r}: {e}"
+            log.error("HF export: %s", err)
+    return err
+
+
+def _merge(arch: ModelArch, name: str, dim: int, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The canonical tensor from its TP pieces (vocab padding rows cut)."""
+    t = parts[0] if len(parts) == 1 else merge_tp(name, parts, dim)
+    if name in _VOCAB:
+        t = t[: arch.vocab_size]
+    return t

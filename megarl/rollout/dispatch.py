@@ -1,0 +1,166 @@
+"""Who generates which prompts: every prompt of a step is generated exactly once.
+
+The ranks of one trainer model-parallel group (TP x PP) hold the same prompts: one data-parallel
+rank's share of the step. vLLM instances are blocks of TP' consecutive global ranks (vLLM's
+`external_launcher` executor; on CPU TP' = 1, one instance per rank), and every rank of an
+instance must submit the same requests. Letting every rank generate its own prompts would make
+each DP share be generated TP x PP / TP' times, and all but one copy thrown away.
+
+The plan, computed once from the layout (`DispatchPlan`): the instances holding at least one
+rank of DP rank d (`covering(d)`, in rank order) split d's prompts into contiguous chunks, one
+chunk each. An instance's requests are its chunks of every DP rank it covers (usually one; two
+or more when TP' > TP spans DP ranks). After generation each instance's leader among d's ranks
+hands d's samples to all of d's ranks (one object all-gather inside d's group), which
+re-assemble them in prompt order.
+
+Seeds do not depend on the split: the trainer passes each prompt's position in the step's
+global batch, which fixes its seed (`RolloutEngine.generate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megarl.rollout.engine import Rollout
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Static assignment of DP shares to vLLM instances (pure; see module docstring)."""
+
+    instances: tuple[tuple[int, ...], ...]
+    """Global ranks of each vLLM instance."""
+    dp_of: tuple[int, ...]
+    """Trainer data-parallel rank of every global rank."""
+
+    @staticmethod
+    def create(dp_of: list[int] | tuple[int, ...], vllm_tp: int) -> DispatchPlan:
+        world = len(dp_of)
+        if vllm_tp < 1 or world % vllm_tp:
+            raise ValueError(
+                f"rollout.tensor_parallel={vllm_tp} must divide the world size {world}: vLLM "
+                "instances are blocks of that many consecutive ranks"
+            )
+        blocks = tuple(tuple(range(s, s + vllm_tp)) for s in range(0, world, vllm_tp))
+        return DispatchPlan(blocks, tuple(dp_of))
+
+    def instance_of(self, rank: int) -> int:
+        return rank // len(self.instances[0])
+
+    def covered(self, instance: int) -> list[int]:
+        """DP ranks with at least one rank in `instance`, ascending."""
+        return sorted({self.dp_of[r] for r in self.instances[instance]})
+
+    def covering(self, dp: int) -> list[int]:
+        """Instances holding at least one rank of DP rank `dp`, ascending."""
+        return [i for i in range(len(self.instances)) if dp in self.covered(i)]
+
+    def chunk(self, dp: int, instance: int, num_prompts: int) -> range:
+        """Indices of DP rank `dp`'s prompts that `instance` generates (contiguous)."""
+        cover = self.covering(dp)
+        k, m = cover.index(instance), len(cover)
+        return range(k * num_prompts // m, (k + 1) * num_prompts // m)
+
+    def leader(self, dp: int, instance: int) -> int:
+        """The rank of `instance` that hands `dp`'s samples to `dp`'s ranks."""
+        return min(r for r in self.instances[instance] if self.dp_of[r] == dp)
+
+    def requests(self, instance: int, counts: dict[int, int]) -> list[tuple[int, int]]:
+        """(dp, prompt index) of every request `instance` submits, in submission order;
+        `counts[d]` is DP rank d's number of prompts."""
+        return [(d, j) for d in self.covered(instance) for j in self.chunk(d, instance, counts[d])]
+
+
+class RolloutDispatcher:
+    """Generates this rank's DP share through the colocated engines, each prompt once.
+
+    Collective over the world at construction (group creation), then per call over this
+    rank's vLLM instance (when TP' > 1) and its DP rank's model-parallel group."""
+
+    def __init__(self, engine, dp_rank: int):
+        self.engine = engine
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        dp_of: list = [None] * world
+        dist.all_gather_object(dp_of, dp_rank)
+        self.plan = DispatchPlan.create(dp_of, engine.cfg.tensor_parallel)
+        self.dp = dp_rank
+        self.instance = self.plan.instance_of(self.rank)
+        # every rank creates every group, in the same order (new_group is collective)
+        self._instance_group = None
+        if len(self.plan.instances[0]) > 1:
+            for i, ranks in enumerate(self.plan.instances):
+                g = dist.new_group(list(ranks))
+                if i == self.instance:
+                    self._instance_group = g
+        self._dp_ranks = [r for r in range(world) if dp_of[r] == dp_rank]
+        self._dp_group = None
+        for d in sorted(set(dp_of)):
+            ranks = [r for r in range(world) if dp_of[r] == d]
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if d == dp_rank:
+                self._dp_group = g
+        self.samples_generated = 0
+        """Samples this rank's instance generated in the last call, counted on its leader
+        rank only (sum over ranks = samples generated in the world)."""
+
+    def generate(self, prompts: list[list[int]], positions: list[int], seed: int) -> Rollout:
+        """The rollout of this DP rank's `prompts` (every rank of its model-parallel group gets
+        the same one). `positions`: each prompt's place in the step's global batch."""
+        plan, mine = self.plan, self.plan.chunk(self.dp, self.instance, len(prompts))
+        share = {self.dp: ([prompts[j] for j in mine], [positions[j] for j in mine])}
+        if self._instance_group is not None:  # learn the other DP ranks' chunks for us
+            parts: list = [None] * len(plan.instances[self.instance])
+            dist.all_gather_object(parts, (self.dp, share[self.dp]), group=self._instance_group)
+            share = dict(parts)
+        owners = [(d, j) for d in sorted(share) for j in range(len(share[d][0]))]
+        reqs = [share[d][0][j] for d, j in owners]
+        pos = [share[d][1][j] for d, j in owners]
+        out = self.engine.generate(reqs, positions=pos, seed=seed) if reqs else _empty()
+        is_leader = self.rank == min(plan.instances[self.instance])
+        self.samples_generated = len(out) if is_leader else 0
+        # this instance's samples of our DP rank, keyed by their prompt index in `prompts`
+        ours = _select(out, owners, self.dp, first=mine.start)
+        give = ours if self.rank == plan.leader(self.dp, self.instance) else None
+        pieces: list = [give]
+        if self._dp_group is not None:
+            pieces = [None] * len(self._dp_ranks)
+            dist.all_gather_object(pieces, give, group=self._dp_group)
+        return _merge([p for p in pieces if p is not None], prompts)
+
+
+def _empty() -> Rollout:
+    return Rollout([], [], [], [], [])
+
+
+def _select(out: Rollout, owners, dp: int, *, first: int) -> Rollout:
+    sel = _empty()
+    for k, i in enumerate(out.prompt_index):
+        d, j = owners[i]
+        if d != dp:
+            continue
+        sel.prompt_index.append(first + j)
+        sel.prompt_ids.append(out.prompt_ids[k])
+        sel.response_ids.append(out.response_ids[k])
+        sel.response_logprobs.append(out.response_logprobs[k])
+        sel.finish_reason.append(out.finish_reason[k])
+    return sel
+
+
+def _merge(parts: list[Rollout], prompts: list[list[int]]) -> Rollout:
+    """Samples of all chunks in prompt order (prompt-major, each prompt's n samples in order)."""
+    rows = [(p.prompt_index[k], c, k) for c, p in enumerate(parts) for k in range(len(p))]
+    rows.sort()
+    merged = _empty()
+    for idx, c, k in rows:
+        p = parts[c]
+        merged.prompt_index.append(idx)
+        merged.prompt_ids.append(p.prompt_ids[k])
+        merged.response_ids.append(p.response_ids[k])
+        merged.response_logprobs.append(p.response_logprobs[k])
+        merged.finish_reason.append(p.finish_reason[k])
+    if sorted(set(merged.prompt_index)) != list(range(len(prompts))):
+        missing = sorted(set(range(len(prompts))) - set(merged.prompt_index))
+        raise RuntimeError(f"rollout dispatch lost prompts {missing[:8]} of this DP rank")
+    return merged

