@@ -90,7 +90,11 @@ class AlgorithmConfig:
     mini_batches: int = 1
     """Optimizer steps per epoch (the rollout batch is split into this many mini-batches)."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward micro-batch (gradient accumulation inside a mini-batch)."""
+    """Most sequences per forward/backward micro-batch (gradient accumulation inside a
+    mini-batch). Sequences are grouped by length, longest first."""
+    max_tokens_per_micro_batch: int | None = None
+    """Also close a micro-batch before its padded size (sequences x longest) would exceed this
+    many tokens; null = no token budget. Changes no loss or gradient, only the grouping."""
     gamma: float = 1.0
     """PPO discount."""
     lam: float = 0.95
@@ -108,6 +112,11 @@ class AlgorithmConfig:
         for k in ("ppo_epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"algorithm.{k}={getattr(self, k)} must be >= 1")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(
+                f"algorithm.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}; "
+                "accepted: null or >= 1"
+            )
         from megarl.algorithms.advantages import available_advantages
         from megarl.algorithms.kl import kl_penalty  # noqa: F401 - validated at use
         from megarl.algorithms.losses import AGG_MODES

@@ -102,7 +102,7 @@ def test_collate_positions_by_hand():
         collate([[1], []], [[2], [3]], 0)
 
 
-def test_split_micro_batches_trims_padding():
+def test_split_micro_batches_groups_by_length_and_trims_padding():
     prompts = [[1, 2], [3], [4, 5, 6], [7]]
     responses = [[9], [9, 9, 9, 9, 9], [9], [9]]
     b = collate(prompts, responses, pad_id=0)  # seq_len 3, 6, 4, 2 -> S = 6
@@ -110,24 +110,45 @@ def test_split_micro_batches_trims_padding():
     b["old_logprobs"] = torch.randn(4, 6)
     b["ids"] = ["a", "b", "c", "d"]
     micro = split_micro_batches(b, 2)
-    assert [m["tokens"].shape[1] for m in micro] == [6, 4]
-    assert [m["index"].tolist() for m in micro] == [[0, 1], [2, 3]]
+    # longest first: rows 1 (6), 2 (4) | 0 (3), 3 (2)
+    assert [m["index"].tolist() for m in micro] == [[1, 2], [0, 3]]
+    assert [m["tokens"].shape[1] for m in micro] == [6, 3]
     m1 = micro[1]
-    assert m1["tokens"].tolist() == [[4, 5, 6, 9], [7, 9, 0, 0]]
-    assert torch.equal(m1["old_logprobs"], b["old_logprobs"][2:, :4])
-    assert m1["advantages"].tolist() == [2.0, 3.0] and m1["ids"] == ["c", "d"]
-    assert m1["loss_mask"].tolist() == b["loss_mask"][2:, :4].tolist()
-    # no masked position is lost by trimming
+    assert m1["tokens"].tolist() == [[1, 2, 9], [7, 9, 0]]
+    assert torch.equal(m1["old_logprobs"], b["old_logprobs"][[0, 3], :3])
+    assert m1["advantages"].tolist() == [0.0, 3.0] and m1["ids"] == ["a", "d"]
+    assert m1["loss_mask"].tolist() == b["loss_mask"][[0, 3], :3].tolist()
+    # every row once, no masked position lost by trimming
+    assert sorted(i for m in micro for i in m["index"].tolist()) == [0, 1, 2, 3]
     assert sum(m["loss_mask"].sum() for m in micro) == b["loss_mask"].sum()
     odd = split_micro_batches(b, 3)
     assert [m["index"].tolist() for m in odd] == [[0, 1, 2], [3]]
     assert odd[1]["tokens"].shape == (1, 2)
     b8 = collate(prompts, responses, pad_id=0, pad_to_multiple=4)
     assert [m["tokens"].shape[1] for m in split_micro_batches(b8, 1, pad_to_multiple=4)] == [
-        4,
         8,
+        4,
         4,
         4,
     ]
     with pytest.raises(ValueError, match="not a multiple"):
         split_micro_batches(b, 2, pad_to_multiple=4)
+
+
+def test_token_budget_closes_micro_batches():
+    lengths = [10, 3, 7, 2, 9, 4]
+    b = collate([[1]] * 6, [[5] * (n - 1) for n in lengths], pad_id=0)
+    # budget 20 tokens: 10+9 -> 2 x 10 = 20 ok; + 7 -> 3 x 10 = 30 no; 7 4 -> 2 x 7 = 14,
+    # + 3 -> 21 no; 3 2 -> 6
+    micro = split_micro_batches(b, 8, max_tokens=20)
+    assert [m["index"].tolist() for m in micro] == [[0, 4], [2, 5], [1, 3]]
+    for m in micro:
+        assert m["tokens"].numel() <= 20
+    # a row longer than the budget gets a micro-batch of its own
+    assert [m["index"].tolist() for m in split_micro_batches(b, 8, max_tokens=5)][:2] == [
+        [0],
+        [4],
+    ]
+    assert len(split_micro_batches(b, 2, max_tokens=1000)) == 3  # micro_batch_size still caps
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        split_micro_batches(b, 2, max_tokens=0)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +62,11 @@ def _check_run(out, rows, steps):
     assert set(rows[-1]["time_s"]) >= {"rollout", "reward", "logprobs", "train", "sync"}
     # the engine samples from exactly the weights the trainer holds (fp32, CPU)
     assert max(r["logprob_mismatch_max"] for r in rows) <= 1e-4
+    # every prompt is generated once, whatever the layout (issue 9, defect 7)
+    with open(os.path.join(out, "config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    want = cfg["data"]["prompts_per_step"] * cfg["rollout"]["n"]
+    assert {r["rollout/samples_generated"] for r in rows} == {want}
     assert os.path.exists(os.path.join(out, "reward.png"))
     assert os.path.exists(os.path.join(out, "config.yaml"))
 

@@ -68,19 +68,31 @@ def collate(
 
 
 def split_micro_batches(
-    batch: dict, micro_batch_size: int, *, pad_to_multiple: int = 1
+    batch: dict,
+    micro_batch_size: int,
+    *,
+    pad_to_multiple: int = 1,
+    max_tokens: int | None = None,
 ) -> list[dict]:
-    """Consecutive rows in micro-batches of `micro_batch_size` (the last may be smaller).
+    """Rows grouped into micro-batches of similar length, each trimmed to its longest sequence.
 
-    Every tensor whose first dim is B is sliced by rows; those that also have dim 1 equal to the
-    batch width S (`tokens`, `targets`, `loss_mask`, and any per-token field the caller added,
-    e.g. old log-probs or advantages as [B, S]) are trimmed to the micro-batch's longest
-    `seq_len`, rounded up to `pad_to_multiple` (S must be a multiple of it already). Lists of
-    length B are sliced too; other values are shared. Each micro-batch gets `index` [b] long:
-    its rows' indices in `batch`.
+    Rows are taken longest first (ties in row order) and a micro-batch closes when it holds
+    `micro_batch_size` rows or when one more row would make its padded size (rows x longest
+    `seq_len`, rounded up to `pad_to_multiple`) exceed `max_tokens` (a row longer than the budget
+    gets a micro-batch of its own). Grouping by length keeps padding low; the losses use global
+    denominators, so the grouping changes no loss or gradient (tests/test_losses_invariance.py).
+
+    Every tensor whose first dim is B is indexed by the micro-batch's rows; those that also have
+    dim 1 equal to the batch width S (`tokens`, `targets`, `loss_mask`, and any per-token field
+    the caller added, e.g. old log-probs or advantages as [B, S]) are trimmed to the
+    micro-batch's longest `seq_len`, rounded up to `pad_to_multiple` (S must be a multiple of it
+    already). Lists of length B are indexed too; other values are shared. Each micro-batch gets
+    `index` [b] long: its rows' indices in `batch`.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1 or None, got {max_tokens}")
     tokens = batch["tokens"]
     rows, width = tokens.shape
     if width % pad_to_multiple:
@@ -88,22 +100,38 @@ def split_micro_batches(
             f"batch width {width} is not a multiple of pad_to_multiple={pad_to_multiple}; "
             "collate with the same pad_to_multiple"
         )
+
+    def padded(n: int) -> int:
+        return min(width, -(-n // pad_to_multiple) * pad_to_multiple)
+
+    lengths = batch["seq_len"].tolist()
+    order = sorted(range(rows), key=lambda r: (-lengths[r], r))
+    groups: list[list[int]] = []
+    for r in order:  # longest first: a group's first row fixes its width
+        g = groups[-1] if groups else None
+        if (
+            g is not None
+            and len(g) < micro_batch_size
+            and (max_tokens is None or (len(g) + 1) * padded(lengths[g[0]]) <= max_tokens)
+        ):
+            g.append(r)
+        else:
+            groups.append([r])
     out = []
-    for start in range(0, rows, micro_batch_size):
-        stop = min(start + micro_batch_size, rows)
-        longest = int(batch["seq_len"][start:stop].max())
-        trimmed = min(width, -(-longest // pad_to_multiple) * pad_to_multiple)
+    for g in groups:
+        idx = torch.tensor(sorted(g), dtype=torch.long)
+        trimmed = padded(max(lengths[r] for r in g))
         micro: dict = {}
         for key, value in batch.items():
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
-                value = value[start:stop]
+                value = value[idx]
                 if value.dim() >= 2 and value.shape[1] == width:
                     value = value[:, :trimmed].contiguous()
                 micro[key] = value
             elif isinstance(value, list) and len(value) == rows:
-                micro[key] = value[start:stop]
+                micro[key] = [value[r] for r in idx.tolist()]
             else:
                 micro[key] = value
-        micro["index"] = torch.arange(start, stop, dtype=torch.long)
+        micro["index"] = idx
         out.append(micro)
     return out

@@ -45,10 +45,20 @@ def run(
 ) -> list[dict]:
     """Run megatron's schedule over `micro_batches`; return the metrics dicts of the last stage
     (empty list on other stages). With `forward_only=False` grads accumulate in the chunks."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if len(chunks) > 1 and len(micro_batches) % pp:
+        # the interleaved schedule runs micro-batches in groups of PP: add empty ones (no valid
+        # token, so no share of any loss; the scale below counts them, as megatron does)
+        micro_batches = micro_batches + [
+            empty_micro_batch(micro_batches[0]) for _ in range(-len(micro_batches) % pp)
+        ]
+    if pp > 1:  # stages exchange activations of one fixed shape
+        micro_batches = pad_micro_batches(micro_batches)
     dev = next(chunks[0].parameters()).device
-    micro_batches = [to_device(mb, dev) for mb in pad_micro_batches(micro_batches)]
+    micro_batches = [to_device(mb, dev) for mb in micro_batches]
     num_mb = len(micro_batches)
     scale = 1.0 if forward_only else float(num_mb * dp_size)
 
@@ -101,6 +111,15 @@ def to_device(mb: dict, device: torch.device) -> dict:
         else v
         for k, v in mb.items()
     }
+
+
+def empty_micro_batch(like: dict) -> dict:
+    """A micro-batch shaped like `like` with no rows of its own: `loss_mask` all zero and an empty
+    `index`, so it adds nothing to any loss share, metric or assembled result."""
+    out = dict(like)
+    out["loss_mask"] = torch.zeros_like(like["loss_mask"])
+    out["index"] = torch.zeros(0, dtype=torch.long)
+    return out
 
 
 def pad_micro_batches(micro_batches: list[dict]) -> list[dict]:

@@ -115,8 +115,10 @@ def load(path: str, models: dict) -> dict:
             missing, unexpected = unwrap(c).load_state_dict(part, strict=False)
             unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
             if missing or unexpected:
-                raise RuntimeError(f"checkpoint {path}: {name} chunk {i} missing keys {missing}, "
-                                   f"unexpected keys {unexpected}")
+                raise RuntimeError(
+                    f"checkpoint {path}: {name} chunk {i} missing keys {missing}, "
+                    f"unexpected keys {unexpected}"
+                )
         if opt is not None:
             # the dummy state only served to describe the layout; megatron re-allocates it
             # (with the checkpoint's 'step') when the torch optimizer's state is empty

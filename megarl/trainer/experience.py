@@ -44,6 +44,7 @@ def forward_logprobs(
     groups,
     temperature: float,
     pad_to: int = 1,
+    max_tokens: int | None = None,
 ) -> torch.Tensor | None:
     """Per-token logprobs of `targets` under `chunks` (no grad). [B, S] on the last PP stage."""
 
@@ -57,7 +58,9 @@ def forward_logprobs(
         )
         return torch.zeros(()), {"index": mb["index"], "logprobs": lp.detach()}
 
-    mbs = split_micro_batches(batch, micro_batch_size, pad_to_multiple=pad_to)
+    mbs = split_micro_batches(
+        batch, micro_batch_size, pad_to_multiple=pad_to, max_tokens=max_tokens
+    )
     with torch.no_grad():
         out = forward.run(chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size)
     if not groups.is_last_stage:
@@ -65,13 +68,17 @@ def forward_logprobs(
     return _assemble(out, "logprobs", batch["tokens"].shape)
 
 
-def forward_values(chunks, batch: dict, *, micro_batch_size: int, groups, pad_to: int = 1):
+def forward_values(
+    chunks, batch: dict, *, micro_batch_size: int, groups, pad_to: int = 1, max_tokens=None
+):
     """Critic values [B, S] (no grad) on the last PP stage, None elsewhere."""
 
     def loss_fn(mb, values):
         return torch.zeros(()), {"index": mb["index"], "values": values.squeeze(-1).detach()}
 
-    mbs = split_micro_batches(batch, micro_batch_size, pad_to_multiple=pad_to)
+    mbs = split_micro_batches(
+        batch, micro_batch_size, pad_to_multiple=pad_to, max_tokens=max_tokens
+    )
     with torch.no_grad():
         out = forward.run(chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size)
     if not groups.is_last_stage:

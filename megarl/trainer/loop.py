@@ -24,7 +24,7 @@ from megarl.metrics.timer import StageTimer
 from megarl.models.forward import sequence_multiple
 from megarl.trainer import experience as xp
 from megarl.trainer.run import Run
-from megarl.trainer.update import train_policy, train_value
+from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
 
 log = logging.getLogger("megarl")
 
@@ -128,22 +128,23 @@ def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics]:
 
 
 def forward_passes(run: Run, batch: dict) -> None:
-    """Old-policy and reference logprobs, and critic values, into `batch` (last PP stage)."""
-    mbs, g = run.cfg.algorithm.micro_batch_size, run.groups
-    kw = dict(
-        micro_batch_size=mbs,
-        vocab_size=run.arch.vocab_size,
+    """Old-policy (when the update needs them first: `recompute_old_logprobs`) and reference
+    logprobs, and critic values, into `batch` (last PP stage)."""
+    alg, g = run.cfg.algorithm, run.groups
+    split = dict(
+        micro_batch_size=alg.micro_batch_size,
         groups=g,
-        temperature=run.cfg.rollout.temperature,
         pad_to=_pad_to(run),
+        max_tokens=alg.max_tokens_per_micro_batch,
     )
-    batch["old_logprobs"] = xp.forward_logprobs(run.actor, batch, **kw)
+    kw = dict(split, vocab_size=run.arch.vocab_size, temperature=run.cfg.rollout.temperature)
+    batch["old_logprobs"] = None  # the update's own forward provides them (one epoch, one mb)
+    if recompute_old_logprobs(run.cfg.algorithm) or not _trains_policy(run):
+        batch["old_logprobs"] = xp.forward_logprobs(run.actor, batch, **kw)
     if run.reference is not None:
         batch["ref_logprobs"] = xp.forward_logprobs(run.reference, batch, **kw)
     if run.critic is not None:
-        batch["old_values"] = xp.forward_values(
-            run.critic, batch, micro_batch_size=mbs, groups=g, pad_to=_pad_to(run)
-        )
+        batch["old_values"] = xp.forward_values(run.critic, batch, **split)
 
 
 def advantages(run: Run, batch: dict, rewards: torch.Tensor, prompt_index, global_ids) -> None:
@@ -196,7 +197,7 @@ def update(run: Run, batch: dict) -> LocalMetrics:
                 pad_to=_pad_to(run),
             )
         )
-    if run.critic is None or run.step >= run.cfg.trainer.critic_warmup_steps:
+    if _trains_policy(run):
         metrics.update(
             train_policy(
                 run.actor,
@@ -212,6 +213,11 @@ def update(run: Run, batch: dict) -> LocalMetrics:
             )
         )
     return metrics
+
+
+def _trains_policy(run: Run) -> bool:
+    """PPO trains only the critic for its first `trainer.critic_warmup_steps` steps."""
+    return run.critic is None or run.step >= run.cfg.trainer.critic_warmup_steps
 
 
 def collect_metrics(

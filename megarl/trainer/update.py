@@ -32,6 +32,22 @@ MAX_METRICS = ("ratio_max",)
 RENAMED = {"kl": "kl_loss"}
 
 
+def recompute_old_logprobs(alg) -> bool:
+    """Whether the old policy's logprobs need a forward pass of their own before the update.
+
+    With one epoch over one mini-batch the update's forward runs on exactly the weights that
+    generated the advantages' data, so its detached logprobs *are* the old ones (ratio = 1 by
+    construction, as TRL does); a separate pass would change nothing. It is kept when something
+    reads the old logprobs before the update or across optimizer steps: several epochs or
+    mini-batches, the KL penalty in the reward, truncated importance sampling."""
+    return (
+        alg.ppo_epochs > 1
+        or alg.mini_batches > 1
+        or alg.tis_cap is not None
+        or (alg.kl_coef > 0 and alg.kl_in == "reward")
+    )
+
+
 def mini_batches(num_rows: int, count: int, seed: int) -> list[torch.Tensor]:
     """Row indices of `count` mini-batches: a seeded permutation (identical on every rank of a
     model-parallel group), split evenly."""
@@ -68,7 +84,7 @@ def _step_metrics(outputs: list[dict], steps: int) -> LocalMetrics:
         for k, v in m.items():
             if k in MAX_METRICS:
                 lm.add_max(k, float(v))
-            elif k != "index":
+            elif k not in ("index", "logprobs"):
                 lm.add_sum(k, float(v) / steps)
     return lm
 
@@ -99,9 +115,10 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
         ent = None
         if alg.entropy_coef > 0:
             ent = forward.vocab_parallel_entropy(logits, vocab_size=vocab_size, tp_group=groups.tp)
+        old = micro["old_logprobs"]
         loss, m = policy_loss(
             lp,
-            micro["old_logprobs"],
+            lp.detach() if old is None else old,  # see recompute_old_logprobs
             micro["advantages"],
             micro["loss_mask"],
             ratio_level="sequence" if alg.policy_loss == "gspo" else "token",
@@ -120,7 +137,10 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
             kl_coef=alg.kl_coef if use_ref else 0.0,
             kl_kind=alg.kl_kind,
         )
-        return loss, _shares(m, loss, micro["loss_mask"], tokens)
+        out = _shares(m, loss, micro["loss_mask"], tokens)
+        if old is None:  # the old logprobs, for the metrics (mismatch, KL to the reference)
+            out.update(index=micro["index"], logprobs=lp.detach())
+        return loss, out
 
     return loss_fn
 
@@ -162,7 +182,12 @@ def train_policy(
     pad_to: int = 1,
 ) -> dict:
     """PPO/GRPO-family policy update on this rank's batch; returns this rank's metrics (shares
-    on the last stage; optimizer figures on every rank)."""
+    on the last stage; optimizer figures on every rank). Without `old_logprobs` in the batch
+    (`recompute_old_logprobs` false: one epoch, one mini-batch) the update's own detached
+    logprobs serve as the old ones, and are stored into `batch["old_logprobs"]` (last stage)."""
+    reuse = batch.get("old_logprobs") is None and groups.is_last_stage
+    if reuse and (alg.ppo_epochs > 1 or alg.mini_batches > 1):
+        raise ValueError("train_policy: old_logprobs are required with several epochs/mini-batches")
     metrics = LocalMetrics()
     steps = []
     total = alg.ppo_epochs * alg.mini_batches
@@ -172,18 +197,36 @@ def train_policy(
             tokens, seqs = global_denominators([mb["loss_mask"]], group=groups.dp)
             loss_fn = _policy_loss_fn(alg, rollout, vocab_size, groups, tokens, seqs)
             zero_grads(actor, optimizer)
-            micro = split_micro_batches(mb, alg.micro_batch_size, pad_to_multiple=pad_to)
+            micro = split_micro_batches(
+                mb,
+                alg.micro_batch_size,
+                pad_to_multiple=pad_to,
+                max_tokens=alg.max_tokens_per_micro_batch,
+            )
             out = forward.run(actor, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
             # the mini-batch loss is the sum of the micro-batch shares
             loss = sum(float(m["loss"]) for m in out) if out else 0.0
             ok, grad_norm = _step(optimizer, scheduler, math.isfinite(loss), groups)
             steps.append((ok, grad_norm))
             metrics.update(_step_metrics(out, total))
+            if reuse:
+                batch["old_logprobs"] = _assemble_rows(out, rows, batch["tokens"].shape)
     # the grad norm is global (megatron reduces it over the model), so equal on every rank
     metrics.add_same("grad_norm", sum(g for _, g in steps) / len(steps))
     metrics.add_same("skipped_steps", sum(1 for ok, _ in steps if not ok))
     metrics.add_same("lr", optimizer.param_groups[0]["lr"])
     return metrics
+
+
+def _assemble_rows(outputs: list[dict], rows: torch.Tensor, shape) -> torch.Tensor:
+    """[B, S] host tensor of the micro-batches' `logprobs`; micro-batch row i of the mini-batch
+    is batch row rows[i]."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for m in outputs:
+        idx = m["index"]
+        val = m["logprobs"][: len(idx)].float().cpu()
+        out[rows[idx], : val.shape[1]] = val[:, : shape[1]]
+    return out
 
 
 def train_value(
@@ -199,7 +242,12 @@ def train_value(
 
             loss_fn = _value_loss_fn(alg, tokens, seqs)
             zero_grads(critic, optimizer)
-            micro = split_micro_batches(mb, alg.micro_batch_size, pad_to_multiple=pad_to)
+            micro = split_micro_batches(
+                mb,
+                alg.micro_batch_size,
+                pad_to_multiple=pad_to,
+                max_tokens=alg.max_tokens_per_micro_batch,
+            )
             out = forward.run(critic, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
             loss = sum(float(m["value_loss"]) for m in out) if out else 0.0
             _step(optimizer, scheduler, math.isfinite(loss), groups)
