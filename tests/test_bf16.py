@@ -1,0 +1,75 @@
+"""bf16 on CPU as a first-class precision (issue 11): bf16 parameters and compute, fp32 master
+weights and Adam state (megatron's DistributedOptimizer keeps an fp32 shard of every bf16
+parameter), fp32 logits / log-softmax for logprobs and losses, and an update that moves the bf16
+parameters by what the fp32 master weights moved (rounded to bf16)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.distributed.launch import spawn
+from tests.test_metrics_global import LENGTHS, PROMPTS, _state
+from tests.tiny import TINY_LLAMA
+
+
+def job(rank: int, world: int) -> dict:
+    from megarl.config import RunConfig, build
+    from megarl.convert.layout import load_full_state
+    from megarl.distributed import Topology
+    from megarl.models.builder import build_model, unwrap
+    from megarl.models.hf_config import arch_from_hf
+    from megarl.models.optim import build_optimizer
+    from megarl.trainer import experience as xp
+    from megarl.trainer import update
+
+    cfg = build(RunConfig, {
+        "model": {"config": TINY_LLAMA},
+        "precision": {"dtype": "bf16"},
+        "optim": {"lr": 1e-2},
+        "rollout": {"n": 4, "max_tokens": 12},
+        "algorithm": {"micro_batch_size": 4},
+    })
+    arch = arch_from_hf(TINY_LLAMA)
+    groups = Topology.for_model(cfg.parallel, world, arch).initialize(seed=0)
+    actor = build_model(arch, cfg.parallel, cfg.precision, role="actor")
+    load_full_state(actor, _state(arch))
+    opt, sched = build_optimizer(actor, cfg.optim, dtype="bf16", total_steps=2)
+    g = torch.Generator().manual_seed(7)
+    responses = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
+    batch = xp.build_batch([PROMPTS[i // 4] for i in range(len(LENGTHS))], responses,
+                           [[-1.0] * n for n in LENGTHS], pad_id=0, pad_to=1)
+    batch["advantages"] = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch["loss_mask"]
+    lp = xp.forward_logprobs(actor, batch, micro_batch_size=4, vocab_size=arch.vocab_size,
+                             groups=groups, temperature=1.0)
+    batch["old_logprobs"] = lp
+    model = unwrap(actor[0])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inner = getattr(opt, "chained_optimizers", [opt])  # megatron chains dense / expert ones
+    masters = [p for o in inner for grp in o.shard_fp32_from_float16_groups for p in grp]
+    metrics = update.train_policy(actor, opt, sched, batch, alg=cfg.algorithm,
+                                  rollout=cfg.rollout, vocab_size=arch.vocab_size,
+                                  groups=groups, seed=1).reduce(groups.dp)
+    state_dtypes = {v.dtype for o in inner for s in o.optimizer.state.values()
+                    for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
+    return {
+        "param_dtypes": {str(p.dtype) for p in model.parameters()},
+        "master_dtypes": {str(p.dtype) for p in masters},
+        "master_count": sum(p.numel() for p in masters),
+        "param_count": sum(p.numel() for p in model.parameters()),
+        "state_dtypes": {str(d) for d in state_dtypes},
+        "logprob_dtype": str(lp.dtype),
+        "loss": metrics["loss"],
+        "changed": sum(not torch.equal(before[n], p) for n, p in model.named_parameters()),
+        "params": len(before),
+    }
+
+
+def test_bf16_compute_with_fp32_master_weights_and_optimizer_state():
+    r = spawn(job, 1, timeout=600)[0]
+    assert r["param_dtypes"] == {"torch.bfloat16"}
+    assert r["master_dtypes"] == {"torch.float32"}
+    assert r["master_count"] == r["param_count"]  # every bf16 parameter has an fp32 master
+    assert r["state_dtypes"] == {"torch.float32"}  # Adam moments in fp32
+    assert r["logprob_dtype"] == "torch.float32"
+    assert torch.isfinite(torch.tensor(r["loss"]))
+    assert r["changed"] == r["params"]
