@@ -1,55 +1,103 @@
-"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`.
+"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`.
 
 Without a config: the embedded default, a tiny CPU GRPO run on a toy addition task that visibly
 learns in a few minutes. Multi-rank: `torchrun --nproc_per_node N -m megarl train CONFIG`.
+
+A mistake in the input (config, data, model or checkpoint directory, reward function, layout) is
+found before the models and the rollout engine are built and printed once as
+`megarl: error: ...` (exit status 2); `--debug` adds its traceback. `--verbose` shows what
+vLLM, megatron-core and torch log, which a normal run hides (see `megarl.console`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
+from functools import partial
+
+from megarl import console
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--verbose", action="store_true", help="show the libraries' logs (vLLM, megatron, torch)"
+    )
+    common.add_argument("--debug", action="store_true", help="tracebacks for input errors too")
     parser = argparse.ArgumentParser(
         prog="megarl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run PPO / GRPO training")
-    t.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny CPU run)")
-    t.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set algorithm.kl_coef=0.01 (repeatable)",
+    t = sub.add_parser("train", parents=[common], help="run PPO / GRPO training")
+    c = sub.add_parser(
+        "config", parents=[common], help="print the resolved config, or every key (--reference)"
     )
+    for p in (t, c):
+        p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny CPU run)")
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="dotted override, e.g. --set algorithm.kl_coef=0.01 (repeatable)",
+        )
     t.add_argument("--out", help="run directory (default: runs/<config>-<time>)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
-    args = parser.parse_args(argv)
-
-    logging.basicConfig(
-        level=os.environ.get("MEGARL_LOG", "INFO"),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    c.add_argument(
+        "--reference",
+        action="store_true",
+        help="every key with its type, default and meaning, as markdown (docs/config.md)",
     )
-    for noisy in ("megatron", "vllm"):  # their per-module INFO lines drown the step log
-        logging.getLogger(noisy).setLevel(os.environ.get("MEGARL_LIB_LOG", "WARNING"))
-    from megarl.config import ConfigError, load_config, to_dict
+    return parser.parse_args(argv)
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"megarl: config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        import yaml
 
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+def main(argv: list[str] | None = None) -> int:
+    """The `megarl` console script and `python -m megarl`. Ends the process itself
+    (`console.end_process`) unless `--verbose`; in-process callers use `run`."""
+    args = parse_args(argv)
+    code = run(args)
+    if args.verbose:
+        return code
+    console.end_process(code)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command; returns its exit status (2 for an input error)."""
+    console.setup(verbose=args.verbose)
+    command = {"train": _train, "config": _config}[args.command]
+    return console.run_guarded(partial(command, args), debug=args.debug)
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.reference:
+        from megarl.config_reference import reference_markdown
+
+        sys.stdout.write(reference_markdown())
         return 0
+    return _print_config(args)
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from megarl.config import load_config, to_dict
+
+    cfg = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from megarl.config import ConfigError, load_config
+
+    if args.print_config:
+        return _print_config(args)
+    cfg = load_config(args.config, args.overrides)
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
 
     import torch.distributed as dist
 
@@ -63,14 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         out = [os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")]
         dist.broadcast_object_list(out, src=0)
     try:
-        run = train(cfg, out[0])
+        run_ = train(cfg, out[0])
     except TrainingDiverged as e:
-        print(f"megarl: {e}", file=sys.stderr)
+        if dist.get_rank() == 0:
+            print(f"megarl: {e}", file=sys.stderr)
         return 3
     if dist.get_rank() == 0:
+        wandb = cfg.logging.wandb and cfg.logging.wandb_mode != "disabled"
         print(
-            f"megarl: run directory {os.path.abspath(run.out_dir)} "
-            f"(metrics.jsonl, reward.png, checkpoints/)"
+            f"megarl: run directory {os.path.abspath(run_.out_dir)} "
+            f"(metrics.jsonl, reward.png, checkpoints/{', wandb/' if wandb else ''})"
         )
     dist.destroy_process_group()
     return 0

@@ -18,13 +18,14 @@ from typing import Any
 import yaml
 
 from megarl.distributed.topology import ParallelConfig
+from megarl.errors import UserError
 from megarl.models.hf_config import PrecisionConfig
 from megarl.models.optim import OptimConfig
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.yaml")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key or value that cannot be used; names the dotted key."""
 
 
@@ -179,6 +180,7 @@ class LoggingConfig:
     wandb: bool = True
     """Log to Weights & Biases (offline unless wandb_mode says online or WANDB_MODE is set)."""
     wandb_project: str = "megarl"
+    """Weights & Biases project the run is logged under."""
     wandb_mode: str = "offline"
     """offline, online or disabled."""
     tensorboard: bool = True
@@ -202,16 +204,27 @@ def _data_config():
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig
+    """The policy model: where its architecture, weights and tokenizer come from."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the trainer's models are split across ranks (TP, PP, CP, EP; DP is what is left)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Parameter and compute dtype, FP8 and Transformer-Engine layers."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The actor's optimizer (Adam) and learning-rate schedule."""
     critic_optim: OptimConfig = field(default_factory=OptimConfig)
+    """The critic's optimizer and schedule (PPO only)."""
     rollout: Any = None
+    """The colocated vLLM engine: sampling, stop tokens, its memory and parallelism."""
     data: Any = None
+    """The prompt dataset, its tokenization and the prompts per step."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL algorithm: advantages, policy loss and clipping, KL, PPO epochs and batching."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions and their weights."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, seeds, checkpoints, resume and export."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where metrics go besides metrics.jsonl (wandb, tensorboard) and the console progress."""
 
 
 _LAZY = {"rollout": _rollout_config, "data": _data_config}
@@ -311,12 +324,28 @@ def apply_override(tree: dict, override: str) -> None:
         raise ConfigError(f"override {override!r}: expected key=value (e.g. trainer.steps=10)")
     key, raw = override.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {override!r}: expected a dotted key, e.g. trainer.steps=10")
     node = tree
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"override {override!r}: the value is not valid YAML ({_yaml_problem(e)}); quote "
+            "strings with YAML's special characters"
+        ) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (YAML's own message spans several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -328,13 +357,23 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         try:
             tree = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{src}: invalid YAML: {e}") from e
+            raise ConfigError(f"{src}: invalid YAML: {_yaml_problem(e)}") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"{src}: expected a mapping of sections (model:, rollout:, ...), got "
+            f"{type(tree).__name__}"
+        )
     for o in overrides:
         apply_override(tree, o)
     try:
         return build(RunConfig, tree)
     except ConfigError as e:
-        raise ConfigError(f"{src}: {e}") from e
+        # name where the bad key came from: an override if one sets it, else the file
+        keys = [o.split("=", 1)[0].strip() for o in overrides]
+        origin = next(
+            (f"--set {o}" for o, k in zip(overrides, keys, strict=True) if k in str(e)), src
+        )
+        raise ConfigError(f"{origin}: {e}") from e
 
 
 def to_dict(cfg) -> dict:

@@ -8,7 +8,9 @@ import pytest
 
 from megarl.data import (
     DataConfig,
+    DataError,
     PromptDataset,
+    TokenizerError,
     build_char_tokenizer,
     load_rows,
     load_tokenizer,
@@ -55,10 +57,10 @@ def test_char_tokenizer_errors(tok):
 
 def test_load_tokenizer_names_missing_path(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match="nope"):
+    with pytest.raises(TokenizerError, match="nope"):
         load_tokenizer(missing)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(OSError, match="empty"):
+    with pytest.raises(TokenizerError, match="empty"):
         load_tokenizer(tmp_path / "empty")
 
 
@@ -103,7 +105,7 @@ def test_load_rows_jsonl_json_dir(tmp_path):
 
 
 def test_load_rows_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(DataError, match="missing.jsonl"):
         load_rows(tmp_path / "missing.jsonl")
     csv = tmp_path / "x.csv"
     csv.write_text("prompt\n1")
@@ -119,7 +121,7 @@ def test_load_rows_errors(tmp_path):
         load_rows(notobj)
     empty_dir = tmp_path / "e"
     empty_dir.mkdir()
-    with pytest.raises(FileNotFoundError, match="no data files"):
+    with pytest.raises(DataError, match="no data files"):
         load_rows(empty_dir)
     with pytest.raises(ValueError, match="hf:NAME"):
         load_rows("hf:")
@@ -167,7 +169,7 @@ def test_prompt_dataset_without_template(tok):
     cfg = DataConfig(apply_chat_template=False, system_prompt="a")
     ds = PromptDataset([{"prompt": "1+2="}], tok, cfg)
     assert ds.prompt_ids == [tok("a1+2=")["input_ids"]]
-    with pytest.raises(TypeError, match="row 0 of <rows>.*apply_chat_template is off"):
+    with pytest.raises(DataError, match="row 0 of <rows>.*apply_chat_template is off"):
         PromptDataset([{"prompt": [{"role": "user", "content": "1"}]}], tok, cfg)
 
 

@@ -19,9 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["logging.wandb=false", "logging.progress=false"]
 
 
-def _train(out, *overrides, nproc=1, config=None, check=True, env=None):
+def _train(out, *overrides, nproc=1, config=None, check=True, env=None, module="megarl"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_port()), "-m", "megarl", "train"]
+           "--master_port", str(_port()), "-m", module, "train"]
     if config:
         cmd.append(os.path.join(ROOT, config))
     cmd += ["--out", str(out)]
@@ -123,12 +123,14 @@ def test_resume_is_exact_and_survives_a_crash_mid_save(tmp_path):
     _train(straight, "trainer.steps=6", "trainer.export_hf=true", fixed)
     _train(halves, "trainer.steps=3", fixed)
     # the next save is killed half-way (after the tensor files, before the commit): the run dies
-    crash = {"MEGARL_TEST_CRASH_IN_SAVE": "1"}
-    proc = _train(halves, "trainer.steps=6", "trainer.save_every=6", fixed, env=crash,
-                  check=False)
+    proc = _train(halves, "trainer.steps=6", "trainer.save_every=6", fixed,
+                  module="tests.crash_in_save", check=False)
     assert proc.returncode != 0
     names = sorted(os.listdir(halves / "checkpoints"))
     assert "step_000003" in names and "step_000006" not in names, names
+    assert "step_000006.tmp" in names, names  # written in full, never committed
+    with open(str(halves) + ".log") as f:
+        assert "injected crash" in f.read()
     # ... and the previous checkpoint still resumes, exactly
     _train(halves, "trainer.steps=6", "trainer.export_hf=true", fixed)
     _same_metrics(_metrics(straight), _metrics(halves))

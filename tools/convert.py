@@ -6,15 +6,20 @@
 The megatron checkpoint (`torch_dist`) loads at any TP / PP / EP: `--tp/--pp` are checked against
 the model and recorded as the suggested training layout. `--verify` then runs transformers and
 megatron on the same token ids and exits with status 3 when max |delta logit| exceeds `--tol`.
+
+An input error (unreadable or unsupported model files, a layout that does not fit the model, an
+output that already holds files) is printed as one `megarl: error: ...` line with exit status 2,
+before any model is built; the output directory is written under a hidden temporary name and
+renamed at the end, so a failed conversion leaves none. `--debug` adds tracebacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["MEGARL_DEVICE"] = "cpu"  # conversion never needs a GPU (and must not require one)
@@ -40,51 +45,48 @@ def _args(argv):
         s.add_argument("--verify", action="store_true", help="compare logits with transformers")
         s.add_argument("--tol", type=float, default=1e-3, help="max |delta logit| for --verify")
         s.add_argument("--no-progress", action="store_true")
+        s.add_argument("--verbose", action="store_true", help="show the libraries' logs")
+        s.add_argument("--debug", action="store_true", help="tracebacks for input errors too")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = _args(argv)
-    from megarl.convert.checkpoint import CheckpointError
-    from megarl.convert.hf_io import HFCheckpointError
-    from megarl.convert.mapping import MappingError
-    from megarl.convert.pipeline import hf_to_mcore, mcore_to_hf
-    from megarl.models.hf_config import ModelConfigError
+    """Ends the process itself (`megarl.console.end_process`) unless `--verbose`."""
+    from megarl import console
 
-    try:
-        if args.cmd == "hf-to-mcore":
-            summary = hf_to_mcore(
-                args.hf,
-                args.out,
-                tp=args.tp,
-                pp=args.pp,
-                dtype=args.dtype,
-                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                overwrite=args.overwrite,
-                progress=not args.no_progress,
-            )
-            hf_dir, ckpt = args.hf, args.out
-        else:
-            summary = mcore_to_hf(
-                args.ckpt,
-                args.out,
-                dtype=args.dtype,
-                max_shard_bytes=int(args.max_shard_gb * 2**30),
-                overwrite=args.overwrite,
-                progress=not args.no_progress,
-            )
-            hf_dir, ckpt = args.out, args.ckpt
-    except (
-        MappingError,
-        ModelConfigError,
-        HFCheckpointError,
-        CheckpointError,
-        FileExistsError,
-        FileNotFoundError,
-    ) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = _args(argv)
+    console.setup(verbose=args.verbose)
+    code = console.run_guarded(partial(_convert, args), debug=args.debug)
+    if args.verbose:
+        return code
+    console.end_process(code)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from megarl.convert.pipeline import hf_to_mcore, mcore_to_hf
+
+    if args.cmd == "hf-to-mcore":
+        summary = hf_to_mcore(
+            args.hf,
+            args.out,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=args.dtype,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+        hf_dir, ckpt = args.hf, args.out
+    else:
+        summary = mcore_to_hf(
+            args.ckpt,
+            args.out,
+            dtype=args.dtype,
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+        hf_dir, ckpt = args.out, args.ckpt
     print(json.dumps({"converted": args.out, **summary}))
     if args.verify:
         from megarl.convert.verify import verify

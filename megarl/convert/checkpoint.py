@@ -13,18 +13,31 @@ does (`input_layernorm` -> `self_attention.linear_qkv.layer_norm_weight`, `pre_m
 `pre_mlp_layernorm`, while megatron-core 0.16's local spec still maps it onto the (absent) fused
 fc1; `_te_keys` renames that key, so CPU-written MoE checkpoints carry the TE name. TE-only
 `_extra_state` objects (FP8 metadata) are optional in both directions.
+
+Untrusted directories: torch.distributed.checkpoint reads a checkpoint's `.metadata` with plain
+`pickle.load` (torch 2.13), so loading a checkpoint from elsewhere could run code.
+`check_dcp_metadata` unpickles it first with an unpickler that resolves only what that file
+holds (torch.distributed.checkpoint's dataclasses and enums, torch.Size, dtypes, layouts) and
+refuses anything else; every load here calls it before megatron reads the directory. The tensor
+files and megatron's `common.pt` are read with `torch.load(weights_only=True)` by torch and
+megatron-core themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import importlib
 import json
 import logging
 import os
+import pickle
 import shutil
 
 import torch
 import torch.distributed as dist
 
+from megarl.errors import OutputExistsError, UserError
 from megarl.models.builder import unwrap
 from megarl.models.hf_config import ModelArch, arch_from_hf
 
@@ -36,7 +49,7 @@ _MOE_LOCAL_NORM = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
 _MOE_TE_NORM = "decoder.layers.pre_mlp_layernorm.weight"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be written or loaded; the message names the file or key."""
 
 
@@ -47,13 +60,75 @@ def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict:
             f"{ckpt_dir}: no {META}; not a megarl megatron checkpoint (write one with "
             "`tools/convert.py hf-to-mcore` or the trainer)"
         )
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a JSON object ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')!r}; expected {FORMAT!r}")
     if not os.path.exists(os.path.join(os.fspath(ckpt_dir), "metadata.json")):
         raise CheckpointError(f"{ckpt_dir}: megatron's metadata.json is missing (incomplete save)")
     return meta
+
+
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+)
+
+
+_PLAIN_GLOBALS = {
+    ("torch.serialization", "_get_layout"),  # a dict lookup of torch.strided & co. by name
+    ("collections", "OrderedDict"),
+    # StorageMeta.checkpoint_id may be a path object (constructing one touches no file)
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals a torch.distributed.checkpoint `.metadata` file needs: classes
+    whose construction runs no caller-chosen code (DCP's dataclasses and enums, torch.Size, path
+    objects), dtypes, and `_PLAIN_GLOBALS`."""
+
+    def find_class(self, module: str, name: str):
+        if module in _DCP_MODULES:
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and (
+                dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+            ):
+                return obj
+        elif module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return getattr(torch, name)
+        elif (module, name) in _PLAIN_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
+
+
+def check_dcp_metadata(ckpt_dir: str | os.PathLike) -> None:
+    """Refuse (`CheckpointError`) a checkpoint whose `.metadata` pickle refers to anything but
+    torch.distributed.checkpoint's metadata types: plain `pickle.load` of it would run code."""
+    path = os.path.join(os.fspath(ckpt_dir), ".metadata")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{ckpt_dir}: no .metadata (not a complete torch_dist checkpoint)")
+    try:
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001 - whatever the bytes are, the file is not usable
+        raise CheckpointError(
+            f"{path}: refusing to load this checkpoint: its metadata is not a plain "
+            f"torch.distributed.checkpoint record ({type(e).__name__}: {e}); unpickling it "
+            "could run code. Use a checkpoint written by megarl / megatron-core, or one you "
+            "trust, re-saved"
+        ) from None
 
 
 def read_checkpoint_arch(ckpt_dir: str | os.PathLike) -> ModelArch:
@@ -185,7 +260,9 @@ def save_model_checkpoint(
     def prepare():
         if os.path.exists(out) and os.listdir(out) and not overwrite:
             what = "a checkpoint" if looks_like_checkpoint(out) else "files"
-            raise FileExistsError(f"{out} already holds {what}; pass overwrite=True to replace it")
+            raise OutputExistsError(
+                f"{out} already holds {what}; pass overwrite=True to replace it"
+            )
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
 
@@ -242,6 +319,7 @@ def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | os.Path
     meta = read_checkpoint_meta(ckpt_dir)
     arch = read_checkpoint_arch(ckpt_dir)
     _check_arch(chunks, arch, ckpt_dir)
+    check_dcp_metadata(ckpt_dir)
     sd = _sharded_state_dict(chunks, arch, with_value_head=bool(meta.get("value_head")))
     loaded, missing, unexpected = dist_checkpointing.load(
         sd, ckpt_dir, strict=StrictHandling.RETURN_ALL

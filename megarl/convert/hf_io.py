@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from megarl.errors import OutputExistsError, UserError
+
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
@@ -60,7 +62,7 @@ TOKENIZER_FILES = (
 )
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(UserError, ValueError):
     """An HF directory megarl cannot read or write; the message names the file."""
 
 
@@ -73,7 +75,27 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
         (n,) = struct.unpack("<Q", raw)
         if n > 100 * 2**20:
             raise HFCheckpointError(f"{path}: not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+        raw = f.read(n)
+    if len(raw) != n:
+        raise HFCheckpointError(
+            f"{path}: not a safetensors file (header of {n} bytes announced, {len(raw)} present)"
+        )
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFCheckpointError(
+            f"{path}: not a safetensors file (its header is not JSON: {e}); the file is corrupt "
+            "or was not written by safetensors: download or save it again"
+        ) from None
+    if not isinstance(header, dict) or not all(
+        isinstance(m, dict) and {"dtype", "shape", "data_offsets"} <= m.keys()
+        for k, m in header.items()
+        if k != "__metadata__"
+    ):
+        raise HFCheckpointError(
+            f"{path}: not a safetensors file (its header is not a map of name -> "
+            "{dtype, shape, data_offsets})"
+        )
     header.pop("__metadata__", None)
     return header, 8 + n
 
@@ -106,8 +128,11 @@ class LazyHFTensors:
             raise HFCheckpointError(f"{self.dir}: not a directory")
         index = os.path.join(self.dir, INDEX)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+                raise HFCheckpointError(f"{index}: not a JSON object ({e})") from None
             if not isinstance(weight_map, dict):
                 raise HFCheckpointError(f"{index}: no 'weight_map' object")
             files = sorted(set(weight_map.values()))
@@ -236,10 +261,10 @@ class AtomicDir:
         self.out = os.path.abspath(os.fspath(out_dir))
         if os.path.exists(self.out):
             if not os.path.isdir(self.out):
-                raise FileExistsError(f"{self.out} exists and is not a directory")
+                raise OutputExistsError(f"{self.out} exists and is not a directory")
             if os.listdir(self.out) and not overwrite:
                 what = "a checkpoint" if looks_like_checkpoint(self.out) else "files"
-                raise FileExistsError(
+                raise OutputExistsError(
                     f"{self.out} already holds {what}; pass --overwrite (overwrite=True) to "
                     "replace it"
                 )

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.errors import UserError
 from megarl.models.hf_config import ModelArch
 
 
-class MappingError(ValueError):
+class MappingError(UserError, ValueError):
     """HF <-> megatron names or shapes that do not fit; the message names the key."""
 
 

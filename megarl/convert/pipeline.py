@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megarl.convert.checkpoint import (
     CheckpointError,
+    check_dcp_metadata,
     load_model_checkpoint,
     read_checkpoint_arch,
     read_checkpoint_meta,
@@ -36,7 +37,8 @@ from megarl.convert.hf_io import (
     write_hf_files,
 )
 from megarl.convert.layout import _VOCAB, _pad_rows, local_params, split_tp
-from megarl.convert.mapping import canonical_to_hf, hf_to_canonical
+from megarl.convert.mapping import canonical_to_hf, check_hf_names, hf_to_canonical
+from megarl.errors import OutputExistsError
 from megarl.models.builder import unwrap
 from megarl.models.hf_config import DTYPES, ModelArch, arch_from_hf, load_hf_config
 
@@ -183,7 +185,7 @@ def _refuse_existing(out_dir: str, overwrite: bool) -> None:
     """Fail before any work when the output would be refused at the end anyway."""
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         what = "a checkpoint" if looks_like_checkpoint(out_dir) else "files"
-        raise FileExistsError(f"{out_dir} already holds {what}; pass --overwrite to replace it")
+        raise OutputExistsError(f"{out_dir} already holds {what}; pass --overwrite to replace it")
 
 
 def _resolve_dtype(dtype: str | None, hf_cfg: dict) -> str:
@@ -211,23 +213,20 @@ def hf_to_mcore(
 
     `dtype` None = the HF config's dtype. Must run in a process with no other torch.distributed
     job (a one-rank gloo group is created)."""
-    from megarl.distributed import ParallelConfig, Topology
+    from megarl.distributed import ParallelConfig, Topology, TopologyError
 
     t0 = time.perf_counter()
     _refuse_existing(out_dir, overwrite)
     hf_cfg = load_hf_config(hf_dir)
     arch = arch_from_hf(hf_dir)
     # fail now, before reading anything, if the suggested layout cannot hold this model
-    Topology.create(
-        ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
-        tp * pp,
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        num_experts=arch.num_experts,
-    )
+    try:
+        Topology.for_model(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), tp * pp, arch)
+    except TopologyError as e:
+        raise TopologyError(f"tp={tp} pp={pp} does not fit the model in {hf_dir}: {e}") from e
     dtype = _resolve_dtype(dtype, hf_cfg)
     lazy = LazyHFTensors(hf_dir)
+    check_hf_names(arch, lazy.names, shape_of=lazy.shape)  # before the model is built
     init_single_process()
     chunks = build_chunks(
         arch, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by
@@ -280,9 +279,10 @@ def mcore_to_hf(
     _refuse_existing(out_dir, overwrite)
     meta = read_checkpoint_meta(ckpt_dir)
     arch = read_checkpoint_arch(ckpt_dir)
+    check_dcp_metadata(ckpt_dir)  # before the model is built
     dtype = dtype or meta["dtype"]
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; accepted: {sorted(DTYPES)}")
+        raise CheckpointError(f"dtype={dtype!r}; accepted: {sorted(DTYPES)}")
     init_single_process()
     with AtomicDir(out_dir, overwrite=overwrite) as d:
         chunks = build_chunks(

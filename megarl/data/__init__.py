@@ -13,17 +13,19 @@ Usage:
 """
 
 from megarl.data.batch import collate, split_micro_batches
-from megarl.data.dataset import DataConfig, PromptBatch, PromptDataset, load_rows
+from megarl.data.dataset import DataConfig, DataError, PromptBatch, PromptDataset, load_rows
 from megarl.data.sampler import PromptSampler
-from megarl.data.tokenizer import build_char_tokenizer, load_tokenizer
+from megarl.data.tokenizer import TokenizerError, build_char_tokenizer, load_tokenizer
 from megarl.data.toy import TOY_CHARS, toy_reward, toy_rows, toy_tokenizer
 
 __all__ = [
     "TOY_CHARS",
     "DataConfig",
+    "DataError",
     "PromptBatch",
     "PromptDataset",
     "PromptSampler",
+    "TokenizerError",
     "build_char_tokenizer",
     "collate",
     "load_rows",

@@ -3,7 +3,8 @@
 Sources (`load_rows`): a `.jsonl` / `.json` / `.parquet` file, a directory of such files (read
 in name order), or `hf:NAME[:SPLIT]` / `hf:NAME:CONFIG:SPLIT` for a `datasets` dataset that is
 already in the local cache. Parquet needs `pyarrow`, `hf:` needs `datasets`; both are imported
-only when used.
+only when used. Every problem with the data itself raises `DataError` naming the file, row or
+column (a user error: the command line prints it as one line).
 
 A prompt is either a string (one user message) or a list of chat messages
 (`[{"role": ..., "content": ...}, ...]`). With a chat template (and `apply_chat_template`), the
@@ -22,10 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megarl.errors import MissingDependencyError, UserError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+class DataError(UserError, ValueError):
+    """A prompt source megarl cannot use; the message names the file, row or column."""
+
 
 OVERLONG = ("error", "drop", "truncate-left")
 EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -87,7 +95,7 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in EXTENSIONS)
         if not files:
             present = sorted(f.name for f in p.iterdir())[:20]
-            raise FileNotFoundError(
+            raise DataError(
                 f"directory {text!r} holds no data files with extension {EXTENSIONS} "
                 f"(found: {present})"
             )
@@ -95,25 +103,37 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
     elif p.is_file():
         rows = _load_file(p)
     else:
-        raise FileNotFoundError(
+        raise DataError(
             f"data path {text!r} does not exist (expected a {'/'.join(EXTENSIONS)} file, a "
             "directory of them, or 'hf:NAME[:SPLIT]')"
         )
     if not rows:
-        raise ValueError(f"data path {text!r} holds no rows")
+        raise DataError(f"data path {text!r} holds no rows")
     return rows
 
 
 def _load_file(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
-        return _read_jsonl(path, path.read_text(encoding="utf-8"))
+        return _read_jsonl(path, _read_text(path))
     if path.suffix == ".json":
         return _read_json(path)
     if path.suffix == ".parquet":
         return _read_parquet(path)
-    raise ValueError(
+    raise DataError(
         f"data file {str(path)!r} has unknown extension {path.suffix!r}; accepted: {EXTENSIONS}"
     )
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); a .jsonl/.json data file "
+            "must be UTF-8 JSON"
+        ) from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
 
 
 def _read_jsonl(path: Path, text: str) -> list[dict]:
@@ -124,11 +144,11 @@ def _read_jsonl(path: Path, text: str) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(
+            raise DataError(
                 f"{path}:{lineno}: invalid JSON ({err.msg}, column {err.colno})"
             ) from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
     return rows
 
@@ -136,27 +156,27 @@ def _read_jsonl(path: Path, text: str) -> list[dict]:
 def _read_json(path: Path) -> list[dict]:
     """A list of objects, or a dict of equal-length columns; JSON lines in a .json file (what
     `datasets.Dataset.to_json` writes) are accepted too."""
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data":
             return _read_jsonl(path, text)
-        raise ValueError(
+        raise DataError(
             f"{path}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno})"
         ) from None
     if isinstance(data, list):
         for i, row in enumerate(data):
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: item {i} is a {type(row).__name__}, expected an object")
+                raise DataError(f"{path}: item {i} is a {type(row).__name__}, expected an object")
         return data
     if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
         lengths = {k: len(v) for k, v in data.items()}
         if len(set(lengths.values())) != 1:
-            raise ValueError(f"{path}: columns have different lengths {lengths}")
+            raise DataError(f"{path}: columns have different lengths {lengths}")
         keys = list(data)
         return [dict(zip(keys, values, strict=True)) for values in zip(*data.values(), strict=True)]
-    raise ValueError(
+    raise DataError(
         f"{path}: expected a list of objects or an object of equal-length column lists, "
         f"got {type(data).__name__}"
     )
@@ -166,16 +186,19 @@ def _read_parquet(path: Path) -> list[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependencyError(
             f"reading {str(path)!r} needs pyarrow: pip install pyarrow (or convert it to .jsonl)"
         ) from err
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{path}: not a readable parquet file ({err})") from None
 
 
 def _load_hf(spec: str) -> list[dict]:
     parts = spec[len("hf:") :].split(":")
     if not parts[0] or len(parts) > 3:
-        raise ValueError(
+        raise DataError(
             f"data path {spec!r}: expected 'hf:NAME', 'hf:NAME:SPLIT' or 'hf:NAME:CONFIG:SPLIT'"
         )
     name, config, split = parts[0], None, "train"
@@ -186,13 +209,13 @@ def _load_hf(spec: str) -> list[dict]:
     try:
         import datasets
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependencyError(
             f"data path {spec!r} needs the `datasets` package: pip install datasets"
         ) from err
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as err:
-        raise RuntimeError(
+        raise DataError(
             f"data path {spec!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) "
             f"failed (is it in the local cache? set HF_DATASETS_OFFLINE=1 to stay offline): {err}"
         ) from err
@@ -231,11 +254,11 @@ class PromptDataset:
     ) -> None:
         source = source or cfg.path or "<rows>"
         if not rows:
-            raise ValueError(f"no rows in {source}")
+            raise DataError(f"no rows in {source}")
         key = cfg.prompt_key
         for i, row in enumerate(rows):
             if key not in row:
-                raise ValueError(
+                raise DataError(
                     f"prompt column {key!r} missing from row {i} of {source}; columns present: "
                     f"{sorted(row)} (set data.prompt_key)"
                 )
@@ -247,7 +270,7 @@ class PromptDataset:
         for i, tokens in enumerate(ids):
             if len(tokens) > limit:
                 if cfg.overlong == "error":
-                    raise ValueError(
+                    raise DataError(
                         f"prompt of row {i} in {source} is {len(tokens)} tokens, longer than "
                         f"data.max_prompt_length={limit} (set data.overlong to 'drop' or "
                         "'truncate-left', or raise the limit)"
@@ -267,7 +290,7 @@ class PromptDataset:
                 self.num_truncated,
             )
         if not keep:
-            raise ValueError(f"every prompt in {source} is longer than {limit} tokens")
+            raise DataError(f"every prompt in {source} is longer than {limit} tokens")
 
         names = list(dict.fromkeys(k for row in rows for k in row if k != key))
         self.source = source
@@ -304,7 +327,7 @@ def _messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict]:
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
         messages = list(prompt)
     else:
-        raise TypeError(
+        raise DataError(
             f"{where}: prompt must be a string or a list of chat messages "
             f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}"
         )
@@ -333,7 +356,7 @@ def _tokenize(
                 if not cfg.apply_chat_template
                 else "the tokenizer has no chat template"
             )
-            raise TypeError(
+            raise DataError(
                 f"{where}: prompt is a {type(prompt).__name__} (chat messages?) but {why}; "
                 "only string prompts can be tokenized without a template"
             )
@@ -347,7 +370,7 @@ def _tokenize(
             try:
                 tokenizer(text, add_special_tokens=add_special)
             except Exception as err:
-                raise ValueError(
+                raise DataError(
                     f"row {i} of {source}: cannot tokenize prompt {text[:80]!r}: {err}"
                 ) from err
         raise

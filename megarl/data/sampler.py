@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megarl.data.dataset import DataError
+
 
 class PromptSampler:
     """Infinite, deterministic, DP-sharded prompt order. `next_step()` -> this rank's indices."""
@@ -39,18 +41,18 @@ class PromptSampler:
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         if prompts_per_step > num_rows:
-            raise ValueError(
-                f"prompts_per_step={prompts_per_step} > {num_rows} prompts in the dataset: a step "
-                "would hold a prompt twice, and prompt ids are the advantage groups"
+            raise DataError(
+                f"data.prompts_per_step={prompts_per_step} > {num_rows} prompts in the dataset: a "
+                "step would hold a prompt twice, and prompt ids are the advantage groups"
             )
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(
                 f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}"
             )
         if prompts_per_step % dp_size:
-            raise ValueError(
-                f"prompts_per_step={prompts_per_step} is not divisible by the data-parallel size "
-                f"{dp_size} ({prompts_per_step} % {dp_size} = {prompts_per_step % dp_size}); "
+            raise DataError(
+                f"data.prompts_per_step={prompts_per_step} is not divisible by the data-parallel "
+                f"size {dp_size} ({prompts_per_step} % {dp_size} = {prompts_per_step % dp_size}); "
                 "every DP rank must get the same number of prompts"
             )
         self.num_rows = num_rows
@@ -106,7 +108,7 @@ class PromptSampler:
         shuffle, so each must equal the saved value (ValueError naming the one that differs)."""
         for name in ("num_rows", "prompts_per_step", "seed", "shuffle"):
             if state[name] != getattr(self, name):
-                raise ValueError(
+                raise DataError(
                     f"PromptSampler state was saved with {name}={state[name]!r} but this run has "
                     f"{name}={getattr(self, name)!r}; the prompt order would not continue"
                 )

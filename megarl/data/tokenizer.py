@@ -15,10 +15,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megarl.errors import UserError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
+
+
+class TokenizerError(UserError, OSError):
+    """A tokenizer directory that cannot be loaded; the message names the path and its files."""
+
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
@@ -32,14 +39,14 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained(path)` for a local HF tokenizer (or model) directory.
 
     A tokenizer without a pad token gets `pad_token = eos_token` (padding positions are always
-    masked out, so the id only has to be valid). Raises FileNotFoundError naming `path` when it
-    is not a directory, and OSError naming it when the directory holds no loadable tokenizer.
+    masked out, so the id only has to be valid). Raises `TokenizerError` naming `path` when it
+    is not a directory or holds no loadable tokenizer.
     """
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise TokenizerError(
             f"tokenizer path {str(path)!r} is not a directory; expected a Hugging Face tokenizer "
             "or model directory (tokenizer.json / tokenizer_config.json)"
         )
@@ -47,7 +54,7 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:
         present = sorted(p.name for p in path.iterdir())
-        raise OSError(
+        raise TokenizerError(
             f"cannot load a tokenizer from {str(path)!r} (files: {present}): {err}"
         ) from err
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class TopologyError(ValueError):
+class TopologyError(UserError, ValueError):
     """A parallel layout that cannot work; the message shows the arithmetic."""
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.errors import UserError
+
 # HF `architectures[0]` / `model_type` -> family
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -32,7 +34,7 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """An HF config megarl cannot map; the message names the field and the accepted values."""
 
 
@@ -80,7 +82,13 @@ def load_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
             f"no HF config at {path}: expected a model directory with config.json"
         )
     with open(path) as f:
-        return json.load(f)
+        try:
+            cfg = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{path}: not a JSON HF config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def resolve_hf_config(cfg: dict) -> dict:

@@ -18,8 +18,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     """Decoupled (AdamW) weight decay."""
     adam_beta1: float = 0.9
+    """Adam's decay rate of the gradient's running mean."""
     adam_beta2: float = 0.999
+    """Adam's decay rate of the squared gradient's running mean."""
     adam_eps: float = 1e-8
+    """Added to Adam's denominator for numerical stability."""
     clip_grad: float = 1.0
     """Global grad-norm clip (across TP/PP/DP); 0 disables."""
     warmup_steps: int = 0

@@ -13,6 +13,7 @@ from megarl.rewards.builtins import (
 )
 from megarl.rewards.scoring import (
     RewardFunction,
+    RewardFunctionError,
     function_name,
     load_reward_function,
     score,
@@ -21,6 +22,7 @@ from megarl.rewards.scoring import (
 __all__ = [
     "BUILTINS",
     "RewardFunction",
+    "RewardFunctionError",
     "format_reward",
     "function_name",
     "length_penalty",

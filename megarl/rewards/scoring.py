@@ -27,11 +27,19 @@ from typing import Any, Protocol
 
 import torch
 
+from megarl.errors import UserError
 from megarl.rewards.builtins import BUILTINS
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "zero")
+ALIASES = {"toy": "megarl.data.toy:toy_reward"}
+"""Built-in names that live outside this package (resolved as dotted paths, imported on use)."""
+
+
+class RewardFunctionError(UserError, ValueError, TypeError):
+    """A reward function spec that does not resolve to a callable; names the spec. (A TypeError
+    too, for a spec that resolves to something not callable.)"""
 
 
 class RewardFunction(Protocol):
@@ -45,31 +53,37 @@ class RewardFunction(Protocol):
 def load_reward_function(spec: str, **kwargs: Any) -> RewardFunction:
     """A reward function from a built-in name or a dotted path, with `kwargs` bound.
 
-    spec: one of the built-ins (`math_verify`, `format`, `length_penalty`), or
+    spec: one of the built-ins (`math_verify`, `format`, `length_penalty`, `toy`), or
     "package.module:function" / "package.module.function". The returned function keeps the
-    original `__name__` (used to label metrics and errors). Raises ValueError for a spec
-    that does not resolve and TypeError for one that resolves to something not callable.
+    original `__name__` (used to label metrics and errors). Raises `RewardFunctionError` for a
+    spec that does not resolve or resolves to something not callable.
     """
     if spec in BUILTINS:
         fn = BUILTINS[spec]
     else:
-        module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+        path = ALIASES.get(spec, spec)
+        module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
         if not sep or not module_name or not attr:
-            raise ValueError(
-                f"reward function {spec!r} is neither a built-in ({sorted(BUILTINS)}) nor a "
-                "dotted path 'package.module:function' or 'package.module.function'"
+            raise RewardFunctionError(
+                f"reward function {spec!r} is neither a built-in "
+                f"({sorted([*BUILTINS, *ALIASES])}) nor a dotted path 'package.module:function' "
+                "or 'package.module.function'"
             )
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
-            raise ValueError(
+            raise RewardFunctionError(
                 f"reward function {spec!r}: cannot import {module_name!r}: {err}"
             ) from err
         fn = getattr(module, attr, None)
         if fn is None:
-            raise ValueError(f"reward function {spec!r}: module {module_name!r} has no {attr!r}")
+            raise RewardFunctionError(
+                f"reward function {spec!r}: module {module_name!r} has no {attr!r}"
+            )
     if not callable(fn):
-        raise TypeError(f"reward function {spec!r} is not callable (got {type(fn).__name__})")
+        raise RewardFunctionError(
+            f"reward function {spec!r} is not callable (got {type(fn).__name__})"
+        )
     if kwargs:
         bound = partial(fn, **kwargs)
         bound.__name__ = function_name(fn)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.errors import UserError
 from megarl.models.hf_config import ModelArch, arch_from_hf
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ CPU_KV_CACHE_BYTES = 256 * 2**20
 DUMMY, SYNCED, PARTIAL, ASLEEP = "dummy", "synced", "partial", "asleep"
 
 
-class RolloutConfigError(ValueError):
+class RolloutConfigError(UserError, ValueError):
     """A rollout setting that cannot work; names the field and the accepted values."""
 
 

@@ -2,27 +2,43 @@
 
 Layout: `RUN/checkpoints/step_000042/` holds a megatron `dist_checkpointing` checkpoint (actor,
 critic, their DistributedOptimizer states in the fully-reshardable format, so a run can resume at
-another TP / PP / DP) plus `trainer_state.pt` (step, sampler, schedulers, RNG; written by rank 0).
-Every checkpoint is written to `step_N.tmp` and renamed by rank 0 after all ranks finished, so a
-run killed while saving leaves the previous checkpoint as the newest complete one. The keys inside
-are layout-free: chunk dicts are nested but each ShardedTensor carries its global key.
+another TP / PP / DP) plus `trainer_state.json` (step, sampler, schedulers, model config, torch's
+RNG state as base64; written by rank 0). Every checkpoint is written to `step_N.tmp` and renamed
+by rank 0 after all ranks finished (`_commit`), so a run killed while saving leaves the previous
+checkpoint as the newest complete one. The keys inside are layout-free: chunk dicts are nested but
+each ShardedTensor carries its global key.
+
+Untrusted files: a checkpoint directory may come from elsewhere, and reading it must not run
+code. The trainer state is JSON (no pickle); the tensor files are read by torch with
+`weights_only=True`; the pickled `.metadata` of torch.distributed.checkpoint is vetted first
+(`megarl.convert.checkpoint.check_dcp_metadata`). Checkpoints written before the JSON state hold
+`trainer_state.pt`, which is read with `torch.load(weights_only=True)` (plain containers, numbers,
+strings and tensors only) and refused, naming the file, if it holds anything else.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
+import pickle
 import re
 import shutil
 
 import torch
 import torch.distributed as dist
 
+from megarl.convert.checkpoint import CheckpointError, check_dcp_metadata
 from megarl.models.builder import unwrap
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+STATE_FILE = "trainer_state.json"
+LEGACY_STATE_FILE = "trainer_state.pt"  # a pickle, written by megarl before the JSON state
+STATE_FORMAT = "megarl-trainer-state/1"
+STATE_KEYS = ("step", "sampler", "actor_sched", "arch", "torch_rng")
 
 
 def _model_sd(chunks, prefix: str) -> dict:
@@ -53,7 +69,9 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     out = []
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
-        if m and os.path.exists(os.path.join(root, name, "trainer_state.pt")):
+        if m and any(
+            os.path.exists(os.path.join(root, name, f)) for f in (STATE_FILE, LEGACY_STATE_FILE)
+        ):
             out.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(out)
 
@@ -78,27 +96,97 @@ def save(run_dir: str, step: int, models: dict, trainer_state: dict, *, keep_las
         if opt is not None:
             _materialize_optimizer_state(opt)
     dist_checkpointing.save(_sharded(models, is_loading=False), tmp)
-    if os.environ.get("MEGARL_TEST_CRASH_IN_SAVE"):  # fault injection for the crash test
-        raise RuntimeError("MEGARL_TEST_CRASH_IN_SAVE: crash between writing and committing")
     if dist.get_rank() == 0:
-        state = {**trainer_state, "torch_rng": torch.get_rng_state()}
-        torch.save(state, os.path.join(tmp, "trainer_state.pt.tmp"))
-        os.replace(os.path.join(tmp, "trainer_state.pt.tmp"), os.path.join(tmp, "trainer_state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # the commit point
+        _write_trainer_state(os.path.join(tmp, STATE_FILE), trainer_state)
+        _commit(tmp, final)
         for _, old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
-def load(path: str, models: dict) -> dict:
-    """Collective. Load models and optimizers (any layout) from `path`; return trainer state."""
+def _commit(tmp: str, final: str) -> None:
+    """Rank 0, after every rank wrote its files: make `tmp` the checkpoint `final`. The one step
+    after which a resume sees the checkpoint; a crash before it leaves the previous one newest."""
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def _write_trainer_state(path: str, trainer_state: dict) -> None:
+    """JSON: plain values only, so reading it back can run no code. A value that is not plain
+    fails here, at the first save, not at the resume."""
+    rng = torch.get_rng_state().numpy().tobytes()
+    state = {
+        "format": STATE_FORMAT,
+        **trainer_state,
+        "torch_rng": base64.b64encode(rng).decode("ascii"),
+    }
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def read_trainer_state(path: str) -> dict:
+    """The trainer state of checkpoint directory `path` (`torch_rng` as a uint8 tensor); raises
+    `CheckpointError` naming the file when it is missing, malformed or unsafe to read."""
+    state_file = os.path.join(path, STATE_FILE)
+    if os.path.exists(state_file):
+        try:
+            with open(state_file) as f:
+                state = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{state_file}: not a readable megarl trainer state ({e})") from e
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"{state_file}: format {got!r}; expected {STATE_FORMAT!r}")
+        try:
+            rng = base64.b64decode(state["torch_rng"], validate=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{state_file}: torch_rng is not base64 bytes ({e})") from e
+        state["torch_rng"] = torch.frombuffer(bytearray(rng), dtype=torch.uint8)
+    elif os.path.exists(os.path.join(path, LEGACY_STATE_FILE)):
+        state_file = os.path.join(path, LEGACY_STATE_FILE)
+        state = _read_legacy_state(state_file, path)
+    else:
+        raise CheckpointError(f"{path} is not a complete megarl checkpoint (no {STATE_FILE})")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"{state_file}: keys {missing} are missing")
+    return state
+
+
+def _read_legacy_state(state_file: str, path: str) -> dict:
+    """A pickled `trainer_state.pt` of an older megarl, read without running code."""
+    try:
+        state = torch.load(state_file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message is a page long; its "Unsupported global: GLOBAL x" names the culprit
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        why = f"it refers to {found.group(1)}" if found else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"{state_file}: refusing to load this old-format (pickled) trainer state: it holds "
+            f"more than the tensors, numbers, strings, lists and dicts megarl writes ({why}), "
+            "so it may have been tampered with and loading it could run code. Delete the "
+            f"checkpoint {path} to resume from the one before it, or start a new run directory "
+            "(--out) or set trainer.resume=false"
+        ) from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{state_file}: not a readable trainer state ({e})") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{state_file}: expected a dict, got {type(state).__name__}")
+    log.warning(
+        "%s: old-format trainer state, read safely (weights_only); the next save writes %s",
+        state_file,
+        STATE_FILE,
+    )
+    return state
+
+
+def load_models(path: str, models: dict) -> None:
+    """Collective. Load models and optimizers (any layout) from checkpoint `path`."""
     from megatron.core import dist_checkpointing
 
-    state_file = os.path.join(path, "trainer_state.pt")
-    if not os.path.exists(state_file):
-        raise FileNotFoundError(f"{path} is not a complete megarl checkpoint (no trainer_state.pt)")
+    check_dcp_metadata(path)
     for _, opt in models.values():
         if opt is not None:
             _materialize_optimizer_state(opt)
@@ -126,9 +214,6 @@ def load(path: str, models: dict) -> dict:
                 o.optimizer.state.clear()
             opt.load_state_dict(loaded[f"{name}_optim"])
             _unshare_step_tensors(opt)
-    state = torch.load(state_file, weights_only=False)
-    torch.set_rng_state(state.pop("torch_rng"))
-    return state
 
 
 def _materialize_optimizer_state(opt) -> None:

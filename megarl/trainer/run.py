@@ -7,6 +7,7 @@ reads like the algorithm. Process groups come from the topology and are passed d
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -18,18 +19,16 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megarl.config import RunConfig, to_dict
+from megarl.config import ConfigError, RunConfig, to_dict
 from megarl.convert.sharded import copy_weights
 from megarl.distributed import Topology, device
-from megarl.distributed.topology import Groups
+from megarl.distributed.topology import Groups, TopologyError
 from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
 
 log = logging.getLogger("megarl")
-
-REWARD_ALIASES = {"toy": "megarl.data.toy:toy_reward"}
 
 
 def init_distributed() -> tuple[int, int]:
@@ -69,7 +68,10 @@ def load_tokenizer(cfg: RunConfig, out_dir: str):
     if path == "toy":
         return toy_tokenizer(os.path.join(out_dir, "tokenizer") if dist.get_rank() == 0 else None)
     if path is None:
-        raise ValueError("model.tokenizer is required when the model comes from model.config")
+        raise ConfigError(
+            "model.tokenizer is required when the model comes from model.config; accepted: a "
+            "tokenizer directory or 'toy'"
+        )
     return load(path)
 
 
@@ -95,6 +97,8 @@ class Run:
     sampler: object
     reward_fns: list
     logger: object
+    resume: tuple[str, dict] | None = None
+    """(checkpoint directory, its trainer state) to resume from, read and checked in create."""
     step: int = 0
     bad_steps: int = 0
     extra: dict = field(default_factory=dict)
@@ -103,16 +107,20 @@ class Run:
     @staticmethod
     def create(cfg: RunConfig, out_dir: str) -> Run:
         rank, world = init_distributed()
+        check_paths(cfg)
         arch = load_arch(cfg)
         longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
         if longest > arch.max_position_embeddings:
-            raise ValueError(
+            raise ConfigError(
                 f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_tokens "
                 f"({cfg.rollout.max_tokens}) = {longest} exceeds the model's "
                 f"max_position_embeddings ({arch.max_position_embeddings})"
             )
         p = cfg.parallel
-        topo = Topology.for_model(p, world, arch)
+        try:
+            topo = Topology.for_model(p, world, arch)
+        except TopologyError as e:  # name the config section
+            raise TopologyError(f"parallel: {e}") from e
         gpu = device.use_gpu()
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
@@ -120,10 +128,12 @@ class Run:
         tokenizer = load_tokenizer(cfg, out_dir)
         # everything a user can get wrong is checked before the models and the engine exist
         cfg = _resolve_rollout(cfg, arch, tokenizer, gpu)
-        if rank == 0:
-            _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
         dataset, sampler = _data(cfg, tokenizer, groups)
         reward_fns = _reward_functions(cfg)
+        _check_model_files(cfg, arch)
+        resume = _resume_state(cfg, out_dir, arch, sampler)
+        if rank == 0:
+            _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
         build = BuildConfig(make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
         make = lambda role: build_model(arch, p, cfg.precision, role=role, build=build, gpu=gpu)  # noqa: E731
 
@@ -179,6 +189,7 @@ class Run:
             sampler=sampler,
             reward_fns=reward_fns,
             logger=logger,
+            resume=resume,
         )
         run.maybe_resume()
         run.sync_weights()
@@ -214,12 +225,11 @@ class Run:
         return path
 
     def maybe_resume(self) -> None:
-        path = checkpoint.latest_checkpoint(self.out_dir) if self.cfg.trainer.resume else None
-        if path is None:
+        if self.resume is None:
             return
-        state = checkpoint.load(path, self._models())
-        if state["arch"] != self.arch.hf_config:
-            raise ValueError(f"checkpoint {path} was written for a different model config")
+        path, state = self.resume
+        checkpoint.load_models(path, self._models())
+        torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.actor_sched.load_state_dict(state["actor_sched"])
@@ -251,6 +261,80 @@ def _write_yaml(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         yaml.safe_dump(data, f, sort_keys=False)
     os.replace(tmp, path)
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Fail (`ConfigError` naming the key) when a file or directory the config names is absent:
+    before anything is read or built, and before a deeper error could name only the file."""
+    m, d = cfg.model, cfg.data
+    dirs = {
+        "model.hf": (m.hf, "a Hugging Face model directory (config.json + *.safetensors)"),
+        "model.mcore_ckpt": (m.mcore_ckpt, "a directory from `tools/convert.py hf-to-mcore`"),
+        "model.tokenizer": (
+            None if m.tokenizer == "toy" else m.tokenizer,
+            "a tokenizer directory (tokenizer.json / tokenizer_config.json) or 'toy'",
+        ),
+    }
+    for key, (path, accepted) in dirs.items():
+        if path is not None and not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise ConfigError(f"{key}={path!r} {what}; accepted: {accepted}")
+    if d.path is not None and not d.path.startswith("hf:") and not os.path.exists(d.path):
+        raise ConfigError(
+            f"data.path={d.path!r} does not exist; accepted: a .jsonl/.json/.parquet file, a "
+            "directory of them, 'hf:NAME[:SPLIT]', or null for the toy task"
+        )
+
+
+def _check_model_files(cfg: RunConfig, arch: ModelArch) -> None:
+    """What the initial weights are read from, checked from headers and metadata only (cheap):
+    the HF tensor names and shapes against `arch`, or the megatron checkpoint's metadata."""
+    m = cfg.model
+    if m.hf is not None:
+        from megarl.convert.hf_io import LazyHFTensors
+        from megarl.convert.mapping import check_hf_names
+
+        lazy = LazyHFTensors(m.hf)
+        check_hf_names(arch, lazy.names, shape_of=lazy.shape)
+    elif m.mcore_ckpt is not None:
+        from megarl.convert.checkpoint import check_dcp_metadata
+
+        check_dcp_metadata(m.mcore_ckpt)
+
+
+def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
+    """(newest checkpoint of `out_dir`, its trainer state), or None when there is none or
+    `trainer.resume` is off. Its small files are read and checked now, before the models exist:
+    the model config, the data order, and that its metadata is safe to unpickle."""
+    path = checkpoint.latest_checkpoint(out_dir) if cfg.trainer.resume else None
+    if path is None:
+        return None
+    state = checkpoint.read_trainer_state(path)
+    if state["arch"] != arch.hf_config:
+        changed = sorted(
+            k
+            for k in set(state["arch"]) | set(arch.hf_config)
+            if state["arch"].get(k) != arch.hf_config.get(k)
+        )
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} was written for a different model config (differs in "
+            f"{changed[:8]}); resume with the same model, or use a new run directory (--out) or "
+            "trainer.resume=false"
+        )
+    if cfg.algorithm.name == "ppo" and "critic_sched" not in state:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} holds no critic (a grpo run wrote it) but algorithm.name=ppo; "
+            "resume with algorithm.name=grpo, or use a new run directory (--out)"
+        )
+    try:  # on a copy: the run's sampler takes the state in maybe_resume, with the rest
+        copy.copy(sampler).load_state_dict(state["sampler"])
+    except ValueError as e:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} cannot continue this run's prompt order: {e}; keep data.* as it "
+            "was, or use a new run directory (--out) or trainer.resume=false"
+        ) from e
+    checkpoint.check_dcp_metadata(path)
+    return path, state
 
 
 def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:
@@ -324,10 +408,13 @@ def _data(cfg: RunConfig, tokenizer, groups: Groups):
 
 
 def _reward_functions(cfg: RunConfig) -> list:
-    from megarl.rewards import load_reward_function
+    from megarl.rewards import RewardFunctionError, load_reward_function
 
     fns = []
-    for spec in cfg.reward.functions:
+    for i, spec in enumerate(cfg.reward.functions):
         kwargs = cfg.reward.kwargs.get(spec, {})
-        fns.append(load_reward_function(REWARD_ALIASES.get(spec, spec), **kwargs))
+        try:
+            fns.append(load_reward_function(spec, **kwargs))
+        except RewardFunctionError as e:
+            raise RewardFunctionError(f"reward.functions[{i}]: {e}") from e
     return fns

@@ -1,0 +1,195 @@
+"""Input errors, tried as a new user would, through the command lines in a subprocess.
+
+Each must end with exit status 2 and exactly one `megarl: error:` line naming the file / key /
+value, with no traceback, before the rollout engine starts (no `rollout_model/` written, no
+"vLLM engine up", well under 30 s), and the converter must leave no output directory (nor its
+hidden temporary sibling). `--debug` brings the traceback back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.tiny import TINY_LLAMA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUIET = ["--set", "logging.wandb=false", "--set", "logging.progress=false"]
+
+
+def _run(args: list[str], *, cwd: str = ROOT) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    return proc, time.perf_counter() - t0
+
+
+def _train(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    out = tmp_path / "run"
+    return _run(["-m", "megarl", "train", *args, *QUIET, "--out", str(out)])
+
+
+def _assert_user_error(proc, seconds: float, *needles: str, out_dir=None) -> str:
+    text = proc.stdout + proc.stderr
+    lines = [ln for ln in text.splitlines() if ln.startswith("megarl: error:")]
+    assert proc.returncode == 2, text[-3000:]
+    assert len(lines) == 1, text[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "Traceback" not in text, text[-3000:]
+    assert "vLLM engine up" not in text and "nanobind" not in text, text[-3000:]
+    if out_dir is not None:
+        assert not os.path.exists(os.path.join(out_dir, "rollout_model")), "the engine started"
+    assert seconds < 30, f"{seconds:.1f} s: the error came late"
+    return lines[0]
+
+
+# ---------------------------------------------------------------- the cases of issue 13
+def test_missing_data_file(tmp_path):
+    proc, s = _train(tmp_path, "--set", f"data.path={tmp_path}/nope.jsonl")
+    run = tmp_path / "run"
+    _assert_user_error(proc, s, "data.path=", "nope.jsonl", "does not exist", out_dir=run)
+
+
+def test_corrupt_data_file(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "1+2="}\n{"prompt": "2+2=", oops}\n')
+    proc, s = _train(tmp_path, "--set", f"data.path={bad}")
+    _assert_user_error(proc, s, "prompts.jsonl:2: invalid JSON", out_dir=tmp_path / "run")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\x00\xff\xfe garbage \x80\x81")
+    proc, s = _train(tmp_path, "--set", f"data.path={binary}")
+    _assert_user_error(proc, s, "binary.jsonl", "not UTF-8", out_dir=tmp_path / "run")
+
+
+def test_unknown_reward_function(tmp_path):
+    proc, s = _train(tmp_path, "--set", "reward.functions=[toy, mathverify]")
+    _assert_user_error(proc, s, "reward.functions[1]", "'mathverify'", "'math_verify'", "'toy'")
+    proc, s = _train(tmp_path, "--set", "reward.functions=[no_such_pkg.rewards:fn]")
+    _assert_user_error(proc, s, "cannot import 'no_such_pkg.rewards'")
+
+
+def test_missing_hf_dir(tmp_path):
+    missing = tmp_path / "Llama-3-8B"
+    proc, s = _train(tmp_path, "--set", "model.config=null", "--set", f"model.hf={missing}")
+    _assert_user_error(proc, s, "model.hf=", "Llama-3-8B", "does not exist", "config.json")
+
+
+def test_tp_larger_than_world_size(tmp_path):
+    proc, s = _train(tmp_path, "--set", "parallel.tensor_parallel=4")
+    _assert_user_error(proc, s, "parallel", "world size 1", "TP x PP x CP = 4 x 1 x 1")
+
+
+def _hf_dir(path, *, safetensors: bytes | None) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    if safetensors is not None:
+        (path / "model.safetensors").write_bytes(safetensors)
+    return str(path)
+
+
+GARBAGE = struct.pack("<Q", 24) + b"this is not json at all!" + b"\0" * 64
+
+
+def _assert_no_output(out) -> None:
+    parent, base = os.path.split(str(out))
+    assert not os.path.exists(out)
+    assert [n for n in os.listdir(parent) if n.startswith(f".{base}")] == []
+
+
+def test_convert_garbage_safetensors_header(tmp_path):
+    hf = _hf_dir(tmp_path / "hf", safetensors=GARBAGE)
+    out = tmp_path / "ckpt"
+    proc, s = _run([os.path.join("tools", "convert.py"), "hf-to-mcore", "--hf", hf, "--out",
+                    str(out), "--no-progress"])
+    _assert_user_error(proc, s, "model.safetensors", "not a safetensors file", "not JSON")
+    _assert_no_output(out)
+
+
+def test_convert_tp3(tmp_path):
+    hf = _hf_dir(tmp_path / "hf", safetensors=None)
+    out = tmp_path / "ckpt"
+    proc, s = _run([os.path.join("tools", "convert.py"), "hf-to-mcore", "--hf", hf, "--out",
+                    str(out), "--tp", "3", "--no-progress"])
+    _assert_user_error(proc, s, "tp=3 pp=1", "num_attention_heads=4 is not divisible by TP=3")
+    _assert_no_output(out)
+
+
+# ---------------------------------------------------------------- more ways to go wrong
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["--set", "trainer.stepz=3"], ["--set trainer.stepz=3", "unknown config key", "steps"]),
+        (["--set", "trainer.steps"], ["'trainer.steps'", "expected key=value"]),
+        (["--set", "reward.functions=[toy"], ["not valid YAML", "line 1, column 5"]),
+        (["--set", "rollout.temperature=hot"], ["rollout.temperature='hot'", "a number"]),
+        (["--set", "algorithm.name=dpo"], ["algorithm.name='dpo'", "'grpo', 'ppo'"]),
+        (["/no/such/config.yaml"], ["/no/such/config.yaml does not exist"]),
+        (["--set", "model.tokenizer=/no/tok"], ["model.tokenizer='/no/tok' does not exist"]),
+        (["--set", "data.prompts_per_step=100"], ["data.prompts_per_step=100 > 55 prompts"]),
+        (["--set", "rollout.max_tokens=60"], ["rollout.max_tokens (60)", "max_position_embed"]),
+    ],
+    ids=["unknown-key", "override-syntax", "override-yaml", "wrong-type", "bad-value",
+         "missing-config", "missing-tokenizer", "too-few-prompts", "too-long"],
+)
+def test_config_mistakes(tmp_path, args, needles):
+    proc, s = _train(tmp_path, *args)
+    _assert_user_error(proc, s, *needles)
+
+
+def test_bad_yaml_file(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("trainer:\n  steps: 3\n   seed: 1\n")
+    proc, s = _train(tmp_path, str(cfg))
+    _assert_user_error(proc, s, "run.yaml: invalid YAML", "line 3")
+
+
+def test_hf_dir_with_garbage_weights_fails_before_the_model_is_built(tmp_path):
+    hf = _hf_dir(tmp_path / "hf", safetensors=GARBAGE)
+    proc, s = _train(tmp_path, "--set", "model.config=null", "--set", f"model.hf={hf}",
+                     "--set", "model.tokenizer=toy")
+    run = tmp_path / "run"
+    _assert_user_error(proc, s, "model.safetensors", "not a safetensors file", out_dir=run)
+
+
+def test_tampered_checkpoint_is_refused_before_anything_runs(tmp_path):
+    from tests.test_checkpoint_safety import write_payload_pickle
+
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    write_payload_pickle(step / "trainer_state.pt", marker)
+    proc, s = _train(tmp_path)
+    _assert_user_error(proc, s, "trainer_state.pt", "refusing to load", "trainer.resume=false")
+    assert not marker.exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc, _ = _train(tmp_path, "--set", "reward.functions=[nosuch]", "--debug")
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and "RewardFunctionError" in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("megarl: error: reward.functions[0]")
+
+
+@pytest.mark.slow
+def test_torchrun_prints_the_error_once_and_last(tmp_path):
+    from megarl.distributed.launch import free_port
+
+    proc, s = _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(free_port()), "-m", "megarl", "train", "--set",
+                    "parallel.tensor_parallel=3", *QUIET, "--out", str(tmp_path / "run")])
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]  # torchrun: a child failed (each exits with 2)
+    assert "exitcode  : 2" in text
+    message = "megarl: error: parallel: world size 2 is not divisible by TP x PP x CP = 3"
+    assert sum(ln.startswith(message) for ln in text.splitlines()) <= 1  # rank 0 only
+    # torchrun's closing report ends with the message (from the ranks' error files)
+    tail = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("=")][-1]
+    assert tail.strip().startswith(f"traceback : {message}"), text[-3000:]
