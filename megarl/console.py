@@ -157,10 +157,17 @@ def end_process(code: int) -> NoReturn:
     """Exit with `code` after Python's own shutdown work but without the interpreter teardown
     (see the module docstring: it only prints the nanobind leak report)."""
     _flush()
-    main = threading.main_thread()
-    for t in threading.enumerate():  # what interpreter shutdown waits for, before atexit
-        if t is not main and not t.daemon and t.is_alive():
-            t.join()
+    # what interpreter shutdown does before atexit: run threading's own exit hooks (they tell
+    # thread-pool workers, e.g. torch's and vLLM's executors, to stop) and then join the
+    # non-daemon threads; joining without those hooks waits forever on an idle pool worker
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # not CPython: join what is left
+        main = threading.main_thread()
+        for t in threading.enumerate():
+            if t is not main and not t.daemon and t.is_alive():
+                t.join()
     atexit._run_exitfuncs()
     _flush()
     os._exit(code)

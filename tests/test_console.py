@@ -99,3 +99,17 @@ def test_a_normal_run_is_quiet_unless_verbose(tmp_path):
     assert proc.returncode == 0, text[-3000:]
     assert "INFO" in text and "Resolved architecture" in text  # vLLM's own INFO lines
     assert "nanobind: leaked" in text  # the interpreter's normal exit, as before
+
+
+def test_exit_does_not_wait_forever_on_an_idle_thread_pool():
+    """torch and vLLM leave idle ThreadPoolExecutor workers; the CLI's exit must stop them as
+    interpreter shutdown does (a plain join of non-daemon threads hung a real run)."""
+    code = (
+        "import concurrent.futures\n"
+        "from megarl.console import end_process\n"
+        "concurrent.futures.ThreadPoolExecutor(2).submit(lambda: 1).result()\n"
+        "end_process(3)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60)
+    assert proc.returncode == 3
