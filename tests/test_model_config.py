@@ -66,5 +66,13 @@ def test_bad_precision():
 
 
 def test_top1_renormalised_moe_is_refused():
-    with pytest.raises(ModelConfigError, match="num_experts_per_tok=1"):
+    with pytest.raises(ModelConfigError, match="num_experts_per_tok=1") as e:
         arch_from_hf({**TINY_MIXTRAL, "num_experts_per_tok": 1})
+    assert "Mixtral-architecture configs" in str(e.value) and "no released" in str(e.value)
+    from tests.tiny import TINY_QWEN3_MOE
+
+    with pytest.raises(ModelConfigError, match="norm_topk_prob=false"):
+        arch_from_hf({**TINY_QWEN3_MOE, "num_experts_per_tok": 1})
+    # top-1 without renormalisation (weight p: megatron's pre-softmax routing) is accepted
+    arch = arch_from_hf({**TINY_QWEN3_MOE, "num_experts_per_tok": 1, "norm_topk_prob": False})
+    assert (arch.moe_topk, arch.moe_norm_topk_prob) == (1, False)

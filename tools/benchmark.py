@@ -1,7 +1,8 @@
 """Benchmark suites: `python tools/benchmark.py --suite NAME [--json OUT]`.
 
-Suites: sync, advantage, rollout, train, step, convert, or all. Every record carries its unit, the
-machine and, where known, the physical floor measured in the same run and the ratio to it.
+Suites: sync, advantage, rollout, train, step, convert, or all; peer (megarl against TRL's
+GRPOTrainer, optional dependency `megarl[peer]`) runs only when named. Every record carries its
+unit, the machine and, where known, the physical floor measured in the same run and the ratio to it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.benchmarks import SUITE_MODULES, get_suite  # noqa: E402
+from megarl.benchmarks import OPT_IN_SUITES, SUITE_MODULES, get_suite, get_summary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,17 +22,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", required=True, help=f"one of {sorted(SUITE_MODULES)} or 'all'")
     p.add_argument("--json", help="write the records to this file (JSON list)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for smoke-testing")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="peer: runs of each system, interleaved (A, B, A, B, ...)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="peer: torch intra-op threads of each run (default: torch's own)")
     args = p.parse_args(argv)
-    names = sorted(SUITE_MODULES) if args.suite == "all" else [args.suite]
+    everything = [n for n in sorted(SUITE_MODULES) if n not in OPT_IN_SUITES]
+    names = everything if args.suite == "all" else [args.suite]
     records: list[dict] = []
     for name in names:
-        for rec in get_suite(name)(args):
+        suite_records = get_suite(name)(args)
+        for rec in suite_records:
             records.append({"suite": name, **rec})
             floor = ""
             if "floor" in rec:
                 floor = f"  (floor {rec['floor']:.4g} {rec['floor_unit']}, "
                 floor += f"{100 * rec['ratio_to_floor']:.1f}% of floor)"
             print(f"[{name}] {rec['name']}: {rec['value']:.4g} {rec['unit']}{floor}", flush=True)
+        summary = get_summary(name)
+        if summary is not None:
+            print(summary(suite_records), flush=True)
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

@@ -28,19 +28,32 @@ SUITE_MODULES = {
     "train": "megarl.benchmarks.train",
     "step": "megarl.benchmarks.step",
     "convert": "megarl.benchmarks.convert",
+    "peer": "megarl.benchmarks.peer",
 }
+# run only when named (not by `--suite all`): tens of minutes, and an optional dependency (TRL)
+OPT_IN_SUITES = ("peer",)
+_SUMMARIES: dict[str, Callable[[list[dict]], str]] = {}
 
 
-def register_suite(name: str):
-    """Decorator: register `fn(args) -> list[record]` as suite `name` (duplicates raise)."""
+def register_suite(name: str, *, summary: Callable[[list[dict]], str] | None = None):
+    """Decorator: register `fn(args) -> list[record]` as suite `name` (duplicates raise).
+    `summary(records) -> str`, if given, is a human-readable table of the records that
+    tools/benchmark.py prints after them."""
 
     def wrap(fn):
         if name in _SUITES:
             raise ValueError(f"benchmark suite {name!r} is registered twice")
         _SUITES[name] = fn
+        if summary is not None:
+            _SUMMARIES[name] = summary
         return fn
 
     return wrap
+
+
+def get_summary(name: str) -> Callable[[list[dict]], str] | None:
+    """The summary function of a suite that was loaded with `get_suite`, or None."""
+    return _SUMMARIES.get(name)
 
 
 def get_suite(name: str) -> Callable[[Any], list[dict]]:

@@ -81,14 +81,14 @@ def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torc
             yield name, local_name, p
 
 
-def _is_expert(p) -> bool:
+def is_expert(p) -> bool:
     return getattr(p, "allreduce", True) is False  # megatron marks expert params allreduce=False
 
 
 def _tp_group_for(p):
     from megatron.core import parallel_state as ps
 
-    if _is_expert(p):
+    if is_expert(p):
         return ps.get_expert_tensor_parallel_group()
     return ps.get_tensor_model_parallel_group()
 
@@ -128,7 +128,7 @@ def is_contributor(p) -> bool:
     is not TP-sharded, only TP rank 0's."""
     from megatron.core import parallel_state as ps
 
-    if _is_expert(p):
+    if is_expert(p):
         dp_rank = ps.get_expert_data_parallel_rank()
         tp_rank = ps.get_expert_tensor_parallel_rank()
     else:
@@ -170,7 +170,7 @@ def gather_full_state(
             t = merge_tp(name, shards, p.partition_dim)
         if name in _VOCAB and _is_tp_sharded(p):  # (not the critic's value head)
             t = t[: _vocab_size(chunks)]
-        if expert_owner if _is_expert(p) else dense_owner:
+        if expert_owner if is_expert(p) else dense_owner:
             local[name] = t.float().cpu() if grads else t.cpu()
     parts: list[dict | None] = [None] * dist.get_world_size()
     if to_all:

@@ -161,6 +161,7 @@ def install_cpu_emulation() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     _install_rng_tracker()
     _patch_moe_host_splits()
+    _patch_uneven_sequence_collectives()
     log.info("megatron-core CUDA emulation installed: running on CPU")
 
 
@@ -262,3 +263,36 @@ def _install_rng_tracker() -> None:
     torch.cuda.manual_seed = lambda seed: torch.random.default_generator.manual_seed(int(seed))
     torch.cuda.manual_seed_all = lambda seed: None
     initialize_rng_tracker(force_reset=True)
+
+
+def _patch_uneven_sequence_collectives() -> None:
+    """gloo has no all-gather / reduce-scatter of unequal pieces, which megatron's alltoall MoE
+    dispatcher uses at TP > 1 with EP > 1 (its expert-TP ranks receive different token counts:
+    `output_split_sizes` / `input_split_sizes`). Emulated: all-gather padded to the largest
+    piece, then cut; reduce-scatter as an all-reduce of the whole buffer, then this rank's
+    piece. Equal pieces keep megatron's own path."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_v(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        n = max(output_split_sizes)
+        padded = input_.new_zeros((n, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:k] for p, k in zip(parts, output_split_sizes, strict=True)])
+
+    def scatter_v(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = gather_v
+    mappings._reduce_scatter_along_first_dim = scatter_v

@@ -143,6 +143,14 @@ class Topology:
                     f"expert layout ETP x EP = {etp} x {ep} = {etp * ep} must divide "
                     f"TP x CP x DP = {tp} x {cp} x {dp} = {tp * cp * dp}"
                 )
+        if etp != tp and ep == 1:
+            # megatron-core marks expert parameters as such (allreduce=False: their own grad
+            # reduction, TP group and DP replicas) only when EP > 1
+            raise TopologyError(
+                f"expert_tensor_parallel={etp} != tensor_parallel={tp} needs expert_parallel > 1 "
+                "(megatron-core treats experts as dense parameters at EP=1); accepted: "
+                f"expert_tensor_parallel null or {tp}, or expert_parallel > 1"
+            )
         if num_attention_heads is not None:
             if num_attention_heads % tp:
                 raise TopologyError(
@@ -182,6 +190,18 @@ class Topology:
             num_query_groups=arch.num_key_value_heads,
             num_experts=arch.num_experts,
         )
+
+    def check_training(self, arch) -> None:
+        """Rules that only training has (inference and conversion run without them): megatron-
+        core's MoE layer refuses TP > 1 without sequence parallelism in training mode, in the
+        middle of the first step; say so before anything is built."""
+        tp = self.parallel.tensor_parallel
+        if arch.is_moe and tp > 1 and not self.parallel.sequence_parallel:
+            raise TopologyError(
+                f"tensor_parallel={tp} with a MoE model (num_experts={arch.num_experts}) needs "
+                "sequence_parallel=true to train (megatron-core's MoE layer refuses TP > 1 "
+                "without it)"
+            )
 
     def with_parallel(self, **changes) -> Topology:
         return Topology.create(dataclasses.replace(self.parallel, **changes), self.world_size)

@@ -24,6 +24,9 @@ class BuildConfig:
     """Embedding rows are padded to a multiple of this x TP (megatron convention)."""
     use_te: bool | None = None
     """Override of `precision.transformer_engine`; None = decided by `resolve_use_te`."""
+    routing_replay: bool = False
+    """MoE: build the actor's and the reference's routers able to replay the rollout's routes
+    (`megarl.models.routing`); the critic routes by itself."""
 
 
 class ValueHead(torch.nn.Module):
@@ -122,6 +125,7 @@ def build_gpt_chunk(
     )
     _apply_rope_scaling(model, arch)
     model.megarl_vocab_size = arch.vocab_size  # logits and exports are cut to the real vocab
+    model.megarl_role = role  # which model a forward belongs to (MoE router statistics)
     if role == "critic" and post:
         model.output_layer = ValueHead(
             config, arch.hidden_size, ps.get_tensor_model_parallel_group()
@@ -151,7 +155,8 @@ def build_model(
     if role not in ROLES:
         raise ValueError(f"role={role!r}; accepted: {ROLES}")
     use_te = resolve_use_te(precision, build, gpu=gpu)
-    config = transformer_config(arch, parallel, precision, gpu=gpu)
+    replay = build.routing_replay and role != "critic"
+    config = transformer_config(arch, parallel, precision, gpu=gpu, routing_replay=replay)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:

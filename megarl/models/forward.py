@@ -4,7 +4,9 @@ Micro-batches are dicts of tensors with at least `tokens [b, s]`, collated on th
 the one place that moves them to the model's device (every tensor but the host-side `index`
 rows, which the callers use to place results into host tensors). Every pipeline stage iterates
 the same list (only the first stage reads the tokens, the last one the targets). The causal mask
-is passed explicitly (megatron would otherwise build one on "cuda").
+is passed explicitly (megatron would otherwise build one on "cuda"). MoE: right before each
+micro-batch's forward, `megarl.models.routing.prepare_forward` hands the chunk's routers their
+replayed routes (`routed_experts`, R3) and the mask of real tokens.
 
 Loss scaling. `loss_fn(micro_batch, output) -> (loss, metrics)` must return this micro-batch's
 *share* of the global loss (its numerator over the global denominator). megatron then divides by
@@ -19,6 +21,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+
+from megarl.models import routing
 
 
 def causal_mask(seq_len: int, device) -> torch.Tensor:
@@ -49,6 +53,7 @@ def run(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     pp = ps.get_pipeline_model_parallel_world_size()
+    micro_batches = _same_count_over_experts(micro_batches)
     if len(chunks) > 1 and len(micro_batches) % pp:
         # the interleaved schedule runs micro-batches in groups of PP: add empty ones (no valid
         # token, so no share of any loss; the scale below counts them, as megatron does)
@@ -57,6 +62,7 @@ def run(
         ]
     if pp > 1:  # stages exchange activations of one fixed shape
         micro_batches = pad_micro_batches(micro_batches)
+    routing.check_micro_batches(chunks, micro_batches)  # MoE routes fit the model (all stages)
     dev = next(chunks[0].parameters()).device
     micro_batches = [to_device(mb, dev) for mb in micro_batches]
     num_mb = len(micro_batches)
@@ -69,6 +75,7 @@ def run(
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         tokens, pos, mask = model_inputs(mb)
+        routing.prepare_forward(model, mb)  # MoE: replayed routes, router statistics
         output = model(tokens, pos, mask)
         return output, partial(scaled_loss, mb)
 
@@ -85,6 +92,22 @@ def run(
         forward_only=forward_only,
     )
     return list(out or [])
+
+
+def _same_count_over_experts(micro_batches: list[dict]) -> list[dict]:
+    """With expert parallelism every forward exchanges tokens between the ranks of an EP group,
+    so they must run the same number of micro-batches; length grouping with a token budget can
+    split different data into different counts. Ranks with fewer add empty micro-batches (no
+    valid token: no share of any loss; the scale in `run` counts them)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return micro_batches
+    n = torch.tensor([len(micro_batches)], dtype=torch.long)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+    extra = int(n) - len(micro_batches)
+    return micro_batches + [empty_micro_batch(micro_batches[0]) for _ in range(extra)]
 
 
 def sequence_multiple(tp: int, sequence_parallel: bool, fp8_recipe: str | None) -> int:
@@ -123,8 +146,8 @@ def empty_micro_batch(like: dict) -> dict:
 
 
 def pad_micro_batches(micro_batches: list[dict]) -> list[dict]:
-    """Pad every `[b, s]` field to the largest b and s among the micro-batches (zeros: masks
-    stay zero in the padding). Pipeline stages exchange fixed-shape activations, so all
+    """Pad every `[b, s, ...]` field to the largest b and s among the micro-batches (zeros:
+    masks stay zero in the padding). Pipeline stages exchange fixed-shape activations, so all
     micro-batches of one schedule call share a shape; `num_rows` keeps each one's real size."""
     b = max(mb["tokens"].shape[0] for mb in micro_batches)
     s = max(mb["tokens"].shape[1] for mb in micro_batches)
@@ -133,8 +156,10 @@ def pad_micro_batches(micro_batches: list[dict]) -> list[dict]:
         rows, cols = mb["tokens"].shape
         padded = {"num_rows": rows}
         for k, v in mb.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == (rows, cols):
-                v = torch.nn.functional.pad(v, (0, s - cols, 0, b - rows))
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == (rows, cols):
+                # F.pad lists dims from the last one: trailing dims (MoE routes) unpadded
+                pad = [0, 0] * (v.dim() - 2) + [0, s - cols, 0, b - rows]
+                v = torch.nn.functional.pad(v, pad)
             padded[k] = v
         out.append(padded)
     return out

@@ -182,10 +182,16 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
             moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         )
     if moe and moe["moe_topk"] == 1 and moe.get("moe_norm_topk_prob", True):
+        # the renormalised weight of a single expert is always 1.0: the router would get no
+        # gradient, and megatron-core refuses top-1 unless softmax comes first (weight p)
         raise ModelConfigError(
-            f"{where}: num_experts_per_tok=1 with renormalised top-k weights (weight 1.0) cannot "
-            "be expressed in megatron-core, which requires pre-softmax routing (weight p) for "
-            "top-1; accepted: num_experts_per_tok >= 2, or norm_topk_prob=false"
+            f"{where}: num_experts_per_tok=1 with renormalised top-k weights (weight 1.0, no "
+            "router gradient) cannot be expressed in megatron-core, which accepts top-1 only "
+            "with pre-softmax routing (weight p). Affected: Mixtral-architecture configs with "
+            "num_experts_per_tok=1 (Mixtral always renormalises) and Qwen3-MoE configs with "
+            "num_experts_per_tok=1 and norm_topk_prob=true; no released Mixtral (8x7B, 8x22B: "
+            "top-2) or Qwen3-MoE checkpoint (30B-A3B, 235B-A22B, Coder: top-8) is. Accepted: "
+            "num_experts_per_tok >= 2, or norm_topk_prob=false (Qwen3-MoE)"
         )
     return ModelArch(
         family=family,
@@ -245,8 +251,11 @@ class PrecisionConfig:
         return DTYPES[self.dtype]
 
 
-def transformer_config(arch: ModelArch, parallel, precision: PrecisionConfig, *, gpu: bool):
-    """Build megatron-core's `TransformerConfig` for `arch` under a `ParallelConfig`."""
+def transformer_config(
+    arch: ModelArch, parallel, precision: PrecisionConfig, *, gpu: bool, routing_replay=False
+):
+    """Build megatron-core's `TransformerConfig` for `arch` under a `ParallelConfig`;
+    `routing_replay`: MoE routers that can replay given routes (`megarl.models.routing`)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -325,6 +334,7 @@ def transformer_config(arch: ModelArch, parallel, precision: PrecisionConfig, *,
             moe_grouped_gemm=False,
             # fp32 routing goes through a TE GEMM in megatron-core 0.16 (NameError without TE)
             moe_router_dtype="fp32" if gpu else None,
+            moe_enable_routing_replay=routing_replay,
         )
     if precision.fp8 is not None:
         kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)

@@ -4,10 +4,16 @@ The local spec is megatron-core's `get_gpt_layer_local_spec` with its norms repl
 `WrappedTorchNorm` refuses sequence parallelism, so we use an RMSNorm whose weight carries
 `sequence_parallel = config.sequence_parallel` (megatron's `finalize_model_grads` then all-reduces
 its grads over TP). Q/K norms are left without that attribute: megatron reduces their grads by name.
+Core attention is `SDPAttention`: megatron's `DotProductAttention` (same construction, state and
+head bookkeeping) computing with torch's fused `scaled_dot_product_attention` instead of
+baddbmm + an unfused masked softmax + bmm (a third of a CPU training step went there).
 Transformer-Engine is imported lazily, only when the TE spec is asked for.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +40,77 @@ class QKRMSNorm(RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__(config, hidden_size, eps)
         self.weight.sequence_parallel = False
+
+
+@functools.cache
+def _sdpa_attention_class():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPAttention(DotProductAttention):
+        """megatron's local core attention through `F.scaled_dot_product_attention`.
+
+        Assumes what megarl's forward passes guarantee: no attention dropout, the vanilla
+        softmax, no attention bias or packed sequences, and for causal layers a mask that is
+        exactly the causal one (`megarl.models.forward.causal_mask`; right padding keeps real
+        tokens from seeing padding), so `is_causal=True` replaces it. Other mask types use the
+        given mask. query: [sq, b, np, hn]; key, value: [sk, b, ng, hn] -> [sq, b, np * hn]."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            if (
+                config.attention_dropout
+                or config.softmax_type != "vanilla"
+                or config.apply_query_key_layer_scaling
+            ):
+                raise ValueError(
+                    "SDPAttention supports attention_dropout=0, the vanilla softmax and no "
+                    f"query-key layer scaling; got {config.attention_dropout}, "
+                    f"{config.softmax_type!r}, {config.apply_query_key_layer_scaling}"
+                )
+
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
+            if attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("SDPAttention: attention bias / packed sequences unsupported")
+            groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            if groups > 1:  # grouped-query attention: each KV head serves `groups` query heads
+                key = key.repeat_interleave(groups, dim=2)
+                value = value.repeat_interleave(groups, dim=2)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+            causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            with _cpu_sdpa_backend(q):
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=None if causal or attention_mask is None else ~attention_mask,
+                    is_causal=causal,
+                    scale=self.softmax_scale,
+                )
+            sq, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    return SDPAttention
+
+
+def _cpu_sdpa_backend(q: torch.Tensor):
+    """On CPU, SDPA's flash kernel is the fastest in fp32 but about 2x slower than the plain
+    math path in bf16 (measured, head_dim 32, fwd + bwd: 0.16 s vs 0.08 s; fp32 flash 0.048 s vs
+    math 0.065 s): pick the math backend for 16-bit CPU tensors, SDPA's own choice otherwise."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 
 
 def require_transformer_engine(what: str) -> None:
@@ -64,6 +141,7 @@ def layer_spec(arch, *, use_te: bool):
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attention.submodules.core_attention = _sdpa_attention_class()
     if arch.qk_norm:
         sub.self_attention.submodules.q_layernorm = QKRMSNorm
         sub.self_attention.submodules.k_layernorm = QKRMSNorm

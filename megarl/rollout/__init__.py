@@ -2,7 +2,9 @@
 
 - `engine`: `RolloutConfig`, `Rollout`, `RolloutEngine` (generation from token ids).
 - `weight_sync`: `WeightSync` (plan once, bulk collectives each step), `naive_sync` (reference).
-- `plan`, `vllm_layout`: the resharding plan and vLLM's parameter layouts.
+- `plan`, `vllm_layout`, `moe_layout`: the resharding plan and vLLM's parameter layouts (fused
+  MoE experts included).
+- `routes`: the experts vLLM routed each token to, for MoE routing replay.
 - `mismatch`: `logprob_mismatch`, the trainer-vs-sampler metric.
 
 Imports are lazy so that `import megarl.rollout` does not pull in vLLM.

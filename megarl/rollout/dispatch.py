@@ -136,6 +136,8 @@ def _empty() -> Rollout:
 
 def _select(out: Rollout, owners, dp: int, *, first: int) -> Rollout:
     sel = _empty()
+    if out.routed_experts is not None:  # MoE routing replay: routes travel with their samples
+        sel.routed_experts = []
     for k, i in enumerate(out.prompt_index):
         d, j = owners[i]
         if d != dp:
@@ -145,6 +147,8 @@ def _select(out: Rollout, owners, dp: int, *, first: int) -> Rollout:
         sel.response_ids.append(out.response_ids[k])
         sel.response_logprobs.append(out.response_logprobs[k])
         sel.finish_reason.append(out.finish_reason[k])
+        if sel.routed_experts is not None:
+            sel.routed_experts.append(out.routed_experts[k])
     return sel
 
 
@@ -153,6 +157,8 @@ def _merge(parts: list[Rollout], prompts: list[list[int]]) -> Rollout:
     rows = [(p.prompt_index[k], c, k) for c, p in enumerate(parts) for k in range(len(p))]
     rows.sort()
     merged = _empty()
+    if any(p.routed_experts is not None for p in parts):
+        merged.routed_experts = []
     for idx, c, k in rows:
         p = parts[c]
         merged.prompt_index.append(idx)
@@ -160,6 +166,8 @@ def _merge(parts: list[Rollout], prompts: list[list[int]]) -> Rollout:
         merged.response_ids.append(p.response_ids[k])
         merged.response_logprobs.append(p.response_logprobs[k])
         merged.finish_reason.append(p.finish_reason[k])
+        if merged.routed_experts is not None:
+            merged.routed_experts.append(p.routed_experts[k])
     if sorted(set(merged.prompt_index)) != list(range(len(prompts))):
         missing = sorted(set(range(len(prompts))) - set(merged.prompt_index))
         raise RuntimeError(f"rollout dispatch lost prompts {missing[:8]} of this DP rank")

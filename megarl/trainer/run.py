@@ -119,6 +119,7 @@ class Run:
         p = cfg.parallel
         try:
             topo = Topology.for_model(p, world, arch)
+            topo.check_training(arch)
         except TopologyError as e:  # name the config section
             raise TopologyError(f"parallel: {e}") from e
         gpu = device.use_gpu()
@@ -134,7 +135,10 @@ class Run:
         resume = _resume_state(cfg, out_dir, arch, sampler)
         if rank == 0:
             _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
-        build = BuildConfig(make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        build = BuildConfig(
+            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+            routing_replay=cfg.rollout.routing_replay,
+        )
         make = lambda role: build_model(arch, p, cfg.precision, role=role, build=build, gpu=gpu)  # noqa: E731
 
         actor = make("actor")
@@ -357,6 +361,7 @@ def _resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> R
     """`cfg` with the rollout's stop tokens resolved (None = the model's EOS ids), after
     checking that vLLM is importable and that its KV cache can hold one whole sequence."""
     from megarl.rollout.engine import check_kv_cache, require_vllm, resolve_stop_tokens
+    from megarl.rollout.routes import check_routing_replay
 
     dirs = [d for d in (cfg.model.hf, cfg.model.tokenizer, cfg.model.mcore_ckpt) if d]
     stop = resolve_stop_tokens(cfg.rollout.stop_token_ids, tokenizer, arch.hf_config, dirs)
@@ -364,6 +369,7 @@ def _resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> R
         log.info("rollout.stop_token_ids: %s (the model's EOS ids)", list(stop) or "none found")
     rollout = dataclasses.replace(cfg.rollout, stop_token_ids=stop)
     check_kv_cache(arch, rollout, dtype=cfg.precision.dtype, gpu=gpu)
+    check_routing_replay(arch, rollout)
     require_vllm()
     return dataclasses.replace(cfg, rollout=rollout)
 

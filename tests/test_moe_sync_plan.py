@@ -1,0 +1,133 @@
+"""The MoE weight-sync plan without vLLM or processes: the fused-expert layout rule, coverage
+errors, index maps, sync groups under expert parallelism and a plan at EP2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_shapes_for
+from megarl.models.hf_config import arch_from_hf
+from megarl.rollout.moe_layout import expert_pieces
+from megarl.rollout.plan import RankMeta, SourceParam, build_plan, hf_index_maps, sync_groups
+from megarl.rollout.vllm_layout import PlanError, VllmDescription, check_coverage
+from tests.sync_moe_worker import MIXTRAL, QWEN3_MOE
+from tests.vllm_targets import fake_vllm
+
+ARCHS = {"qwen3_moe": arch_from_hf(QWEN3_MOE), "mixtral": arch_from_hf(MIXTRAL)}
+
+
+def test_expert_pieces_follow_vllms_w13_and_w2_layout():
+    attrs = dict(
+        slots=[-1, -1, 0, 1],
+        tp_rank=1,
+        tp_size=2,
+        intermediate=64,
+        hidden=128,
+        names=("gate_proj", "up_proj", "down_proj"),
+    )
+    m = "model.layers.3.mlp.experts.routed_experts"
+    gate, up, *rest = expert_pieces(m, "w13_weight", attrs)
+    assert gate.hf == "model.layers.3.mlp.experts.2.gate_proj.weight" and gate.index == (0,)
+    assert (gate.dim, gate.hf_start, gate.length, gate.offset) == (0, 32, 32, 0)
+    assert up.hf.endswith("experts.2.up_proj.weight") and (up.offset, up.index) == (32, (0,))
+    assert [p.index for p in rest] == [(1,), (1,)]  # expert 3 in slot 1; experts 0, 1 absent
+    (down, _) = expert_pieces(m, "w2_weight", attrs)
+    assert (down.dim, down.hf_start, down.length, down.hf_shape) == (1, 32, 32, (128, 64))
+    with pytest.raises(PlanError, match="'w13_bias'"):
+        expert_pieces(m, "w13_bias", attrs)
+
+
+@pytest.mark.parametrize("family", list(ARCHS))
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2)])
+def test_fake_vllm_moe_layouts_are_fully_covered(family, tp, ep):
+    arch = ARCHS[family]
+    for rank in range(tp):
+        desc = fake_vllm(arch, tp, rank, ep=ep)
+        check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
+
+
+def test_a_missing_expert_slot_is_refused_naming_the_parameter():
+    arch = ARCHS["qwen3_moe"]
+    desc = fake_vllm(arch, 1, 0)
+    pieces = tuple(p for p in desc.pieces if not (p.index == (2,) and "layers.1." in p.param))
+    bad = VllmDescription(desc.params, pieces, 0, 1, "float32", "Fake", "sim")
+    with pytest.raises(PlanError) as e:
+        check_coverage(bad, hf_shapes_for(arch), tied=False)
+    assert "'model.layers.1.mlp.experts.routed_experts.w13_weight' shape (4, 128, 128)" in str(
+        e.value
+    )
+    assert "fill 3 of its 4 sub-tensors" in str(e.value)
+
+
+@pytest.mark.parametrize("family", list(ARCHS))
+def test_index_maps_reproduce_the_moe_hf_mapping(family):
+    arch = ARCHS[family]
+    dims = {
+        n: 1 if n.endswith("linear_fc2.weight") or "linear_proj" in n else 0
+        for n in canonical_shapes_for(arch)
+    }
+    maps = hf_index_maps(arch, dims)
+    g = torch.Generator().manual_seed(0)
+    state = {n: torch.randn(s, generator=g) for n, s in canonical_shapes_for(arch).items()}
+    for name, t in canonical_to_hf(arch, state.items()):
+        canonical, d, idx = maps[name]
+        assert torch.equal(state[canonical].index_select(d, idx), t), name
+
+
+def _dim(name: str) -> int:
+    """Megatron's TP partition dim per canonical tensor (-1: replicated: norms, router)."""
+    if "norm" in name or "layernorm" in name or name.endswith("router.weight"):
+        return -1
+    return 1 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0
+
+
+def _meta(rank, dp, pp, tp_rank, tp, expert_key, params=(), vllm=None):
+    return RankMeta(rank, (dp, 0), pp, tp_rank, tp, tuple(params), vllm, expert_key)
+
+
+def test_sync_groups_join_the_dense_replicas_an_expert_block_spans():
+    # world 2, EP2: two dense DP replicas, one expert block -> one group of both
+    g = sync_groups([_meta(0, 0, 0, 0, 1, (0, 0)), _meta(1, 1, 0, 0, 1, (0, 0))])
+    assert [[m.rank for m in x] for x in g] == [[0, 1]]
+    # dense DP2 (no experts): two groups of one
+    g = sync_groups([_meta(0, 0, 0, 0, 1, ()), _meta(1, 1, 0, 0, 1, ())])
+    assert [[m.rank for m in x] for x in g] == [[0], [1]]
+    # world 8, TP2 x EP2 (ETP2), DP4: expert blocks of 4 ranks join two TP pairs each
+    metas = [_meta(r, r // 2, 0, r % 2, 2, (0, r // 4)) for r in range(8)]
+    assert [[m.rank for m in x] for x in sync_groups(metas)] == [[0, 2, 1, 3], [4, 6, 5, 7]]
+
+
+def test_plan_at_ep2_covers_every_piece_and_spreads_the_dense_sends():
+    """Rank r holds experts 2r, 2r+1 and a whole dense copy: each dense tensor is sent by one
+    of the two replicas, each expert by its owner; every piece is covered once."""
+    arch = ARCHS["qwen3_moe"]
+    shapes = canonical_shapes_for(arch)
+
+    def sources(r):
+        out = []
+        for name, shape in shapes.items():
+            if ".local_experts." in name:
+                e = int(name.split(".local_experts.")[1].split(".")[0])
+                if e // 2 != r:
+                    continue
+                out.append(SourceParam(name, shape, _dim(name), "float32", 0, 1, expert=True))
+            else:
+                if name.startswith(("embedding", "output_layer")):
+                    shape = (arch.padded_vocab_size(128, 1), *shape[1:])
+                out.append(SourceParam(name, shape, _dim(name), "float32"))
+        return out
+
+    desc = fake_vllm(arch, 1, 0)
+    metas = [_meta(r, r, 0, 0, 1, (0, 0), sources(r), desc) for r in range(2)]
+    (group,) = sync_groups(metas)
+    plans = [build_plan(arch, group, me, bucket_bytes=200_000) for me in range(2)]
+    assert {p.mode for p in plans} == {"broadcast"}
+    for me, plan in enumerate(plans):
+        covered = [0] * len(plan.pieces)
+        for b in plan.buckets:
+            for s in b.local + b.recv[1 - me]:
+                covered[s.piece] += s.length
+        assert covered == [p.length for p in plan.pieces]
+        sent = sum(b.send_numel() for b in plan.buckets)
+        assert sent > 0.3 * sum(p.numel for p in plan.pieces)  # both replicas send
