@@ -1,6 +1,6 @@
 """`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`.
 
-Without a config: the embedded default, a tiny CPU GRPO run on a toy addition task that visibly
+Without a config: the embedded default, a tiny CPU GRPO run on a toy copy task that visibly
 learns in a few minutes. Multi-rank: `torchrun --nproc_per_node N -m megarl train CONFIG`.
 
 A mistake in the input (config, data, model or checkpoint directory, reward function, layout) is

@@ -18,6 +18,7 @@ from megarl.data import (
     toy_rows,
     toy_tokenizer,
 )
+from megarl.data.toy import exact_match
 
 CHARS = "abcdefgh 0123456789+=?"
 
@@ -214,29 +215,64 @@ def test_data_config_checks_name_the_field():
 # ---------------------------------------------------------------- toy task
 def test_toy_task(tmp_path):
     rows = toy_rows()
-    assert len(rows) == 55
-    assert rows[0] == {"prompt": "0+0=", "answer": "0"}
-    assert {"prompt": "4+5=", "answer": "9"} in rows
-    assert all(int(r["prompt"][0]) + int(r["prompt"][2]) == int(r["answer"]) <= 9 for r in rows)
+    assert len(rows) == 3 * 360
+    assert rows[0] == {"prompt": "copy 01=", "answer": "01"}
+    assert rows == toy_rows()  # fixed (seeded) rows
+    lengths = [len(r["answer"]) for r in rows]
+    assert [lengths.count(n) for n in (2, 3, 4)] == [360, 360, 360]
+    for r in rows:
+        assert r["prompt"] == f"copy {r['answer']}=" and r["answer"].isdigit()
+        assert len(set(r["answer"])) == len(r["answer"])  # distinct digits
+    assert len({r["answer"] for r in rows if len(r["answer"]) == 2}) == 90
+    assert len({r["answer"] for r in rows if len(r["answer"]) == 4}) == 360
     tok = toy_tokenizer(tmp_path)
-    assert len(tok) == 15
+    assert len(tok) == 20
     assert load_tokenizer(tmp_path).get_vocab() == tok.get_vocab()
     ds = PromptDataset.from_config(DataConfig(), tok)  # path=None: the toy task
-    assert len(ds) == 55 and all(len(p) == 4 for p in ds.prompt_ids)
-    assert tok.decode(ds.prompt_ids[54]) == "9+0="
+    assert len(ds) == 1080 and sorted({len(p) for p in ds.prompt_ids}) == [8, 9, 10]
+    assert tok.decode(ds.prompt_ids[0]) == "copy 01="
+
+
+def _ids(tok, text: str, eos: bool = True) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if eos else [])
 
 
 def test_toy_reward_values():
-    completions = ["7", "78", "8", "", " 7", [{"role": "assistant", "content": "7"}]]
-    got = toy_reward(["3+4="] * 6, completions, answer=["7"] * 6)
-    assert got == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    tok = toy_tokenizer()
+    responses = [("371", True), ("371", False), ("3712", True), ("37", True), ("9", True),
+                 ("", True), ("", False), ("37177777", False)]
+    ids = [_ids(tok, t, eos) for t, eos in responses]
+    texts = tok.batch_decode(ids, skip_special_tokens=True)  # what the trainer passes
+    n = len(ids)
+    got = toy_reward(["copy 371="] * n, texts, answer=["371"] * n, completion_ids=ids)
+    assert got == pytest.approx([1.0, 0.75, 0.6, 0.5, 0.0, 0.0, 0.0, 3 / 9])
+    assert exact_match(["copy 371="] * n, texts, answer=["371"] * n, completion_ids=ids) == [
+        1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    # a special token inside the response is never a digit
+    inner = _ids(tok, "3", eos=False) + [tok.pad_token_id] + _ids(tok, "1")
+    assert toy_reward(["p"], ["31"], answer=["371"], completion_ids=[inner]) == [0.75]
+    assert exact_match(["p"], ["31"], answer=["371"], completion_ids=[inner]) == [0.0]
+    # without ids (plain TRL strings): the text is graded and counts as stopped
+    plain = ["371", "37", [{"role": "assistant", "content": "371"}]]
+    assert toy_reward(["p"] * 3, plain, answer=["371"] * 3) == [1.0, 0.5, 1.0]
+    assert exact_match(["p"] * 3, plain, answer=["371"] * 3) == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="2 completions but 1 answers"):
         toy_reward(["a", "b"], ["1", "2"], answer=["1"])
+    with pytest.raises(ValueError, match="2 completions but 1 completion_ids"):
+        exact_match(["a", "b"], ["1", "2"], answer=["1", "2"], completion_ids=[[2]])
 
 
 def test_toy_reward_through_scoring():
-    from megarl.rewards import load_reward_function, score
+    """The default's reward setup: the shaped reward counts, exact match is only logged."""
+    from megarl.config import load_config
+    from megarl.rewards import score
+    from megarl.trainer.run import _reward_functions
 
-    fn = load_reward_function("megarl.data.toy:toy_reward")
-    total, _, _ = score([fn], [1.0], ["1+1=", "2+2="], ["2", "5"], None, {"answer": ["2", "4"]})
-    assert total.tolist() == [1.0, 0.0]
+    cfg = load_config()
+    fns = _reward_functions(cfg)
+    tok = toy_tokenizer()
+    ids = [_ids(tok, "12"), _ids(tok, "13")]
+    total, per_fn, _ = score(fns, cfg.reward.weights, ["copy 12=", "copy 12="], ["12", "13"],
+                             ids, {"answer": ["12", "12"]})
+    assert total.tolist() == pytest.approx([1.0, 2 / 3])
+    assert per_fn["exact_match"].tolist() == [1.0, 0.0]

@@ -302,3 +302,12 @@ def test_plot_rewards_writes_png(tmp_path):
     empty.write_text('{"step": 1, "kl": 0.1}\n')
     with pytest.raises(ValueError, match="reward_mean"):
         plot_rewards(empty, tmp_path / "x.png")
+
+
+def test_plot_shows_per_function_rewards_that_differ_from_the_total():
+    from megarl.metrics.plots import _function_rewards
+
+    records = [{"step": s, "reward_mean": s / 4, "reward/toy_reward": s / 4,
+                "reward/exact_match": s / 8} for s in range(1, 5)]
+    got = _function_rewards(records, [r["reward_mean"] for r in records])
+    assert got == [("reward/exact_match", [1, 2, 3, 4], [0.125, 0.25, 0.375, 0.5])]

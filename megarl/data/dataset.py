@@ -305,7 +305,7 @@ class PromptDataset:
         if cfg.path is None:
             from megarl.data.toy import toy_rows
 
-            return cls(toy_rows(), tokenizer, cfg, source="<toy addition task>")
+            return cls(toy_rows(), tokenizer, cfg, source="<toy copy task>")
         return cls(load_rows(cfg.path), tokenizer, cfg, source=cfg.path)
 
     def __len__(self) -> int:

@@ -5,7 +5,7 @@ vocabulary of a few tokens (so a tiny model's embedding and LM head stay small),
 ordinary HF tokenizer directory that `AutoTokenizer.from_pretrained` (and vLLM) load back.
 Layout of its vocabulary: `<pad>` = 0, `<bos>` = 1, `<eos>` = 2, then `chars` in order.
 It adds no special tokens when encoding, and its chat template concatenates the message
-contents with nothing between them, so the toy prompt "3+4=" stays 4 tokens long.
+contents with nothing between them, so the toy prompt "copy 37=" stays 8 tokens long.
 """
 
 from __future__ import annotations

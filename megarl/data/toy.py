@@ -1,25 +1,58 @@
-"""The embedded default task: single-digit addition, small enough for a tiny model on a CPU.
+"""The embedded default task: copy a short digit string, then stop.
 
-Prompts are "{a}+{b}=" for a, b >= 0 with a + b <= 9 (55 prompts), the `answer` column is
-str(a + b). The tokenizer is the character tokenizer over "0123456789+=" (15 tokens: `<pad>`,
-`<bos>`, `<eos>`, then the 12 characters), so a prompt is 4 tokens and the answer is one.
-A model from random init only has to learn a 55-entry lookup table from a binary reward.
+Prompts are "copy {s}=" for strings s of 2, 3 or 4 distinct digits; the `answer` column is s:
+"copy 371=" -> "371<eos>". The set is fixed: `TOY_ROWS_PER_LENGTH` rows per length (all 90
+two-digit strings, repeated to fill their share, and seeded samples of the three- and four-digit
+ones), so the three lengths are equally frequent. The tokenizer is the character tokenizer over
+`TOY_CHARS` (20 tokens: `<pad>`, `<bos>`, `<eos>`, then 17 characters), so a prompt is 8-10
+tokens and a perfect response 3-5 (the answer, then `<eos>`). A tiny model from random init
+must learn both the content (attend to the right prompt position) and when to stop (the
+response is as long as the answer): the run exercises sampling over several tokens, EOS
+handling and, with the default `kl_coef`, the reference model.
+
+Reward shaping (`toy_reward`): exact match on 2-4 digits plus EOS is almost never 1 by chance
+from random init (about 17**-4), so the reward gives credit per correct position and one more
+unit for stopping right after the answer, divided by the longer of the two lengths plus one.
+1.0 means exactly "answer<eos>"; a runaway response is diluted by its own length, so stopping
+pays from the first steps. `exact_match` is the 0/1 metric beside it (the default gives it
+weight 0 in `reward.weights`: logged as `reward/exact_match`, not trained on).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 from collections.abc import Sequence
 from typing import Any
 
-from megarl.data.tokenizer import build_char_tokenizer
+from megarl.data.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
-TOY_CHARS = "0123456789+="
+TOY_CHARS = "0123456789+= copy"
+"""The characters of the toy tokenizer (ids 3.. in this order; "+" is unused by the task)."""
+TOY_PREFIX = "copy "
+TOY_ROWS_PER_LENGTH = 360
+"""Rows of each answer length 2, 3 and 4."""
+
+_EOS_ID = SPECIAL_TOKENS.index("<eos>")
+_ID_TO_CHAR = {len(SPECIAL_TOKENS) + i: c for i, c in enumerate(TOY_CHARS)}
+# stands for a special token other than a final <eos> inside a response: never a digit
+_OTHER = "\x00"
 
 
-def toy_rows() -> list[dict]:
-    """The 55 prompts `{"prompt": "a+b=", "answer": "a+b"}` in (a, b) order."""
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10 - a)]
+def toy_rows(seed: int = 0) -> list[dict]:
+    """The prompts `{"prompt": "copy 371=", "answer": "371"}`, `TOY_ROWS_PER_LENGTH` per answer
+    length 2, 3, 4 in length order (1,080 rows). Length 2: all 90 strings of distinct digits,
+    repeated to fill the share; lengths 3 and 4: distinct strings drawn with Random(seed)."""
+    rng = random.Random(seed)
+    strings: list[str] = []
+    for length in (2, 3, 4):
+        pool = ["".join(p) for p in itertools.permutations("0123456789", length)]
+        if len(pool) < TOY_ROWS_PER_LENGTH:
+            strings += (pool * -(-TOY_ROWS_PER_LENGTH // len(pool)))[:TOY_ROWS_PER_LENGTH]
+        else:
+            strings += rng.sample(pool, TOY_ROWS_PER_LENGTH)
+    return [{"prompt": f"{TOY_PREFIX}{s}=", "answer": s} for s in strings]
 
 
 def toy_tokenizer(out_dir: str | os.PathLike | None = None):
@@ -27,21 +60,75 @@ def toy_tokenizer(out_dir: str | os.PathLike | None = None):
     return build_char_tokenizer(TOY_CHARS, out_dir)
 
 
-def toy_reward(
-    prompts: Sequence[Any], completions: Sequence[Any], *, answer: Sequence[str], **kwargs: Any
-) -> list[float]:
-    """1.0 where the completion's first character equals `answer`, else 0.0 (TRL protocol).
-
-    completions: decoded strings with special tokens skipped, so a completion "7<eos>" arrives
-    as "7" and scores 1.0 for answer "7"; "78" also scores 1.0 (only the first character is
-    graded — the tiny model need not learn when to stop), an empty completion 0.0. A
-    conversational completion (a list of messages) is graded on its last message's content.
-    """
-    if len(answer) != len(completions):
-        raise ValueError(f"toy_reward: {len(completions)} completions but {len(answer)} answers")
-    out = []
-    for completion, gold in zip(completions, answer, strict=True):
-        if isinstance(completion, list):
+def _responses(
+    completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None
+) -> list[tuple[str, bool]]:
+    """(text, stopped) per sample. From `completion_ids` when given: every token but a final
+    `<eos>` is one character (a special token becomes `_OTHER`), stopped = it ends in `<eos>`.
+    Without ids (plain TRL strings, specials already skipped): the text, stopped = True."""
+    if completion_ids is not None:
+        out = []
+        for ids in completion_ids:
+            ids = list(ids)
+            stopped = bool(ids) and ids[-1] == _EOS_ID
+            body = ids[:-1] if stopped else ids
+            out.append(("".join(_ID_TO_CHAR.get(t, _OTHER) for t in body), stopped))
+        return out
+    texts = []
+    for completion in completions:
+        if isinstance(completion, list):  # conversational: grade the last message
             completion = completion[-1]["content"] if completion else ""
-        out.append(1.0 if completion[:1] == str(gold) else 0.0)
+        texts.append((str(completion), True))
+    return texts
+
+
+def _check(name: str, completions: Sequence[Any], answer: Sequence[str], ids) -> None:
+    if len(answer) != len(completions):
+        raise ValueError(f"{name}: {len(completions)} completions but {len(answer)} answers")
+    if ids is not None and len(ids) != len(completions):
+        raise ValueError(f"{name}: {len(completions)} completions but {len(ids)} completion_ids")
+
+
+def toy_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    *,
+    answer: Sequence[str],
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """Shaped copy reward in [0, 1] (TRL protocol); 1.0 exactly for "answer<eos>".
+
+    For a response of n characters (`<eos>` excluded) and an answer of L digits:
+    `(#{i < min(n, L): response[i] == answer[i]} + stop) / (max(n, L) + 1)`, where stop = 1 if
+    the response ended with `<eos>` right after n == L characters. Example, answer "371":
+    "371<eos>" 1.0, "371" cut at max_tokens 0.75, "3712<eos>" 0.6, "37<eos>" 0.5, "9<eos>" 0.0.
+    completion_ids: the response token ids (megarl passes them), which show the `<eos>` that
+    the decoded `completions` skip; without them every completion counts as stopped.
+    """
+    _check("toy_reward", completions, answer, completion_ids)
+    out = []
+    for (text, stopped), gold in zip(_responses(completions, completion_ids), answer, strict=True):
+        gold = str(gold)
+        hits = sum(a == b for a, b in zip(text, gold, strict=False))
+        stop = 1 if stopped and len(text) == len(gold) else 0
+        out.append((hits + stop) / (max(len(text), len(gold)) + 1))
     return out
+
+
+def exact_match(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    *,
+    answer: Sequence[str],
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """1.0 where the response is exactly the answer followed by `<eos>`, else 0.0 (see
+    `toy_reward` for how `completion_ids` are read)."""
+    _check("exact_match", completions, answer, completion_ids)
+    responses = _responses(completions, completion_ids)
+    return [
+        1.0 if stopped and text == str(gold) else 0.0
+        for (text, stopped), gold in zip(responses, answer, strict=True)
+    ]

@@ -1,9 +1,11 @@
 """The reward curve of a run (`reward.png`) from its metrics.jsonl.
 
-Panels: `reward_mean` per step with a moving average; then, when logged, the mean response
-length and the KL to the reference. Uses matplotlib's Agg canvas directly (no pyplot, no global
-backend switch, safe off the main thread) and writes through a temporary file renamed into
-place, so a reader never sees a half-written PNG.
+Panels: `reward_mean` per step with a moving average, and beside it (moving averages, dashed)
+the per-function rewards `reward/<name>` that differ from it, e.g. the toy task's
+`reward/exact_match`; then, when logged, the mean response length and the KL to the reference.
+Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch, safe off the main
+thread) and writes through a temporary file renamed into place, so a reader never sees a
+half-written PNG.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [float(v) for _, v in pairs]
 
 
+def _function_rewards(records: list[dict], reward: list[float]) -> list[tuple[str, list, list]]:
+    """(name, steps, values) of each `reward/<name>` series, except one that only repeats
+    `reward_mean` (a single reward function with weight 1)."""
+    names = sorted({k for r in records for k in r if k.startswith("reward/")})
+    out = []
+    for name in names:
+        s, v = _series(records, name)
+        same = len(v) == len(reward) and all(
+            abs(a - b) < 1e-6 for a, b in zip(v, reward, strict=True)
+        )
+        if s and not same:
+            out.append((name, s, v))
+    return out
+
+
 def plot_rewards(
     metrics_jsonl_path: str | os.PathLike, out_png: str | os.PathLike, *, window: int | None = None
 ) -> Path:
@@ -80,6 +97,8 @@ def plot_rewards(
         ax.plot(s, v, lw=0.8, alpha=0.5 if label == "reward_mean" else 1.0, label=label)
         if label == "reward_mean":
             ax.plot(s, moving_average(v, window), lw=1.8, label=f"moving average ({window})")
+            for name, fs, fv in _function_rewards(records, rewards):
+                ax.plot(fs, moving_average(fv, window), lw=1.0, ls="--", label=name)
             ax.legend(loc="lower right", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -33,7 +33,10 @@ from megarl.rewards.builtins import BUILTINS
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "zero")
-ALIASES = {"toy": "megarl.data.toy:toy_reward"}
+ALIASES = {
+    "toy": "megarl.data.toy:toy_reward",
+    "toy_exact_match": "megarl.data.toy:exact_match",
+}
 """Built-in names that live outside this package (resolved as dotted paths, imported on use)."""
 
 
