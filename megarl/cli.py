@@ -1,5 +1,8 @@
 """`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`.
 
+`megarl train CONFIG --dry-run --world-size N [--rank R]` checks the layout for N ranks and
+prints what rank R holds (groups, layers, parameters) without GPUs, weights, data or vLLM.
+
 Without a config: the embedded default, a tiny CPU GRPO run on a toy copy task that visibly
 learns in a few minutes. Multi-rank: `torchrun --nproc_per_node N -m megarl train CONFIG`.
 
@@ -46,6 +49,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     t.add_argument("--out", help="run directory (default: runs/<config>-<time>)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the layout for --world-size ranks and build one rank's model on the meta "
+        "device (no GPU, weights, data or vLLM); print its groups and parameters, exit",
+    )
+    t.add_argument(
+        "--world-size", type=int, metavar="N", help="with --dry-run: ranks of the real run"
+    )
+    t.add_argument(
+        "--rank", type=int, metavar="R", help="with --dry-run: the rank to show (default 0)"
+    )
     c.add_argument(
         "--reference",
         action="store_true",
@@ -96,6 +111,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(args)
     cfg = load_config(args.config, args.overrides)
+    if args.dry_run or args.world_size is not None or args.rank is not None:
+        return _dry_run(args, cfg)
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
 
@@ -123,6 +140,22 @@ def _train(args: argparse.Namespace) -> int:
             f"(metrics.jsonl, reward.png, checkpoints/{', wandb/' if wandb else ''})"
         )
     dist.destroy_process_group()
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, cfg) -> int:
+    from megarl.config import ConfigError
+    from megarl.trainer.dry_run import dry_run
+
+    if not args.dry_run:
+        raise ConfigError(
+            "--world-size / --rank go with --dry-run only (a real run takes its ranks from "
+            "torchrun); e.g. megarl train CONFIG --dry-run --world-size 32"
+        )
+    if args.world_size is None:
+        raise ConfigError("--dry-run needs --world-size N, the number of ranks of the real run")
+    report = dry_run(cfg, world_size=args.world_size, rank=args.rank or 0, config_path=args.config)
+    print(report.describe(), end="")
     return 0
 
 

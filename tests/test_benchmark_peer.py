@@ -27,6 +27,21 @@ def test_megarl_config_loads_and_matches_the_workload(tmp_path):
     assert cfg.optim.lr == peer.LR and cfg.trainer.steps == 12
 
 
+def test_the_workload_data_is_fixed(tmp_path):
+    """The benchmark ships its own prompts and reward (the embedded default task may change):
+    55 prompts of 4 tokens, graded on the first character, loaded as megarl loads them."""
+    from megarl.data import DataConfig, PromptDataset, load_tokenizer
+    from megarl.rewards import load_reward_function
+
+    peer.write_model(str(tmp_path))
+    run = peer.megarl_config(str(tmp_path), "fp32", 1)
+    data = DataConfig(**run["data"])
+    ds = PromptDataset.from_config(data, load_tokenizer(tmp_path))
+    assert len(ds) == 55 and {len(p) for p in ds.prompt_ids} == {peer.PROMPT_TOKENS}
+    fn = load_reward_function(run["reward"]["functions"][0])
+    assert fn(["3+4="] * 3, ["7", "78", "8"], answer=["7"] * 3) == [1.0, 1.0, 0.0]
+
+
 def _fake_run(step_s: float, completion_len: float, steps: int) -> dict:
     samples = peer.PROMPTS * peer.N
     stages = {k: [0.0] * steps for k in peer.STAGES}

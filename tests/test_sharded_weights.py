@@ -7,7 +7,8 @@ PP2 x VPP2 and EP2: `load_hf_sharded` fills every local parameter exactly as
 `load_full_state(dict(hf_to_canonical(...)))` does; `copy_weights` makes the reference equal to
 the actor and the critic's trunk equal to the actor with a zero value head; `save_hf_streaming`
 writes what `gather_full_state` + `canonical_to_hf` give, readable by `LazyHFTensors` and by the
-safetensors library, sharded, with config and tokenizer files (fp32: the source files bit for bit).
+safetensors library, sharded, with config and tokenizer files (fp32: the source files bit for bit);
+`seeded_init` (random init) equals one full seeded state loaded at that layout.
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ def test_tp1_dp2_vpp_and_ep(cases):
     }
     bad = spawn(ww.correctness, 2, dirs, layouts, str(root / "w2"))
     assert [b for rank in bad for b in rank] == []
+
+
+def test_seeded_init_values():
+    """Deterministic per name and seed; megatron-core's default init distribution."""
+    from megarl.convert.sharded import SeededHFTensors
+    from megarl.models.hf_config import arch_from_hf
+
+    arch = arch_from_hf(dict(TINY_LLAMA, num_hidden_layers=8))
+    a, b, c = SeededHFTensors(arch, 1), SeededHFTensors(arch, 1), SeededHFTensors(arch, 2)
+    for n in a.names:
+        assert torch.equal(a.get(n), b.get(n)), n
+        assert torch.equal(a.get_rows(n, 1, 3), a.get(n)[1:3]), n
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight"
+    assert not torch.equal(a.get(q), c.get(q))
+    assert not torch.equal(a.get(q), a.get(q.replace("layers.0", "layers.1")))
+    assert torch.equal(a.get("model.norm.weight"), torch.ones(TINY_LLAMA["hidden_size"]))
+    assert abs(a.get(q).std().item() - 0.02) < 0.004
+    assert abs(a.get(o).std().item() - 0.02 / 4) < 0.001  # 0.02 / sqrt(2 x 8 layers)
 
 
 def test_streaming_writer_plan_and_errors(tmp_path):

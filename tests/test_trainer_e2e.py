@@ -85,7 +85,9 @@ def _check_learning(rows, label: str) -> None:
     print(f"{label}: reward {first:.3f} -> {last:.3f}, response length {len_first:.2f} -> "
           f"{len_last:.2f}, kl {rows[-1]['kl']:.4f}, mismatch max "
           f"{max(r['logprob_mismatch_max'] for r in rows):.1e}")
-    assert last > first + 0.05, (first, last)
+    # reward_mean is a mean over 512 samples: its step-to-step noise at random init is ~0.005,
+    # and a run that learns the copy task gains 0.05-0.1 in its first 16 steps
+    assert last > first + 0.03, (first, last)
     assert all(r["kl"] > 0 for r in rows[1:]), [r["kl"] for r in rows]
     assert abs(len_last - len_first) > 0.25, (len_first, len_last)
     assert max(r["response_len"] for r in rows) > 2  # several tokens per response
@@ -182,17 +184,20 @@ def test_resume_at_another_layout(tmp_path):
     print(f"step 4 loss: straight {ref['loss']:.8f}, resumed at PP=2 {rows[0]['loss']:.8f}")
     assert rows[0]["reward_mean"] == ref["reward_mean"]
     assert rows[0]["response_len"] == ref["response_len"]
+    # the same reference model (the random init is layout-independent): the same KL
+    assert abs(rows[0]["kl"] - ref["kl"]) <= 1e-6, (rows[0]["kl"], ref["kl"])
     assert abs(rows[0]["loss"] - ref["loss"]) <= 1e-5
 
 
 @pytest.mark.slow
 def test_non_finite_loss_is_skipped_then_the_run_stops(tmp_path):
     proc = _train(tmp_path, "trainer.steps=6", "trainer.max_bad_steps=2", "trainer.save_every=1",
-                  "reward.functions=[tests.rewards_for_tests:inf_reward]", check=False)
+                  "reward.functions=[tests.rewards_for_tests:inf_reward]", "reward.weights=[1.0]",
+                  check=False)
     assert proc.returncode != 0  # megarl exits 3; torchrun reports any child failure as 1
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["skipped_steps"] == 8 for r in rows)  # 2 epochs x 4 mini-batches, all dropped
+    assert all(r["skipped_steps"] == 16 for r in rows)  # 2 epochs x 8 mini-batches, all dropped
     # step 1 was skipped but not yet fatal, so its (unchanged) weights were saved; the fatal
     # step 2 wrote nothing
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001"]

@@ -72,7 +72,8 @@ def test_corrupt_data_file(tmp_path):
 def test_unknown_reward_function(tmp_path):
     proc, s = _train(tmp_path, "--set", "reward.functions=[toy, mathverify]")
     _assert_user_error(proc, s, "reward.functions[1]", "'mathverify'", "'math_verify'", "'toy'")
-    proc, s = _train(tmp_path, "--set", "reward.functions=[no_such_pkg.rewards:fn]")
+    proc, s = _train(tmp_path, "--set", "reward.functions=[no_such_pkg.rewards:fn]",
+                     "--set", "reward.weights=null")
     _assert_user_error(proc, s, "cannot import 'no_such_pkg.rewards'")
 
 
@@ -133,7 +134,7 @@ def test_convert_tp3(tmp_path):
         (["--set", "algorithm.name=dpo"], ["algorithm.name='dpo'", "'grpo', 'ppo'"]),
         (["/no/such/config.yaml"], ["/no/such/config.yaml does not exist"]),
         (["--set", "model.tokenizer=/no/tok"], ["model.tokenizer='/no/tok' does not exist"]),
-        (["--set", "data.prompts_per_step=100"], ["data.prompts_per_step=100 > 55 prompts"]),
+        (["--set", "data.prompts_per_step=2000"], ["data.prompts_per_step=2000 > 1080 prompts"]),
         (["--set", "rollout.max_tokens=60"], ["rollout.max_tokens (60)", "max_position_embed"]),
     ],
     ids=["unknown-key", "override-syntax", "override-yaml", "wrong-type", "bad-value",
@@ -172,7 +173,8 @@ def test_tampered_checkpoint_is_refused_before_anything_runs(tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    proc, _ = _train(tmp_path, "--set", "reward.functions=[nosuch]", "--debug")
+    proc, _ = _train(tmp_path, "--set", "reward.functions=[nosuch]", "--set", "reward.weights=null",
+                     "--debug")
     assert proc.returncode == 2
     assert "Traceback" in proc.stderr and "RewardFunctionError" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1].startswith("megarl: error: reward.functions[0]")

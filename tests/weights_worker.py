@@ -16,7 +16,12 @@ import torch.distributed as dist
 from megarl.convert.hf_io import LazyHFTensors, StreamingShardWriter, save_hf_dir
 from megarl.convert.layout import gather_full_state, load_full_state
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for, hf_to_canonical
-from megarl.convert.sharded import copy_weights, load_hf_sharded
+from megarl.convert.sharded import (
+    SeededHFTensors,
+    copy_weights,
+    load_hf_sharded,
+    seeded_init,
+)
 from megarl.convert.stream import save_hf_streaming
 from megarl.distributed import ParallelConfig, Topology
 from megarl.models.builder import build_model, unwrap
@@ -133,7 +138,14 @@ def correctness(rank, world, cases: dict, layouts: dict, out_root: str) -> list[
             lazy = LazyHFTensors(hf_dir)
             load_full_state(expected, dict(hf_to_canonical(arch, lazy.get, lazy.names)))
             bad += _diff(actor, expected, f"{where} load")
-            del expected
+            # the random init: the same full model at every layout (what load_full_state of one
+            # full state gives), so a run resumed at another layout rebuilds the same reference
+            seeded = SeededHFTensors(arch, 7)
+            load_full_state(expected, dict(hf_to_canonical(arch, seeded.get, seeded.names)))
+            random_init = build_model(arch, par, prec, role="reference")
+            seeded_init(random_init, arch, 7)
+            bad += _diff(random_init, expected, f"{where} seeded init")
+            del expected, random_init
 
             reference = build_model(arch, par, prec, role="reference")
             copy_weights(actor, reference)

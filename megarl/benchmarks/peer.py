@@ -1,11 +1,12 @@
 """`--suite peer`: megarl against TRL's `GRPOTrainer` on one GRPO workload, in one process tree.
 
 The workload (issue 11): a random 18.9M-parameter Llama (hidden 512, 8 layers, 16 heads, 8 KV
-heads, MLP 1024, vocab 64), the toy character tokenizer and its 55 "a+b=" prompts (4 tokens
-each; `megarl.data.toy`), GRPO with 8 prompts x 8 samples per step, temperature 1, at most 64 new
-tokens with a stop at EOS, lr 1e-3 (constant, grad clip 1.0), one epoch over one mini-batch (one
-optimizer step per RL step), no KL, the toy reward (binary, first character; cheap), 12 steps
-(`--quick`: 4), median of steps 3-12 (steps 1-2 warm up engines, allocators, kernels).
+heads, MLP 1024, vocab 64), the toy character tokenizer, the 55 prompts "a+b=" with a + b <= 9
+(4 tokens each; `ROWS`, written to `prompts.jsonl` beside the model), GRPO with 8 prompts x 8
+samples per step, temperature 1, at most 64 new tokens with a stop at EOS, lr 1e-3 (constant,
+grad clip 1.0), one epoch over one mini-batch (one optimizer step per RL step), no KL,
+`first_char_reward` (binary, first character; cheap), 12 steps (`--quick`: 4), median of steps
+3-12 (steps 1-2 warm up engines, allocators, kernels).
 
 Both systems start from the very same weights: the parent writes the random model (seeded HF
 `LlamaForCausalLM` init, normal std 0.02) once as an HF directory with the tokenizer; megarl
@@ -79,8 +80,19 @@ STAGES = ("rollout", "reward", "logprobs", "advantage", "train", "sync")
 RUN_TIMEOUT_S = 3600  # one system's run; 12 steps take 2-10 minutes on 2 shared cores
 
 
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10 - a)]
+"""The benchmark's prompts (fixed: the embedded default task may change, this workload not)."""
+PROMPT_TOKENS = 4  # every prompt of ROWS is 4 characters = 4 tokens
+
+
+def first_char_reward(prompts, completions, *, answer, **kwargs) -> list[float]:
+    """1.0 where the completion's first character is `answer`, else 0.0 (TRL protocol)."""
+    return [1.0 if str(c)[:1] == str(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
 def megarl_config(model_dir: str, precision: str, steps: int) -> dict:
-    """The workload as a megarl run config (one micro-batch of the whole step's 64 samples)."""
+    """The workload as a megarl run config (one micro-batch of the whole step's 64 samples);
+    the prompts are `model_dir`/prompts.jsonl (`write_model`)."""
     return {
         "model": {"hf": model_dir, "tokenizer": model_dir},
         "precision": {"dtype": precision},
@@ -92,7 +104,13 @@ def megarl_config(model_dir: str, precision: str, steps: int) -> dict:
             "stop_token_ids": [MODEL["eos_token_id"]],
             "kv_cache_memory_bytes": 256 * 2**20,
         },
-        "data": {"prompts_per_step": PROMPTS, "max_prompt_length": 16, "seed": SEED},
+        "data": {
+            "path": os.path.join(model_dir, "prompts.jsonl"),
+            "apply_chat_template": False,
+            "prompts_per_step": PROMPTS,
+            "max_prompt_length": 16,
+            "seed": SEED,
+        },
         "algorithm": {
             "name": "grpo",
             "advantage": "grpo",
@@ -102,15 +120,15 @@ def megarl_config(model_dir: str, precision: str, steps: int) -> dict:
             "mini_batches": 1,
             "micro_batch_size": PROMPTS * N,
         },
-        "reward": {"functions": ["toy"]},
+        "reward": {"functions": ["megarl.benchmarks.peer:first_char_reward"]},
         "trainer": {"steps": steps, "seed": SEED},
         "logging": {"wandb": False, "tensorboard": False, "progress": False},
     }
 
 
 def write_model(model_dir: str) -> int:
-    """The seeded random HF model and the toy tokenizer into `model_dir`; returns the parameter
-    count."""
+    """The seeded random HF model, the toy tokenizer and `ROWS` (prompts.jsonl) into
+    `model_dir`; returns the parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megarl.data.toy import toy_tokenizer
@@ -119,6 +137,8 @@ def write_model(model_dir: str) -> int:
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"}))
     model.save_pretrained(model_dir)
     toy_tokenizer(model_dir)
+    with open(os.path.join(model_dir, "prompts.jsonl"), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in ROWS)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -174,7 +194,7 @@ def run_trl(model_dir: str, precision: str, steps: int, threads: int) -> dict:
             res = json.load(f)
     samples = PROMPTS * N
     completion = [length * samples for length in res["mean_length"]]
-    prompt_tokens = samples * 4  # every toy prompt is 4 tokens
+    prompt_tokens = samples * PROMPT_TOKENS
     return {
         "step_s": res["step_s"],
         "completion_tokens": completion,

@@ -29,7 +29,7 @@ def trl_main(model_dir: str, precision: str, steps: int, out: str) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from megarl.data.toy import toy_reward, toy_rows
+    from megarl.benchmarks.peer import ROWS, first_char_reward
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     timings: dict[str, list[float]] = {"step_s": [], "generate_s": [], "gen_score_s": []}
@@ -75,9 +75,9 @@ def trl_main(model_dir: str, precision: str, steps: int, out: str) -> None:
         )
         trainer = GRPOTrainer(
             model=model_dir,
-            reward_funcs=toy_reward,
+            reward_funcs=first_char_reward,
             args=config,
-            train_dataset=Dataset.from_list(toy_rows()),
+            train_dataset=Dataset.from_list(ROWS),
             callbacks=[StepTimer()],
         )
         for name, key in (

@@ -12,6 +12,15 @@ shard's inputs plus the shard. There is no communication (DP replicas read the s
 rank that fails to read raises on its own and nothing waits for it. The result is bit-identical
 to `layout.load_full_state(chunks, dict(hf_to_canonical(...)))`: both only copy and concatenate.
 
+`seeded_init(chunks, arch, seed)` is the random init of a run from `model.config` (no weights to
+read): every HF tensor is drawn from its own generator, seeded by (seed, tensor name), and then
+sharded exactly like a file's. The initial model is therefore the same at every TP / PP / EP
+layout (megatron-core's own init is not: its RNG streams follow the layout), so a run resumed at
+another layout rebuilds the same reference model. Distribution as megatron-core's defaults:
+normal(0, 0.02) for embeddings and linear weights, 0.02 / sqrt(2 x layers) for the output
+projections of attention and MLP (o_proj, down_proj), ones for norms, zeros for biases. Each
+call to a tensor draws it whole (fine for the small models random init is for).
+
 `copy_weights(src, dst)` fills a model built at the same layout on the same rank from another
 (the reference and the critic trunk from the initial actor): a local copy by parameter name, no
 communication. A critic destination's value head is zeroed (the critic starts at value 0).
@@ -19,7 +28,9 @@ communication. A critic destination's value head is zeroed (the critic starts at
 
 from __future__ import annotations
 
+import math
 import os
+import zlib
 
 import torch
 
@@ -48,7 +59,57 @@ def load_hf_sharded(
 
     Names and shapes of the HF files are checked against `arch` before any data is read
     (`MappingError` names the key); a parameter the mapping does not know raises naming it."""
-    lazy = LazyHFTensors(hf_dir)
+    _load_sharded(chunks, arch, LazyHFTensors(hf_dir))
+
+
+@torch.no_grad()
+def seeded_init(chunks: list[torch.nn.Module], arch: ModelArch, seed: int) -> None:
+    """Fill this rank's parameters of `chunks` with the layout-independent random init (see the
+    module docstring); not collective."""
+    _load_sharded(chunks, arch, SeededHFTensors(arch, seed))
+
+
+class SeededHFTensors:
+    """The HF tensors of `arch`, drawn on demand from per-name seeded generators: the same
+    read interface as `LazyHFTensors` (`names`, `shape`, `get`, `get_rows`, `dir`)."""
+
+    STD = 0.02
+
+    def __init__(self, arch: ModelArch, seed: int):
+        self.dir = f"<random init, seed {seed}>"
+        self.seed = seed
+        self.layers = arch.num_layers
+        self._shapes = {
+            n: tuple(shape)
+            for item in mapped_tensors(arch).values()
+            for n, shape in zip(item.hf, item.shapes, strict=True)
+        }
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        leaf = name.rsplit(".", 2)
+        if "norm" in name:
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        std = self.STD
+        if len(leaf) == 3 and leaf[-2] in ("o_proj", "down_proj", "w2"):
+            std = self.STD / math.sqrt(2.0 * self.layers)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape).normal_(0.0, std, generator=g)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.get(name)[start:stop]
+
+
+def _load_sharded(chunks: list[torch.nn.Module], arch: ModelArch, lazy) -> None:
     check_hf_names(arch, lazy.names, shape_of=lazy.shape)
     items = mapped_tensors(arch)
     for name, local_name, p in local_params(chunks):

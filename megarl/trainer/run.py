@@ -344,10 +344,15 @@ def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
 def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:
     """Load the starting weights into `actor`, each rank reading only the shards it holds
     (`model.hf`: the HF tensors of its own parameters; `model.mcore_ckpt`: a sharded
-    `dist_checkpointing` load; random init from `model.config`: nothing to read). No rank holds
+    `dist_checkpointing` load; random init from `model.config`: `seeded_init`, the same model at
+    every layout, so a run resumed at another layout rebuilds the same reference). No rank holds
     the whole model; the reference and the critic trunk are then copied from the actor's shards."""
     m = cfg.model
-    if m.hf is not None:
+    if m.hf is None and m.mcore_ckpt is None:
+        from megarl.convert.sharded import seeded_init
+
+        seeded_init(actor, arch, m.init_seed)
+    elif m.hf is not None:
         from megarl.convert.sharded import load_hf_sharded
 
         load_hf_sharded(actor, arch, m.hf)

@@ -1,0 +1,334 @@
+"""`megarl train CONFIG --dry-run --world-size N [--rank R]`: one rank's share of an N-rank run,
+checked on any machine in seconds.
+
+Rank R's actor chunks are built with megatron-core itself, in this one process, on the meta device
+(shapes only: no parameter memory, no initialisation). The process group is torch's "fake"
+backend for N ranks: megatron-core's `initialize_model_parallel` creates every group of the N-rank
+layout and keeps this rank's, so the group lists and the layer split are megatron's own.
+
+Simplified on purpose:
+- no gloo side groups (megatron's CPU groups for the distributed optimizer need a real store);
+- megatron-core's local layer spec even where the real run builds Transformer-Engine layers (GPU,
+  FP8): the parameters are the same (TE fuses each norm into the next linear layer, same count);
+- only the model's shape is read (`model.config`, `model.hf`'s config.json, or `model.mcore_ckpt`'s
+  megarl_model.json): no weights, tokenizer, data, reward functions or vLLM engine. Paths the real
+  run reads and this machine lacks are listed, not refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import ConfigError, RunConfig
+from megarl.distributed import Topology, TopologyError, device
+from megarl.models.builder import BuildConfig, build_gpt_chunk, num_params
+from megarl.models.hf_config import ModelArch, PrecisionConfig, transformer_config
+
+# parameter names -> the part of the model they belong to (GPTModel's attribute names)
+PARTS = (
+    ("embedding.", "embedding"),
+    ("decoder.final_layernorm.", "final norm"),
+    ("output_layer.", "output layer"),
+    ("decoder.layers.", "layers"),
+)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk (virtual pipeline stage) on this rank: `layers` are 0-based HF indices."""
+
+    vp_stage: int | None
+    layers: tuple[int, ...]
+    params: dict[str, int]
+    """Parameter count per part (`PARTS`), split into "experts" / "layers" for MoE."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.params.values())
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What rank `rank` of a `world_size`-rank run holds; `describe()` is what the CLI prints."""
+
+    config_path: str | None
+    rank: int
+    topo: Topology
+    arch: ModelArch
+    padded_vocab: int
+    coords: dict[str, int]
+    groups: dict[str, list[int]]
+    chunks: list[Chunk]
+    critic_params: int | None
+    model_params: int
+    dtype: str
+    notes: list[str]
+
+    @property
+    def rank_params(self) -> int:
+        return sum(c.total for c in self.chunks)
+
+    @property
+    def padded_model_params(self) -> int:
+        """`model_params` (the HF count) with megatron's padded embedding and output rows."""
+        a = self.arch
+        matrices = 1 if a.tie_word_embeddings else 2
+        return self.model_params + (self.padded_vocab - a.vocab_size) * a.hidden_size * matrices
+
+    def describe(self) -> str:
+        t, a, p = self.topo, self.arch, self.topo.parallel
+        vocab = f"vocab {a.vocab_size}"
+        if self.padded_vocab != a.vocab_size:
+            vocab += f" (padded to {self.padded_vocab})"
+        if t.tp > 1:
+            vocab += f", {self.padded_vocab // t.tp} rows per TP rank"
+        etp = p.expert_tensor_parallel or t.tp
+        lines = [
+            f"megarl dry run: rank {self.rank} of {t.world_size}"
+            f" ({self.config_path or 'embedded default config'})",
+            f"model: {a.family}, {a.num_layers} layers, hidden {a.hidden_size}, "
+            f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads, {vocab}"
+            + (f", {a.num_experts} experts top-{a.moe_topk}" if a.is_moe else ""),
+            f"layout: TP {t.tp} x PP {t.pp} x CP {t.cp} x DP {t.dp} = {t.world_size} "
+            f"rank{'s' if t.world_size > 1 else ''}; "
+            f"VPP {t.vpp or '-'}, "
+            f"EP {t.ep}, ETP {etp}, sequence parallel {'on' if p.sequence_parallel else 'off'}",
+            "this rank: " + ", ".join(f"{k} rank {v}" for k, v in self.coords.items()),
+            f"groups of rank {self.rank}:",
+        ]
+        width = max(len(k) for k in self.groups)
+        lines += [f"  {k:<{width}}  {_rank_list(v)}" for k, v in self.groups.items()]
+        lines.append(f"parameters on rank {self.rank} (actor, {self.dtype}):")
+        for c in self.chunks:
+            name = "chunk" if c.vp_stage is None else f"chunk {c.vp_stage}"
+            layers = {0: "no layers", 1: f"layer {c.layers[0]}"}.get(
+                len(c.layers), f"layers {c.layers[0]}-{c.layers[-1]}"
+            )
+            parts = " + ".join(f"{k} {v:,}" for k, v in c.params.items() if v)
+            lines.append(f"  {name:<8} {layers:<14} {parts} = {c.total:,}")
+        model, hf = self.padded_model_params, self.model_params
+        nbytes = self.rank_params * PrecisionConfig(dtype=self.dtype).torch_dtype.itemsize
+        size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+        lines.append(
+            f"  total    {self.rank_params:,} ({self.rank_params / model:.2%} of the model's "
+            f"{model:,}{f' with its padded vocab; {hf:,} in HF' if model != hf else ''}; "
+            f"weights {size} in {self.dtype})"
+        )
+        if self.critic_params is not None:
+            lines.append(f"  critic   {self.critic_params:,} (the actor's trunk with a value head)")
+        lines += self.notes
+        return "\n".join(lines) + "\n"
+
+
+def dry_run(
+    cfg: RunConfig, *, world_size: int, rank: int = 0, config_path: str | None = None
+) -> DryRun:
+    """Validate `cfg`'s layout for `world_size` ranks and build rank `rank`'s chunks on the meta
+    device; raises `TopologyError` / `ConfigError` (user errors) for what cannot work."""
+    from megarl.trainer.run import load_arch
+
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size}: accepted: a number of ranks >= 1")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank {rank}: accepted: 0 to {world_size - 1} (--world-size)")
+    _check_model_source(cfg)
+    arch = load_arch(cfg)
+    try:
+        topo = Topology.for_model(cfg.parallel, world_size, arch)
+        topo.check_training(arch)
+    except TopologyError as e:  # name the config section, as a real run does
+        raise TopologyError(f"parallel: {e}") from e
+    if cfg.precision.fp8 is not None:
+        from megarl.models.hf_config import _check_fp8_shapes
+
+        _check_fp8_shapes(arch, cfg.parallel, cfg.precision)
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without torch.distributed initialised")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device.setup()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        _initialize_parallel_state(topo, seed=cfg.model.init_seed)
+        coords, groups = _coordinates(), _groups(topo, arch)
+        build = BuildConfig(make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        # megatron's local layers in the run's dtype: FP8 and TE are GPU-only (see the notes)
+        precision = PrecisionConfig(dtype=cfg.precision.dtype, transformer_engine=False)
+        config = transformer_config(arch, cfg.parallel, precision, gpu=False)
+        chunks = _count(_build(arch, config, build, "actor"), arch)
+        critic = None
+        if cfg.algorithm.name == "ppo":
+            critic = sum(c.total for c in _count(_build(arch, config, build, "critic"), arch))
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    return DryRun(
+        config_path=config_path,
+        rank=rank,
+        topo=topo,
+        arch=arch,
+        padded_vocab=arch.padded_vocab_size(build.make_vocab_size_divisible_by, topo.tp),
+        coords=coords,
+        groups=groups,
+        chunks=chunks,
+        critic_params=critic,
+        model_params=num_params(arch),
+        dtype=cfg.precision.dtype,
+        notes=_notes(cfg),
+    )
+
+
+def _check_model_source(cfg: RunConfig) -> None:
+    """The one input a dry run reads: the model's shape."""
+    m = cfg.model
+    if m.hf is not None and not os.path.isdir(m.hf):
+        raise ConfigError(
+            f"model.hf={m.hf!r} does not exist on this machine; the dry run reads the model's "
+            "shape from it. Accepted: a directory holding the model's config.json (nothing else "
+            "in it is read)"
+        )
+    if m.mcore_ckpt is not None and not os.path.isdir(m.mcore_ckpt):
+        raise ConfigError(
+            f"model.mcore_ckpt={m.mcore_ckpt!r} does not exist on this machine; the dry run "
+            "reads the model's shape from its megarl_model.json. Accepted: that directory, or "
+            "--set model.mcore_ckpt=null --set model.hf=DIR with DIR holding the model's "
+            "config.json"
+        )
+
+
+def _initialize_parallel_state(topo: Topology, *, seed: int) -> None:
+    """`Topology.initialize`'s megatron call, without the gloo groups a fake store cannot make."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    p = topo.parallel
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_parallel,
+        pipeline_model_parallel_size=p.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel,
+        context_parallel_size=p.context_parallel,
+        expert_model_parallel_size=p.expert_parallel,
+        expert_tensor_parallel_size=p.expert_tensor_parallel,
+        create_gloo_process_groups=False,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _coordinates() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "TP": ps.get_tensor_model_parallel_rank(),
+        "PP": ps.get_pipeline_model_parallel_rank(),
+        "DP": ps.get_data_parallel_rank(),
+        "CP": ps.get_context_parallel_rank(),
+        "EP": ps.get_expert_model_parallel_rank(),
+    }
+
+
+def _groups(topo: Topology, arch: ModelArch) -> dict[str, list[int]]:
+    """The global ranks of every group this rank belongs to, as megatron-core made them."""
+    from megatron.core import parallel_state as ps
+
+    groups = {
+        "TP": ps.get_tensor_model_parallel_group(),
+        "PP": ps.get_pipeline_model_parallel_group(),
+        "DP": ps.get_data_parallel_group(),
+        "CP": ps.get_context_parallel_group(),
+    }
+    if topo.cp > 1:
+        groups["DP x CP"] = ps.get_data_parallel_group(with_context_parallel=True)
+    groups["TP x PP (model parallel)"] = ps.get_model_parallel_group()
+    if arch.is_moe:
+        groups["EP"] = ps.get_expert_model_parallel_group()
+        groups["ETP"] = ps.get_expert_tensor_parallel_group()
+        groups["expert DP"] = ps.get_expert_data_parallel_group()
+    if arch.tie_word_embeddings and topo.pp > 1:
+        embedding = ps.get_embedding_group(check_initialized=False)
+        if embedding is not None:  # only the first and the last stage share the embedding
+            groups["embedding (tied)"] = embedding
+    return {k: dist.get_process_group_ranks(g) for k, g in groups.items()}
+
+
+def _build(arch: ModelArch, config, build: BuildConfig, role: str) -> list[torch.nn.Module]:
+    """This rank's `GPTModel` chunks of `role`, unwrapped (no DDP, whose grad buffers would be
+    real memory), on the meta device."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    with torch.device("meta"):
+        return [
+            build_gpt_chunk(arch, config, vp_stage=vp, role=role, build=build, use_te=False)
+            for vp in (range(vpp) if vpp else [None])
+        ]
+
+
+def _count(chunks: list[torch.nn.Module], arch: ModelArch) -> list[Chunk]:
+    out = []
+    for vp, chunk in enumerate(chunks):
+        params = {name: 0 for _, name in PARTS}
+        if arch.is_moe:
+            params["experts"] = 0
+        for name, param in chunk.named_parameters():
+            part = next(part for prefix, part in PARTS if name.startswith(prefix))
+            if part == "layers" and ".mlp.experts." in name:
+                part = "experts"
+            params[part] += param.numel()
+        # megatron numbers layers from 1 across the whole model
+        layers = tuple(layer.layer_number - 1 for layer in chunk.decoder.layers)
+        out.append(Chunk(vp_stage=vp if len(chunks) > 1 else None, layers=layers, params=params))
+    return out
+
+
+def _notes(cfg: RunConfig) -> list[str]:
+    p = cfg.precision
+    notes = []
+    models = ["actor (trainable)"]
+    if cfg.algorithm.kl_coef > 0:
+        models.append(
+            f"reference (frozen, actor's shape; algorithm.kl_coef={cfg.algorithm.kl_coef})"
+        )
+    if cfg.algorithm.name == "ppo":
+        models.append("critic (trainable)")
+    notes.append("models on every rank: " + " + ".join(models))
+    layers = "megatron-core local layers on the meta device (no memory)"
+    if p.transformer_engine is not False:
+        fp8 = f" with FP8 {p.fp8}, recipe {p.fp8_recipe}" if p.fp8 else ""
+        layers += (
+            f"; the real run on GPU builds Transformer-Engine layers{fp8} (same parameters, "
+            "Transformer-Engine not needed here)"
+        )
+    notes.append(f"layers: {layers}")
+    missing = [
+        f"{key}={path}"
+        for key, path in (("model.tokenizer", cfg.model.tokenizer), ("data.path", cfg.data.path))
+        if path not in (None, "toy") and not path.startswith("hf:") and not os.path.exists(path)
+    ]
+    if missing:
+        notes.append(f"not found on this machine (the real run reads them): {', '.join(missing)}")
+    return notes
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """`0-7, 16-23 (16 ranks)`: runs of consecutive ranks; `0, 8, ..., 504 (64 ranks)` for a long
+    evenly spaced list."""
+    if len(ranks) == 1:
+        return str(ranks[0])
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    step = ranks[1] - ranks[0]
+    if len(runs) > 8 and all(b - a == step for a, b in zip(ranks, ranks[1:], strict=False)):
+        text = f"{ranks[0]}, {ranks[1]}, {ranks[2]}, ..., {ranks[-1]}"
+    else:
+        text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"{text} ({len(ranks)} ranks)"
