@@ -211,14 +211,13 @@ def _trainer_build(hf: dict, parallel: dict, world: int, rank: int) -> list[tupl
     from megarl.distributed import ParallelConfig, Topology, device
     from megarl.models.builder import build_model
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf
-    from megarl.trainer.dry_run import _initialize_parallel_state
 
     arch = arch_from_hf(hf)
     topo = Topology.for_model(ParallelConfig(**parallel), world, arch)
     device.setup()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        _initialize_parallel_state(topo, seed=1234)
+        topo.initialize(seed=1234, gloo_groups=False)
         chunks = build_model(arch, topo.parallel, PrecisionConfig(), role="actor")
         assert all(p.device.type == "cpu" for c in chunks for p in c.parameters())
         return _shares(chunks)

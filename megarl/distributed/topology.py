@@ -207,10 +207,12 @@ class Topology:
         return Topology.create(dataclasses.replace(self.parallel, **changes), self.world_size)
 
     # ----------------------------------------------------------------- process groups
-    def initialize(self, *, seed: int = 1234) -> Groups:
+    def initialize(self, *, seed: int = 1234, gloo_groups: bool = True) -> Groups:
         """Initialise torch.distributed (if needed) and megatron-core's parallel state.
 
-        On CPU this also installs the CUDA emulation megatron-core needs (see `cpu.py`)."""
+        On CPU this also installs the CUDA emulation megatron-core needs (see `cpu.py`).
+        gloo_groups=False skips megatron's gloo side groups (the dry run's fake process group
+        cannot make them)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
@@ -234,6 +236,7 @@ class Topology:
             context_parallel_size=p.context_parallel,
             expert_model_parallel_size=p.expert_parallel,
             expert_tensor_parallel_size=p.expert_tensor_parallel,
+            create_gloo_process_groups=gloo_groups,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return Groups.from_parallel_state()

@@ -153,7 +153,7 @@ def dry_run(
     device.setup()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        _initialize_parallel_state(topo, seed=cfg.model.init_seed)
+        topo.initialize(seed=cfg.model.init_seed, gloo_groups=False)
         coords, groups = _coordinates(), _groups(topo, arch)
         build = BuildConfig(make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
         # megatron's local layers in the run's dtype: FP8 and TE are GPU-only (see the notes)
@@ -200,24 +200,6 @@ def _check_model_source(cfg: RunConfig) -> None:
             "--set model.mcore_ckpt=null --set model.hf=DIR with DIR holding the model's "
             "config.json"
         )
-
-
-def _initialize_parallel_state(topo: Topology, *, seed: int) -> None:
-    """`Topology.initialize`'s megatron call, without the gloo groups a fake store cannot make."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    p = topo.parallel
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=p.tensor_parallel,
-        pipeline_model_parallel_size=p.pipeline_parallel,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel,
-        context_parallel_size=p.context_parallel,
-        expert_model_parallel_size=p.expert_parallel,
-        expert_tensor_parallel_size=p.expert_tensor_parallel,
-        create_gloo_process_groups=False,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def _coordinates() -> dict[str, int]:
