@@ -33,10 +33,14 @@ def suite(args) -> list[dict]:
     med = {s: statistics.median(r["time_s"].get(s, 0.0) for r in rows) for s in stages}
     step = statistics.median(r["time_s"]["step"] for r in rows)
     common = dict(config="embedded default (tiny GRPO, CPU, fp32)", steps_measured=len(rows))
+    times = [r["time_s"]["step"] for r in rows]
     out = [record("step_seconds", step, "s/step", floor=sum(med.values()), floor_unit="s/step",
-                  higher_is_better=False,
+                  higher_is_better=False, spread=[min(times), max(times)],
                   floor_name="sum of the stage medians (loop overhead excluded)", **common)]
-    out += [record(f"stage_{s}_seconds", t, "s", **common) for s, t in med.items()]
+    spread = {s: [min(r["time_s"].get(s, 0.0) for r in rows),
+                  max(r["time_s"].get(s, 0.0) for r in rows)] for s in stages}
+    out += [record(f"stage_{s}_seconds", t, "s", spread=spread[s], **common)
+            for s, t in med.items()]
     out.append(record("step_tokens_per_s", statistics.median(r["tokens_per_s"] for r in rows),
                       "tokens/s", **common))
     return out
