@@ -2,6 +2,8 @@
 
 `megarl train CONFIG --dry-run --world-size N [--rank R]` checks the layout for N ranks and
 prints what rank R holds (groups, layers, parameters) without GPUs, weights, data or vLLM.
+`megarl plan CONFIG --gpus N --gpu-mem GIB [--nodes K]` adds the memory of one GPU in every
+phase of a step; exit status 0 when it fits, 1 when it does not (with what to change).
 
 Without a config: the embedded default, a tiny CPU GRPO run on a toy copy task that visibly
 learns in a few minutes. Multi-rank: `torchrun --nproc_per_node N -m megarl train CONFIG`.
@@ -37,7 +39,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c = sub.add_parser(
         "config", parents=[common], help="print the resolved config, or every key (--reference)"
     )
-    for p in (t, c):
+    pl = sub.add_parser(
+        "plan", parents=[common], help="will it fit: layout and per-GPU memory of each phase"
+    )
+    pl.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs of the run")
+    pl.add_argument(
+        "--gpu-mem",
+        type=float,
+        required=True,
+        metavar="GIB",
+        help="memory per GPU in GiB as the driver reports it (H100/H200 SXM: 80 / 141)",
+    )
+    pl.add_argument("--nodes", type=int, metavar="K", help="nodes (default: 8 GPUs per node)")
+    for p in (t, c, pl):
         p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny CPU run)")
         p.add_argument(
             "--set",
@@ -82,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command; returns its exit status (2 for an input error)."""
     console.setup(verbose=args.verbose)
-    command = {"train": _train, "config": _config}[args.command]
+    command = {"train": _train, "config": _config, "plan": _plan}[args.command]
     return console.run_guarded(partial(command, args), debug=args.debug)
 
 
@@ -93,6 +107,18 @@ def _config(args: argparse.Namespace) -> int:
         sys.stdout.write(reference_markdown())
         return 0
     return _print_config(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from megarl.config import load_config
+    from megarl.plan import plan
+
+    cfg = load_config(args.config, args.overrides)
+    result = plan(
+        cfg, gpus=args.gpus, gpu_mem_gib=args.gpu_mem, nodes=args.nodes, config_path=args.config
+    )
+    print(result.describe(), end="")
+    return 0 if result.fits else 1
 
 
 def _print_config(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ megatron code on CPU tensors by (all process-local, installed once by `setup()`)
   `torch.cuda.synchronize()` / stream and event calls -> no-ops;
 - `Tensor.type()` with no argument reporting the `torch.cuda.*Tensor` name for CPU tensors, because
   megatron dispatches on that string;
-- a CPU RNG-states tracker for `megatron.core.tensor_parallel.random`.
+- a CPU RNG-states tracker for `megatron.core.tensor_parallel.random`, whose "CUDA RNG state"
+  (saved around a recomputed layer) is the CPU generator's.
 
 Nothing here is active when CUDA is available: the GPU path is megatron-core unmodified. Causal
 masks are passed explicitly by our forward steps so megatron never builds one on "cuda".
@@ -162,7 +163,7 @@ def install_cpu_emulation() -> None:
     _install_rng_tracker()
     _patch_moe_host_splits()
     _patch_uneven_sequence_collectives()
-    log.info("megatron-core CUDA emulation installed: running on CPU")
+    log.debug("megatron-core CUDA emulation installed: running on CPU")
 
 
 class _NullStream:
@@ -258,6 +259,10 @@ def _install_rng_tracker() -> None:
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
     mrandom.initialize_rng_tracker = initialize_rng_tracker
+    # activation recompute (`CheckpointFunction`) saves and restores "the CUDA RNG state" around
+    # the recomputed forward; on CPU that state is the CPU generator's (one generator only)
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     # torch.cuda.manual_seed is lazy on CPU builds; make megatron's "default state" seeding real
     # (torch.manual_seed itself calls torch.cuda.manual_seed_all, so seed the CPU generator only)
     torch.cuda.manual_seed = lambda seed: torch.random.default_generator.manual_seed(int(seed))

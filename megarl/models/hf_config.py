@@ -312,6 +312,8 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=gpu,
     )
+    if parallel.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if parallel.pipeline_layers is not None:
         kw["num_layers_in_first_pipeline_stage"] = parallel.pipeline_layers[0]
         kw["num_layers_in_last_pipeline_stage"] = parallel.pipeline_layers[-1]

@@ -195,10 +195,10 @@ def _check_model_source(cfg: RunConfig) -> None:
         )
     if m.mcore_ckpt is not None and not os.path.isdir(m.mcore_ckpt):
         raise ConfigError(
-            f"model.mcore_ckpt={m.mcore_ckpt!r} does not exist on this machine; the dry run "
-            "reads the model's shape from its megarl_model.json. Accepted: that directory, or "
-            "--set model.mcore_ckpt=null --set model.hf=DIR with DIR holding the model's "
-            "config.json"
+            f"model.mcore_ckpt={m.mcore_ckpt!r} does not exist on this machine; --dry-run and "
+            "`megarl plan` read the model's shape from its megarl_model.json. Accepted: that "
+            "directory, or --set model.mcore_ckpt=null --set model.hf=DIR with DIR holding the "
+            "model's config.json"
         )
 
 

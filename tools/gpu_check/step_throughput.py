@@ -11,6 +11,8 @@ steps, plus one `forward_logprobs` pass. tokens/s = rows x seq / step time; MFU 
 `flops_per_token(arch, seq_len, training=True, causal=True)` / `peak_flops(device, bf16)`, the
 figures the trainer logs. megatron-core's local layers (no TE: no fused attention, no FP8) set
 this number; it is the floor the TE path must beat.
+Each micro-batch size also records `plan_gib`, `megarl plan`'s estimate of the same step (its
+formulas at TP = PP = DP = 1), beside the measured `peak_gib`.
 `--device cpu --tiny` runs one small micro-batch sweep on CPU (no MFU there).
 """
 
@@ -130,6 +132,7 @@ def measure(fig, name: str, device: str, rec) -> None:
             step_s=secs,
             fwd_tokens_per_s=tokens / fwd_s,
             peak_gib=common.peak_gib(device),
+            plan_gib=_planned_gib(a, fig["params"], dtype, mbs, seq),
             mfu=None if peak is None else tps * fpt / peak,
         )
         fig.update(mbs=mbs, tokens_per_s=tps, step_s=secs, peak_gib=common.peak_gib(device))
@@ -140,6 +143,28 @@ def measure(fig, name: str, device: str, rec) -> None:
         raise common.Skip(
             f"{name}: not even micro-batch 1 x seq {seq} fits next to the optimizer ({per_mbs})"
         )
+
+
+def _planned_gib(a, params: int, dtype: str, mbs: int, seq: int) -> float:
+    """`megarl plan`'s figure for this step (its train-phase rows at TP = PP = DP = 1, local
+    layers), recorded beside the measured peak so the planner can be checked on a GPU."""
+    from megarl.plan import formulas as fm
+
+    e = fm.ELEM[dtype]
+    per, _ = fm.optimizer_bytes_per_param(dtype)
+    impl = "local" if dtype == "fp32" or device_is_cuda() else "local-math"
+    layer, _ = fm.layer_activation_bytes_per_token(
+        a, elem=e, tp=1, sequence_parallel=False, impl=impl, seq_len=seq
+    )
+    loss, _ = fm.logits_bytes_per_token(a.padded_vocab_size(128, 1), tp=1, entropy=False)
+    tokens = mbs * seq
+    return (params * (e + 4 + per) + tokens * (a.num_layers * layer + loss)) / fm.GiB
+
+
+def device_is_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def body(rec: common.Recorder, args, device: str) -> None:

@@ -1,0 +1,138 @@
+"""Bytes per rank of each thing a training step holds: pure arithmetic, one function per row of
+`megarl plan`'s table. Each returns `(bytes, formula)`; the formula is what the table prints.
+
+Activation terms are the tensors autograd saves for the backward pass, read off megatron-core's
+layers as megarl builds them (and checked on CPU, `tests/test_plan.py`, by the resident-set peak
+of a real micro-batch):
+
+- `local` layers (CPU, or GPU with `precision.transformer_engine: false`): per token and layer,
+  two RMSNorms each saving their fp32 input, the 1/rms and two `e`-byte [h] tensors (normalised
+  input, the linear's input); attention through `F.scaled_dot_product_attention` saving q, k, v
+  (k and v repeated to every query head) and its output, plus the log-sum-exp; the output
+  projection's input; SwiGLU saving fc1's [2f] output and three [f] tensors.
+  CPU bf16 runs SDPA's math kernel, which keeps the [s, s] probabilities in fp32 per head.
+- `te` layers (GPU): Transformer-Engine's fused norm + linear saves the input, 1/rms and the
+  normalised output; flash attention keeps q, k, v (KV heads not repeated), output and
+  log-sum-exp; fc1's [2f] output and fc2's [f] input. Read from the sources, not measured here.
+
+Under sequence parallelism the [s, b, h] tensors outside the TP regions are split over TP too;
+without it every TP rank holds them whole. `e` is the element size of the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megarl.models.hf_config import ModelArch
+
+ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+GiB = 2**30
+
+
+def layer_activation_bytes_per_token(
+    arch: ModelArch,
+    *,
+    elem: int,
+    tp: int,
+    sequence_parallel: bool,
+    impl: str,
+    seq_len: int,
+    expert_tp: int | None = None,
+) -> tuple[float, str]:
+    """Saved-for-backward bytes of one transformer layer per token (no recompute).
+
+    impl: "local" (SDPA flash/efficient kernel), "local-math" (SDPA math kernel: CPU bf16) or
+    "te". `seq_len` matters only for the math kernel's [s, s] probabilities."""
+    h, d = arch.hidden_size, arch.head_dim
+    heads, kv = arch.num_attention_heads / tp, max(1.0, arch.num_key_value_heads / tp)
+    sp = tp if sequence_parallel else 1
+    if impl == "te":
+        norms = 2 * (2 * elem * h + 4) / sp
+        attn = (2 * heads * d + 2 * kv * d) * elem + 4 * heads
+        proj = 0.0  # the projection's input is flash attention's saved output
+        mlp_per_f, norms_text = 3, "2 x (2e h + 4)"
+        attn_text = "(2 a d + 2 g d) e / TP + 4 a / TP"
+    else:
+        norms = 2 * (4 * h + 4 + 2 * elem * h) / sp
+        norms_text = "2 x (4 h + 4 + 2e h)"
+        if impl == "local-math":  # fp32 q, k^T, v and the [s, s] probabilities
+            attn = 3 * 4 * heads * d + 4 * heads * seq_len
+            attn_text = "(12 a d + 4 a s) / TP"
+        else:
+            attn = 4 * heads * d * elem + 4 * heads
+            attn_text = "(4 a d e + 4 a) / TP"
+        proj = heads * d * elem
+        mlp_per_f = 5
+    if arch.is_moe:
+        etp = expert_tp or tp
+        f = arch.moe_intermediate_size or arch.intermediate_size
+        # each token visits top-k experts; the dispatcher keeps its permuted copies of [h]
+        mlp = arch.moe_topk * (mlp_per_f * f * elem / etp + 2 * h * elem)
+        mlp_text = f"top{arch.moe_topk} x ({mlp_per_f} f_moe e / ETP + 2 h e)"
+    else:
+        mlp = mlp_per_f * arch.intermediate_size * elem / tp
+        mlp_text = f"{mlp_per_f} f e / TP"
+    total = norms + attn + proj + mlp
+    formula = (
+        f"norms {norms_text}{' / TP (SP)' if sequence_parallel and tp > 1 else ''} + attention "
+        f"{attn_text}{' + proj a d e / TP' if proj else ''} + MLP {mlp_text}"
+    )
+    return total, formula
+
+
+def logits_bytes_per_token(padded_vocab: int, *, tp: int, entropy: bool) -> tuple[float, str]:
+    """The last stage's loss over the vocabulary, per token: three fp32 [V / TP] tensors at the
+    peak (the tempered logits, the softmax `vocab_parallel_cross_entropy` saves, its gradient
+    in the backward), three more with the entropy bonus (its own softmax and log-softmax).
+    Measured on CPU: 12.2-12.7 B per vocabulary entry without, 25.2-25.7 with the entropy term,
+    fp32 and bf16 alike (the model's 16-bit logits are freed once cast)."""
+    copies = 6 if entropy else 3
+    text = f"{copies} x 4 B x V/TP{' (with the entropy term)' if entropy else ''}"
+    return copies * 4 * padded_vocab / tp, text
+
+
+def forward_working_bytes_per_token(arch: ModelArch, *, elem: int, tp: int) -> tuple[float, str]:
+    """A forward pass without grad keeps nothing between layers: its working set is one MLP's
+    [2f] + [f] intermediates and two fp32 [h] norm tensors."""
+    f = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
+    return 3 * f * elem / tp + 8 * arch.hidden_size, "(3 f e / TP + 8 h)"
+
+
+def in_flight_layer_passes(
+    *, layers_per_chunk: list[int], pp: int, pp_rank: int, vpp: int | None, micro_batches: int
+) -> tuple[int, str]:
+    """Layer-micro-batches whose activations a pipeline stage holds at its peak.
+
+    No PP: one micro-batch at a time (gradient accumulation frees each before the next).
+    1F1B: stage r runs min(PP - r, M) forward passes before its first backward. Interleaved:
+    megatron-core's warm-up of (PP - r - 1) x 2 + (VPP - 1) x PP chunk passes (capped at M x VPP)
+    plus the one in steady state, each of one chunk's layers."""
+    if pp == 1:
+        return sum(layers_per_chunk), "1 micro-batch x all layers (no PP)"
+    if not vpp:
+        n = min(pp - pp_rank, micro_batches)
+        return n * layers_per_chunk[0], (
+            f"min(PP - stage, M) = {n} micro-batches x {layers_per_chunk[0]} layers (1F1B)"
+        )
+    warmup = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp, micro_batches * vpp)
+    n = min(warmup + 1, micro_batches * vpp)
+    per_chunk = max(layers_per_chunk)
+    return n * per_chunk, f"{n} chunk passes x {per_chunk} layers (interleaved 1F1B warm-up + 1)"
+
+
+def optimizer_bytes_per_param(dtype: str) -> tuple[int, str]:
+    """Adam state per parameter before DP sharding: fp32 exp_avg and exp_avg_sq, plus an fp32
+    master copy of 16-bit parameters (megatron's mixed-precision optimizer)."""
+    if dtype == "fp32":
+        return 8, "8 B/param (Adam m, v)"
+    return 12, "12 B/param (fp32 master + Adam m, v)"
+
+
+def kv_bytes_per_token(arch: ModelArch, *, elem: int, vllm_tp: int) -> int:
+    """vLLM's KV cache per token on one of its TP ranks (as `check_kv_cache`)."""
+    kv_heads = max(1, arch.num_key_value_heads // vllm_tp)
+    return 2 * arch.num_layers * kv_heads * arch.head_dim * elem
+
+
+def round_up(n: int, multiple: int) -> int:
+    return int(math.ceil(n / multiple) * multiple)

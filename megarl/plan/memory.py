@@ -1,0 +1,487 @@
+"""`megarl plan CONFIG --gpus N --gpu-mem GB`: will this run fit, before any GPU is asked for.
+
+The layout is validated exactly as a real run would (`Topology`, plus vLLM's TP inside a node
+and dividing the world), each pipeline stage's parameters are counted by building its first
+rank's model on the meta device (`megarl.trainer.dry_run`), and every stage gets a table of what
+one GPU holds (`formulas`) and the peak of each phase of an RL step:
+
+    rollout   vLLM awake (weights + KV cache) beside the trainer's resident models
+    logprobs  vLLM asleep; a forward pass without grad (old / reference logprobs)
+    train     activations of the micro-batches in flight + the loss over the vocabulary
+    sync      vLLM's weights woken up and written, KV cache still freed
+
+"Resident" = actor weights, its fp32 grad buffer and Adam state (sharded over DP by the
+DistributedOptimizer), the reference's weights, the critic's three, and the CUDA runtime.
+A run fits when every phase's peak is at most `HEADROOM` of the GPU (allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from megarl.config import ConfigError, RunConfig
+from megarl.distributed import TopologyError
+from megarl.plan import formulas as fm
+
+PHASES = ("rollout", "logprobs", "train", "sync")
+ALL = PHASES
+HEADROOM = 0.95
+RUNTIME_GPU = 2 * fm.GiB
+"""CUDA context, NCCL communicators' buffers, cuBLAS / Transformer-Engine workspaces: an
+assumption (H100 context ~0.5 GiB, NCCL ~0.5-1 GiB), not measured on CPU."""
+SYNC_BUCKET = 256 * 2**20
+VLLM_ACTIVATIONS = 1 * fm.GiB
+"""vLLM's forward-pass working memory when its KV cache is set in bytes (an assumption)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    nbytes: float
+    formula: str
+    phases: tuple[str, ...] = ALL
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one GPU of pipeline stage `pp_rank` holds."""
+
+    pp_rank: int
+    rank: int
+    layers: int
+    rows: tuple[Row, ...]
+
+    def peak(self, phase: str) -> float:
+        return sum(r.nbytes for r in self.rows if phase in r.phases)
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        return max(((p, self.peak(p)) for p in PHASES), key=lambda x: x[1])
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameters on the first rank of each pipeline stage, from the meta-device build."""
+
+    params: tuple[int, ...]
+    expert_params: tuple[int, ...]
+    layers: tuple[tuple[int, ...], ...]  # layers per model chunk, per stage
+    critic: tuple[int, ...] | None
+    padded_vocab: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    config_path: str | None
+    gpus: int
+    gpu_mem: float
+    nodes: int
+    device: str
+    cfg: RunConfig
+    topo: object | None
+    arch: object
+    stages: tuple[StagePlan, ...] = ()
+    problems: tuple[str, ...] = ()
+    """Why this layout cannot run on this cluster at all (layout errors)."""
+    warnings: tuple[str, ...] = ()
+    advice: tuple[str, ...] = field(default=())
+
+    @property
+    def usable(self) -> float:
+        return HEADROOM * self.gpu_mem
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and all(s.worst[1] <= self.usable for s in self.stages)
+
+    def describe(self) -> str:
+        from megarl.plan.render import describe
+
+        return describe(self)
+
+
+def plan(
+    cfg: RunConfig,
+    *,
+    gpus: int,
+    gpu_mem_gib: float,
+    nodes: int | None = None,
+    config_path: str | None = None,
+    device: str = "gpu",
+) -> Plan:
+    """The memory plan of `cfg` on `gpus` GPUs of `gpu_mem_gib` GiB in `nodes` nodes (default:
+    8 GPUs per node). `device="cpu"` plans a CPU run (local layers, vLLM's CPU KV cache, no CUDA
+    runtime) for comparison with measurements. User errors raise `ConfigError`."""
+    from megarl.trainer.dry_run import _check_model_source, dry_run
+    from megarl.trainer.run import load_arch
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: accepted: a number of GPUs >= 1")
+    if gpu_mem_gib <= 0:
+        raise ConfigError(f"--gpu-mem {gpu_mem_gib}: accepted: GiB of memory per GPU, > 0")
+    if nodes is None:
+        nodes = gpus // 8 if gpus % 8 == 0 and gpus >= 8 else 1
+    if nodes < 1 or gpus % nodes:
+        raise ConfigError(f"--nodes {nodes} does not divide --gpus {gpus}; accepted: a divisor")
+    _check_model_source(cfg)  # the one input a plan reads: the model's shape
+    arch = load_arch(cfg)
+    base = dict(
+        config_path=config_path,
+        gpus=gpus,
+        gpu_mem=gpu_mem_gib * fm.GiB,
+        nodes=nodes,
+        device=device,
+        cfg=cfg,
+        arch=arch,
+    )
+    problems, warnings = _cluster_checks(cfg, gpus, nodes)
+    try:
+        shape, topo = count_params(cfg, gpus, dry_run)
+    except TopologyError as e:
+        problems.append(str(e))
+        shape = topo = None
+    if problems:
+        return Plan(
+            **base,
+            topo=topo,
+            problems=tuple(problems),
+            warnings=tuple(warnings),
+            advice=tuple(_lower_bound(cfg, arch, gpus, gpu_mem_gib * fm.GiB)),
+        )
+    stages = tuple(
+        stage_plan(cfg, arch, topo, shape, r, device=device, gpu_mem=gpu_mem_gib * fm.GiB)
+        for r in range(topo.pp)
+    )
+    result = Plan(**base, topo=topo, stages=stages, warnings=tuple(warnings))
+    if not result.fits:
+        advice = _advice(cfg, arch, topo, shape, result, device)
+        result = dataclasses.replace(result, advice=tuple(advice))
+    return result
+
+
+def count_params(cfg: RunConfig, world: int, dry_run) -> tuple[Shape, object]:
+    """Per-stage parameter counts from megatron-core's own meta-device build (first rank of each
+    stage: megatron orders pipeline stages outermost)."""
+    first = dry_run(cfg, world_size=world, rank=0)
+    runs = [first] + [
+        dry_run(cfg, world_size=world, rank=s * world // first.topo.pp)
+        for s in range(1, first.topo.pp)
+    ]
+    return Shape(
+        params=tuple(r.rank_params for r in runs),
+        expert_params=tuple(sum(c.params.get("experts", 0) for c in r.chunks) for r in runs),
+        layers=tuple(tuple(len(c.layers) for c in r.chunks) for r in runs),
+        critic=tuple(r.critic_params for r in runs) if first.critic_params is not None else None,
+        padded_vocab=first.padded_vocab,
+    ), first.topo
+
+
+def micro_batching(cfg: RunConfig, topo) -> tuple[int, int, int]:
+    """(sequence length, sequences per micro-batch, micro-batches per mini-batch per DP rank)."""
+    from megarl.models.forward import sequence_multiple
+
+    p = cfg.parallel
+    multiple = sequence_multiple(
+        topo.tp, p.sequence_parallel, cfg.precision.fp8_recipe if cfg.precision.fp8 else None
+    )
+    seq = fm.round_up(cfg.data.max_prompt_length + cfg.rollout.max_tokens, multiple)
+    mbs = cfg.algorithm.micro_batch_size
+    if cfg.algorithm.max_tokens_per_micro_batch is not None:
+        mbs = max(1, min(mbs, cfg.algorithm.max_tokens_per_micro_batch // seq))
+    sequences = cfg.data.prompts_per_step * cfg.rollout.n
+    per_rank = math.ceil(sequences / (cfg.algorithm.mini_batches * topo.dp))
+    micro = max(1, math.ceil(per_rank / mbs))
+    if topo.vpp:  # the interleaved schedule runs micro-batches in groups of PP (forward.run)
+        micro = fm.round_up(micro, topo.pp)
+    return seq, mbs, micro
+
+
+def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: float):
+    """The rows of pipeline stage `r` (see the module docstring)."""
+    p, prec, alg = cfg.parallel, cfg.precision, cfg.algorithm
+    e = fm.ELEM[prec.dtype]
+    rows: list[Row] = []
+    total, experts = shape.params[r], shape.expert_params[r]
+    dense = total - experts
+    dp_shard = topo.dp * topo.cp if cfg.optim.distributed else 1
+    edp = topo.world_size // (topo.pp * topo.ep * (p.expert_tensor_parallel or topo.tp))
+    edp_shard = edp if cfg.optim.distributed else 1
+    w = 1 if prec.fp8 and prec.fp8_param else e
+    wname = "1 B (FP8 params)" if w == 1 else f"{e} B ({prec.dtype})"
+    rows.append(Row("actor weights", total * w, f"{total:,} params x {wname}"))
+    rows.append(Row("actor grads", total * 4, f"{total:,} x 4 B (fp32 main-grad buffer)"))
+    per, per_text = fm.optimizer_bytes_per_param(prec.dtype)
+    opt = dense * per / dp_shard + experts * per / edp_shard
+    shard = f"/ DP x CP {dp_shard}" + (f", experts / expert-DP {edp_shard}" if experts else "")
+    rows.append(Row("actor Adam", opt, f"{per_text} {shard}"))
+    if alg.kl_coef > 0:
+        rows.append(Row("reference weights", total * e, f"{total:,} x {e} B (frozen)"))
+    if shape.critic is not None:
+        c = shape.critic[r]
+        cexp = experts  # the critic shares the actor's trunk, experts included
+        copt = (c - cexp) * per / dp_shard + cexp * per / edp_shard
+        rows.append(
+            Row(
+                "critic weights + grads + Adam",
+                c * (e + 4) + copt,
+                f"{c:,} x ({e} + 4) B + {per_text} {shard}",
+            )
+        )
+    if device == "gpu":
+        rows.append(Row("CUDA runtime", RUNTIME_GPU, "context, NCCL, workspaces (assumed)"))
+
+    seq, mbs, micro = micro_batching(cfg, topo)
+    tokens = seq * mbs
+    impl = _impl(cfg, device)
+    per_layer, layer_text = fm.layer_activation_bytes_per_token(
+        arch,
+        elem=e,
+        tp=topo.tp,
+        sequence_parallel=p.sequence_parallel,
+        impl=impl,
+        seq_len=seq,
+        expert_tp=p.expert_tensor_parallel,
+    )
+    passes, pass_text = fm.in_flight_layer_passes(
+        layers_per_chunk=list(shape.layers[r]),
+        pp=topo.pp,
+        pp_rank=r,
+        vpp=topo.vpp,
+        micro_batches=micro,
+    )
+    mb_text = f"micro-batch {mbs} x {seq} tokens"
+    if p.recompute == "full":
+        sp = topo.tp if p.sequence_parallel else 1
+        act = passes * tokens * e * arch.hidden_size / sp + tokens * per_layer
+        act_text = (
+            f"recompute: {pass_text} x e h{' / TP' if sp > 1 else ''} per token + one "
+            f"layer recomputed ({layer_text}); {mb_text}"
+        )
+    else:
+        act = passes * tokens * per_layer
+        act_text = f"{pass_text} x ({layer_text}) per token; {mb_text}"
+    rows.append(Row("train activations", act, act_text, ("train",)))
+    if r == topo.pp - 1:
+        lg, lg_text = fm.logits_bytes_per_token(
+            shape.padded_vocab, tp=topo.tp, entropy=alg.entropy_coef > 0
+        )
+        rows.append(
+            Row(
+                "train loss over the vocabulary",
+                lg * tokens,
+                f"{lg_text} per token; {mb_text}",
+                ("train",),
+            )
+        )
+        lp, lp_text = fm.logits_bytes_per_token(shape.padded_vocab, tp=topo.tp, entropy=False)
+        work, work_text = fm.forward_working_bytes_per_token(arch, elem=e, tp=topo.tp)
+        rows.append(
+            Row(
+                "logprob pass",
+                (lp + work) * tokens,
+                f"({lp_text} + {work_text}) per token, no grad",
+                ("logprobs",),
+            )
+        )
+    if prec.fp8 and not prec.fp8_param:
+        rows.append(
+            Row(
+                "FP8 weight copies",
+                total * 2,
+                "Transformer-Engine's cached FP8 "
+                "weight and its transpose, 2 B/param, while training",
+                ("train",),
+            )
+        )
+    rows += _vllm_rows(cfg, arch, device, gpu_mem, e)
+    return StagePlan(
+        pp_rank=r,
+        rank=r * topo.world_size // topo.pp,
+        layers=sum(shape.layers[r]),
+        rows=tuple(rows),
+    )
+
+
+def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
+    from megarl.models.builder import num_params
+
+    ro = cfg.rollout
+    weights = num_params(arch) * e / ro.tensor_parallel
+    kv_tok = fm.kv_bytes_per_token(arch, elem=e, vllm_tp=ro.tensor_parallel)
+    sleeps = device == "gpu" and ro.sleep_between_steps
+    awake = ("rollout",) if sleeps else ALL
+    rows = []
+    if device == "gpu" and ro.kv_cache_memory_bytes is None:
+        budget = ro.gpu_memory_utilization * gpu_mem
+        kv_tokens = max(0, budget - weights - VLLM_ACTIVATIONS) / kv_tok
+        rows.append(
+            Row(
+                "vLLM (awake)",
+                budget,
+                f"gpu_memory_utilization {ro.gpu_memory_utilization} x GPU: weights "
+                f"{_gib(weights)} (TP {ro.tensor_parallel}) + KV ~{kv_tokens:,.0f} tokens "
+                f"at {kv_tok:,} B",
+                awake,
+            )
+        )
+    else:
+        kv = ro.kv_cache_memory_bytes or (256 * 2**20 if device == "cpu" else 0)
+        extra = VLLM_ACTIVATIONS if device == "gpu" else 0
+        rows.append(
+            Row(
+                "vLLM (awake)",
+                weights + kv + extra,
+                f"weights {_gib(weights)} + KV cache {_gib(kv)} ({kv // kv_tok:,} tokens"
+                f" at {kv_tok:,} B){' + 1 GiB working memory' if extra else ''}",
+                awake,
+            )
+        )
+    if sleeps:
+        rows.append(
+            Row(
+                "vLLM weights (woken for sync)",
+                weights,
+                f"{num_params(arch):,} params x {e} B / vLLM TP {ro.tensor_parallel}",
+                ("sync",),
+            )
+        )
+    if device == "gpu":  # allocated once by WeightSync; dense GPU parameters need no staging
+        rows.append(
+            Row(
+                "weight-sync buffers",
+                2 * SYNC_BUCKET,
+                "send + receive buffers of one 256 MiB bucket (megarl.rollout.weight_sync)",
+            )
+        )
+    return rows
+
+
+def _impl(cfg, device: str) -> str:
+    if device == "gpu" and cfg.precision.transformer_engine is not False:
+        return "te"
+    if device == "cpu" and cfg.precision.dtype != "fp32":
+        return "local-math"  # megarl's SDPA picks the math kernel for 16-bit CPU tensors
+    return "local"
+
+
+def _cluster_checks(cfg, gpus: int, nodes: int) -> tuple[list[str], list[str]]:
+    per_node = gpus // nodes
+    ro, p = cfg.rollout, cfg.parallel
+    problems, warnings = [], []
+    if ro.tensor_parallel > per_node or per_node % ro.tensor_parallel:
+        problems.append(
+            f"rollout.tensor_parallel={ro.tensor_parallel} must divide the {per_node} GPUs of a "
+            "node (each vLLM engine's TP group lives inside one node)"
+        )
+    elif gpus % ro.tensor_parallel:
+        problems.append(f"rollout.tensor_parallel={ro.tensor_parallel} must divide {gpus} GPUs")
+    if p.tensor_parallel > per_node:
+        warnings.append(
+            f"parallel.tensor_parallel={p.tensor_parallel} spans nodes ({per_node} GPUs each): "
+            "its all-reduces run over the inter-node network; keep TP within a node"
+        )
+    return problems, warnings
+
+
+def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
+    """What no layout of `gpus` GPUs can avoid: the model states spread over every GPU."""
+    from megarl.models.builder import num_params
+
+    n, e = num_params(arch), fm.ELEM[cfg.precision.dtype]
+    per, _ = fm.optimizer_bytes_per_param(cfg.precision.dtype)
+    states = e + 4 + per + (e if cfg.algorithm.kl_coef > 0 else 0)
+    if cfg.algorithm.name == "ppo":
+        states += e + 4 + per
+    total = n * states
+    need = math.ceil(total / (HEADROOM * gpu_mem))
+    fits = "" if total / gpus <= HEADROOM * gpu_mem else " (does not fit)"
+    return [
+        f"model states alone: {n:,} params x {states} B (weights, fp32 grads, Adam"
+        f"{', reference' if cfg.algorithm.kl_coef > 0 else ''}"
+        f"{', critic' if cfg.algorithm.name == 'ppo' else ''}) = {_gib(total)}; spread over "
+        f"all {gpus} GPUs that is {_gib(total / gpus)} per GPU{fits}",
+        f"at least {need} GPUs of {_gib(gpu_mem)} are needed for those alone; then set "
+        "parallel.tensor_parallel x pipeline_parallel to divide the GPU count",
+    ]
+
+
+def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
+    """Changes that make the worst stage fit, each checked by re-planning it."""
+    out = []
+    worst = max(result.stages, key=lambda s: s.worst[1])
+    phase, peak = worst.worst
+    tried = []
+    p, a, ro = cfg.parallel, cfg.algorithm, cfg.rollout
+    if phase in ("train", "logprobs") and p.recompute == "none":
+        tried.append(("--set parallel.recompute=full", _with(cfg, parallel={"recompute": "full"})))
+    if phase in ("train", "logprobs") and a.micro_batch_size > 1:
+        tried.append(
+            ("--set algorithm.micro_batch_size=1", _with(cfg, algorithm={"micro_batch_size": 1}))
+        )
+    if phase == "train" and topo.tp > 1 and not p.sequence_parallel:
+        tried.append(
+            (
+                "--set parallel.sequence_parallel=true",
+                _with(cfg, parallel={"sequence_parallel": True}),
+            )
+        )
+    if not cfg.optim.distributed and topo.dp > 1:
+        tried.append(("--set optim.distributed=true", _with(cfg, optim={"distributed": True})))
+    for text, variant in tried:
+        stages = [
+            stage_plan(variant, arch, topo, shape, s.pp_rank, device=device, gpu_mem=result.gpu_mem)
+            for s in result.stages
+        ]
+        new = max(s.worst[1] for s in stages)
+        verdict = "fits" if new <= result.usable else "still too large"
+        out.append(f"{text}: peak {_gib(peak)} -> {_gib(new)} ({verdict})")
+    if phase == "rollout" and device == "gpu" and ro.kv_cache_memory_bytes is None:
+        out.append(_smaller_vllm(cfg, arch, worst, result))
+    states = sum(
+        r.nbytes for r in worst.rows if r.name.startswith(("actor", "reference", "critic"))
+    )
+    out.append(
+        f"model states take {_gib(states)} of stage {worst.pp_rank}'s GPU: more "
+        f"tensor_parallel / pipeline_parallel divides them, more GPUs (DP) shard the Adam row"
+    )
+    return out
+
+
+def _smaller_vllm(cfg, arch, worst: StagePlan, result: Plan) -> str:
+    """A lower `rollout.gpu_memory_utilization`, if vLLM can still hold its weights, one
+    sequence of KV cache and its working memory."""
+    from megarl.models.builder import num_params
+
+    ro, e = cfg.rollout, fm.ELEM[cfg.precision.dtype]
+    vllm = next(r for r in worst.rows if r.name == "vLLM (awake)").nbytes
+    room = result.usable - (worst.peak("rollout") - vllm)
+    seq = cfg.data.max_prompt_length + ro.max_tokens
+    need = (
+        num_params(arch) * e / ro.tensor_parallel
+        + VLLM_ACTIVATIONS
+        + seq * fm.kv_bytes_per_token(arch, elem=e, vllm_tp=ro.tensor_parallel)
+    )
+    if room >= need:
+        util = math.floor(room / result.gpu_mem * 100) / 100
+        return (
+            f"--set rollout.gpu_memory_utilization={util:.2f}: vLLM gets {_gib(room)}, "
+            f"{_gib(room - need)} more than its weights, "
+            f"one {seq}-token sequence of KV cache and 1 GiB working memory"
+        )
+    return (
+        f"a smaller rollout.gpu_memory_utilization cannot help: vLLM needs at least "
+        f"{_gib(need)} (weights, one {seq}-token sequence of KV cache, 1 GiB working "
+        f"memory) and only {_gib(max(room, 0))} is left beside the trainer"
+    )
+
+
+def _with(cfg: RunConfig, **sections) -> RunConfig:
+    return dataclasses.replace(
+        cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()}
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / fm.GiB:.1f} GiB" if n >= 0.1 * fm.GiB else f"{n / 2**20:.1f} MiB"

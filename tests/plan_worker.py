@@ -1,0 +1,87 @@
+"""Measured resident-set growth of each thing `megarl plan` estimates, on one gloo rank.
+
+Components are built and run in the order a run builds them, each inside `PeakRSS` (glibc's
+mmap threshold pinned by the caller, see tests/test_memory_bounds.py): the reference's weights,
+the actor (weights + megatron DDP's fp32 grad buffer), the policy loss over `micros`
+micro-batches through megatron's schedule (activations + the loss over the vocabulary: the
+peak), a forward pass without grad (the logprob pass), then the optimizer's construction and
+first step (Adam's state: fp32 master copies of 16-bit weights, then m and v).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.distributed import ParallelConfig, Topology
+from tests.weights_worker import PeakRSS, rss
+
+
+def measure(
+    rank, world, hf: dict, layout: dict, dtype: str, seq: int, mbs: int, micros: int, entropy: float
+) -> dict:
+    """Bytes: `<part>` the peak growth over its block, `<part>_held` what stays resident."""
+    from megarl.config import AlgorithmConfig
+    from megarl.models import forward
+    from megarl.models.builder import build_model
+    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+    from megarl.models.optim import OptimConfig, build_optimizer, zero_grads
+    from megarl.rollout.engine import RolloutConfig
+    from megarl.trainer.update import _policy_loss_fn
+
+    arch = arch_from_hf(hf)
+    par = ParallelConfig(**layout)
+    groups = Topology.create(par, world).initialize(seed=0)
+    prec = PrecisionConfig(dtype=dtype)
+    out = {}
+    with PeakRSS() as m:
+        reference = build_model(arch, par, prec, role="reference")
+    out["reference"] = m.growth
+    out["reference_held"] = rss() - m.base
+    with PeakRSS() as m:
+        actor = build_model(arch, par, prec, role="actor")
+    out["actor"] = m.growth
+    out["actor_held"] = rss() - m.base
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, arch.vocab_size, (mbs, seq + 1), generator=g)
+    micro = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "loss_mask": torch.ones(mbs, seq),
+        "advantages": torch.randn(mbs, seq, generator=g),
+        "old_logprobs": torch.full((mbs, seq), -7.0),
+        "sampler_logprobs": None,
+        "ref_logprobs": None,
+        "index": torch.arange(mbs),
+    }
+    alg = AlgorithmConfig(entropy_coef=entropy)
+    loss_fn = _policy_loss_fn(
+        alg, RolloutConfig(temperature=0.9), arch.vocab_size, groups, float(mbs * seq), float(mbs)
+    )
+    micro_batches = [dict(micro) for _ in range(micros)]
+    run = dict(forward_only=False, dp_size=1)
+    forward.run(actor, micro_batches, loss_fn, **run)  # warm-up: lazy buffers, allocator
+    zero_grads(actor)
+    with PeakRSS() as m:
+        forward.run(actor, micro_batches, loss_fn, **run)
+    out["train"] = m.growth
+    out["train_held"] = rss() - m.base
+
+    def logprobs(_micro, logits):
+        lp = forward.vocab_parallel_logprobs(
+            logits, _micro["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
+        )
+        return lp.sum(), {}
+
+    with torch.no_grad():
+        forward.run(reference, micro_batches[:1], logprobs, forward_only=True, dp_size=1)
+        with PeakRSS() as m:
+            forward.run(reference, micro_batches[:1], logprobs, forward_only=True, dp_size=1)
+    out["logprobs"] = m.growth
+    out["logprobs_held"] = rss() - m.base
+    with PeakRSS() as m:  # Adam's state: fp32 master copies at construction, m and v at step 1
+        optimizer, _ = build_optimizer(actor, OptimConfig(lr=1e-5), dtype=dtype)
+        optimizer.step()
+    out["optimizer"] = m.growth
+    out["optimizer_held"] = rss() - m.base
+    return out

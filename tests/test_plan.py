@@ -1,0 +1,333 @@
+"""`megarl plan`: the verdicts the issue asks for, the arithmetic behind each row, and each row
+against a measurement.
+
+(a) the 70B example fits 32 x 80 GiB and is rejected on 8 x 80 GiB with the reason, through the
+    CLI (exit status 0 / 1);
+(b) the rows are the stated formulas of the meta-device parameter counts;
+(c) the pipeline's in-flight count equals megatron-core's own warm-up arithmetic;
+(d) on CPU, every trainer row (reference, actor weights + grads, Adam state, the training
+    micro-batches' peak, the logprob pass) is within `BAND` of the resident-set growth measured
+    by building and running the same thing on gloo ranks (`tests/plan_worker.py`), for fp32 and
+    bf16, TP2 with sequence parallelism and recompute, PP2 with two micro-batches in flight;
+(e) `parallel.recompute=full` changes no gradient (bitwise).
+The vLLM and CUDA-runtime rows are GPU figures with stated assumptions and are not measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.config import RunConfig, build
+from megarl.distributed.launch import spawn
+from megarl.plan import formulas as fm
+from megarl.plan import plan
+from tests import plan_worker
+from tests.test_dry_run import EXAMPLE_70B, LLAMA3_70B
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def llama70b(tmp_path_factory) -> str:
+    model = tmp_path_factory.mktemp("plan") / "llama3-70b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA3_70B))
+    return str(model)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megarl", "plan", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _example(model: str) -> list[str]:
+    return [EXAMPLE_70B, "--set", "model.mcore_ckpt=null", "--set", f"model.hf={model}"]
+
+
+# ------------------------------------------------------------------ (a) the issue's verdicts
+def test_70b_example_fits_on_32_gpus_of_80_gib(llama70b):
+    proc = _cli(*_example(llama70b), "--gpus", "32", "--gpu-mem", "80")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "layout: TP 8 x PP 4 x DP 1 (VPP 5)" in out
+    assert "FITS: peak 68.8 GiB (rollout, stage 3) of 76.0 GiB usable" in out
+    for row in ("actor Adam", "reference weights", "train activations", "vLLM (awake)"):
+        assert row in out
+
+
+def test_70b_example_is_rejected_on_8_gpus_with_the_reason(llama70b):
+    proc = _cli(*_example(llama70b), "--gpus", "8", "--gpu-mem", "80")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "world size 8 is not divisible by TP x PP x CP = 8 x 4 x 1 = 32" in out
+    assert "70,553,706,496 params x 20 B" in out  # bf16 + fp32 grads + Adam 12 + reference
+    assert "164.3 GiB per GPU (does not fit)" in out
+    assert "at least 18 GPUs of 80.0 GiB" in out
+    assert out.rstrip().endswith("DOES NOT FIT: this layout cannot run on 8 GPUs")
+
+
+def test_a_layout_that_runs_but_does_not_fit_says_what_to_change(llama70b):
+    proc = _cli(*_example(llama70b), "--gpus", "32", "--gpu-mem", "64")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "DOES NOT FIT: peak 64.0 GiB (rollout, stage 3) of 60.8 GiB usable" in out
+    # vLLM's budget is the peak, yet less of it would not hold the weights and one sequence
+    assert "a smaller rollout.gpu_memory_utilization cannot help: vLLM needs at least 17.5 GiB" in (
+        out
+    )
+    assert "model states take 42.3 GiB of stage 3's GPU" in out
+    # activations as the peak: each suggestion is re-planned and says whether it then fits
+    proc = _cli(
+        *_example(llama70b),
+        "--gpus",
+        "32",
+        "--gpu-mem",
+        "80",
+        "--set",
+        "algorithm.micro_batch_size=4",
+        "--set",
+        "parallel.sequence_parallel=false",
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "DOES NOT FIT: peak 145.6 GiB (train, stage 0)" in out
+    assert "--set parallel.recompute=full: peak 145.6 GiB -> 68.8 GiB (fits)" in out
+    assert "--set algorithm.micro_batch_size=1: peak 145.6 GiB -> 73.2 GiB (fits)" in out
+    assert (
+        "--set parallel.sequence_parallel=true: peak 145.6 GiB -> 85.2 GiB (still too large)"
+        in (out)
+    )
+
+
+def test_vllm_tp_must_live_inside_a_node(llama70b):
+    proc = _cli(*_example(llama70b), "--gpus", "32", "--gpu-mem", "80", "--nodes", "8")
+    assert proc.returncode == 1
+    assert "rollout.tensor_parallel=8 must divide the 4 GPUs of a node" in proc.stdout
+    assert "parallel.tensor_parallel=8 spans nodes" in proc.stdout
+
+
+def test_bad_arguments_are_user_errors(llama70b):
+    proc = _cli(*_example(llama70b), "--gpus", "32", "--gpu-mem", "80", "--nodes", "3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "megarl: error: --nodes 3 does not divide --gpus 32; accepted: a divisor"
+    )
+    proc = _cli(EXAMPLE_70B, "--gpus", "32", "--gpu-mem", "80")
+    assert proc.returncode == 2 and "model.mcore_ckpt='/ckpt/llama3-70b' does not exist" in (
+        proc.stderr
+    )
+
+
+QWEN3_30B_A3B = json.loads(
+    '{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,'
+    ' "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,'
+    ' "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,'
+    ' "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": true,'
+    ' "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": false}'
+)
+
+
+def test_moe_example_fits_8_h200_and_not_its_old_vllm_budget(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    args = [
+        "examples/grpo_qwen3_30b_a3b_ep8.yaml",
+        "--set",
+        "model.mcore_ckpt=null",
+        "--set",
+        f"model.hf={tmp_path}",
+        "--gpus",
+        "8",
+    ]
+    proc = _cli(*args, "--gpu-mem", "141")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "experts / expert-DP 1" in proc.stdout  # the experts' Adam is not sharded at EP8
+    assert "FITS: peak 130.4 GiB (rollout, stage 0)" in proc.stdout
+    proc = _cli(*args, "--gpu-mem", "141", "--set", "rollout.gpu_memory_utilization=0.8")
+    assert proc.returncode == 1
+    assert "--set rollout.gpu_memory_utilization=0.42" in proc.stdout
+
+
+# ------------------------------------------------------------------ (b) rows = formulas
+def test_rows_are_the_formulas_of_the_meta_counts(llama70b):
+    from megarl.config import load_config
+
+    cfg = load_config(EXAMPLE_70B, ["model.mcore_ckpt=null", f"model.hf={llama70b}"])
+    for gpus, dp in ((32, 1), (64, 2)):
+        p = plan(cfg, gpus=gpus, gpu_mem_gib=80)
+        last = p.stages[-1]
+        rows = {r.name: r.nbytes for r in last.rows}
+        params = 2_271_551_488  # the dry run's count of the last stage (tests/test_dry_run.py)
+        assert rows["actor weights"] == params * 2
+        assert rows["actor grads"] == params * 4
+        assert rows["actor Adam"] == params * 12 / dp
+        assert rows["reference weights"] == params * 2
+        # 3072-token micro-batch (1024 prompt + 2048 response), V/TP = 16128
+        assert rows["train loss over the vocabulary"] == 3 * 4 * 16128 * 3072
+        assert rows["vLLM (awake)"] == 0.3 * 80 * 2**30
+        assert rows["vLLM weights (woken for sync)"] == 70_553_706_496 * 2 / 8
+        assert rows["FP8 weight copies"] == params * 2
+        resident = (
+            "actor weights",
+            "actor grads",
+            "actor Adam",
+            "reference weights",
+            "CUDA runtime",
+            "weight-sync buffers",
+        )
+        assert last.peak("rollout") == sum(rows[k] for k in resident) + rows["vLLM (awake)"]
+        assert (
+            last.peak("sync")
+            == sum(rows[k] for k in resident) + rows["vLLM weights (woken for sync)"]
+        )
+
+
+# ------------------------------------------------------------------ (c) megatron's schedule
+@pytest.mark.parametrize("pp,vpp,micro", [(4, None, 8), (4, None, 2), (4, 5, 8), (4, 2, 1)])
+def test_in_flight_passes_follow_megatrons_warm_up(pp, vpp, micro):
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    for rank in range(pp):
+        comm = SimpleNamespace(
+            pp_group=SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r),
+            virtual_pipeline_model_parallel_size=vpp,
+        )
+        total, _, warmup, _ = get_pp_rank_microbatches(
+            micro, vpp or 1, pp, forward_only=False, p2p_communicator=comm
+        )
+        passes, _ = fm.in_flight_layer_passes(
+            layers_per_chunk=[3] * (vpp or 1), pp=pp, pp_rank=rank, vpp=vpp, micro_batches=micro
+        )
+        assert passes == min(warmup + 1, total) * 3, (rank, warmup, total)
+
+
+# ------------------------------------------------------------------ (d) against measurements
+HF = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=16000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
+BAND = (0.15, 16 * MiB)
+"""|estimate - measurement| <= 15% of the measurement + 16 MiB (allocator, Python objects)."""
+
+CASES = {
+    "fp32": (dict(), "fp32", 1, 0.05),
+    "bf16": (dict(), "bf16", 1, 0.0),
+    "tp2-sp-recompute": (
+        dict(tensor_parallel=2, sequence_parallel=True, recompute="full"),
+        "fp32",
+        1,
+        0.0,
+    ),
+    "pp2": (dict(pipeline_parallel=2), "fp32", 2, 0.0),
+}
+
+
+def _config(layout: dict, dtype: str, micros: int, entropy: float) -> RunConfig:
+    mbs = 2
+    return build(
+        RunConfig,
+        {
+            "model": {"config": HF, "tokenizer": "toy"},
+            "parallel": layout,
+            "precision": {"dtype": dtype},
+            "data": {"max_prompt_length": 256, "prompts_per_step": micros * mbs, "path": "toy"},
+            "rollout": {"max_tokens": 256, "n": 1},
+            "algorithm": {"micro_batch_size": mbs, "entropy_coef": entropy, "kl_coef": 0.001},
+        },
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_row_against_the_measured_rss(case, monkeypatch):
+    layout, dtype, micros, entropy = CASES[case]
+    cfg = _config(layout, dtype, micros, entropy)
+    world = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
+    estimate = plan(cfg, gpus=world, gpu_mem_gib=24, device="cpu")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MiB))
+    measured = spawn(plan_worker.measure, world, HF, layout, dtype, 512, 2, micros, entropy)
+    report, failures = [], []
+    for rank, m in enumerate(measured):
+        stage = estimate.stages[rank * estimate.topo.pp // world]
+        rows = {r.name: r.nbytes for r in stage.rows}
+        pairs = {
+            "reference": (rows["reference weights"], m["reference_held"]),
+            "actor weights + grads": (rows["actor weights"] + rows["actor grads"], m["actor_held"]),
+            "Adam": (rows["actor Adam"], m["optimizer_held"]),
+            "train peak": (
+                sum(r.nbytes for r in stage.rows if r.phases == ("train",)),
+                m["train"],
+            ),
+        }
+        if "logprob pass" in rows:
+            pairs["logprob pass"] = (rows["logprob pass"], m["logprobs"])
+        for name, (est, meas) in pairs.items():
+            report.append(
+                f"rank {rank} {name}: estimate {est / MiB:.1f} MiB, measured "
+                f"{meas / MiB:.1f} MiB ({est / meas - 1:+.1%})"
+            )
+            if abs(est - meas) > BAND[0] * meas + BAND[1]:
+                failures.append(report[-1])
+    print(f"\n{case}:\n" + "\n".join(report))
+    assert not failures, failures
+
+
+# ------------------------------------------------------------------ (e) recompute is exact
+def _grads(rank, world, layout: dict):
+    from megarl.distributed import ParallelConfig, Topology
+    from megarl.models import forward
+    from megarl.models.builder import build_model
+    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+    from megarl.models.optim import wire_grad_finalization
+
+    hf = dict(HF, vocab_size=1000, hidden_size=128, intermediate_size=384)
+    arch = arch_from_hf(hf)
+    par = ParallelConfig(**layout)
+    groups = Topology.create(par, world).initialize(seed=0)
+    model = build_model(arch, par, PrecisionConfig(), role="actor")
+    wire_grad_finalization(model)
+    tokens = torch.randint(0, arch.vocab_size, (4, 65), generator=torch.Generator().manual_seed(0))
+    micro = [
+        {"tokens": t[:, :-1], "targets": t[:, 1:], "mask": torch.ones(2, 64)}
+        for t in tokens.split(2)
+    ]
+
+    def loss_fn(m, logits):
+        lp = forward.vocab_parallel_logprobs(
+            logits, m["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
+        )
+        return -(lp * m["mask"]).sum() / 256, {}
+
+    forward.run(model, micro, loss_fn, forward_only=False, dp_size=1)
+    return torch.cat([p.main_grad.flatten() for c in model for p in c.parameters()])
+
+
+@pytest.mark.parametrize(
+    "layout", [{}, dict(tensor_parallel=2, sequence_parallel=True), dict(pipeline_parallel=2)]
+)
+def test_full_recompute_changes_no_gradient(layout):
+    world = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
+    plain = spawn(_grads, world, layout)
+    recomputed = spawn(_grads, world, dict(layout, recompute="full"))
+    for a, b in zip(plain, recomputed, strict=True):
+        assert a.abs().sum() > 0
+        assert torch.equal(a, b)
