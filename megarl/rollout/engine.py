@@ -242,7 +242,9 @@ def resolve_stop_tokens(
 
 @dataclass
 class Rollout:
-    """One entry per generated sample, prompt-major: prompt i's n samples are contiguous."""
+    """One entry per generated sample, prompt-major: prompt i's n samples are contiguous
+    (after `megarl.trainer.balance.balance_over_dp`: the balanced order, and `prompt_index` the
+    samples' global prompt ids)."""
 
     prompt_index: list[int]
     prompt_ids: list[list[int]]

@@ -44,6 +44,12 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             prompts, rollout = generate(run)
         with timer("reward"):
             rewards, reward_metrics = score(run, prompts, rollout)
+        group_ids = torch.tensor([prompts.indices[i] for i in rollout.prompt_index])
+        if cfg.algorithm.balance_dp_tokens and run.groups.dp_size > 1:
+            with timer("balance"):
+                rollout, rewards, group_ids = balance(
+                    run, rollout, rewards, group_ids, reward_metrics
+                )
         batch = xp.build_batch(
             rollout.prompt_ids,
             rollout.response_ids,
@@ -55,7 +61,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         with timer("logprobs"):
             forward_passes(run, batch)
         with timer("advantage"):
-            advantages(run, batch, rewards, rollout.prompt_index, prompts.indices)
+            advantages(run, batch, rewards, group_ids)
         with timer("train"):
             train_metrics = update(run, batch)
         with timer("sync"):
@@ -149,8 +155,19 @@ def forward_passes(run: Run, batch: dict) -> None:
         batch["old_values"] = xp.forward_values(run.critic, batch, **split)
 
 
-def advantages(run: Run, batch: dict, rewards: torch.Tensor, prompt_index, global_ids) -> None:
-    """GRPO family: group-relative, gathered across DP. PPO: GAE with the critic."""
+def balance(run: Run, rollout, rewards, group_ids, metrics: LocalMetrics):
+    """Equal tokens per DP rank (`megarl.trainer.balance`); logs the imbalance before/after."""
+    from megarl.trainer.balance import balance_over_dp
+
+    rollout, rewards, group_ids, m = balance_over_dp(rollout, rewards, group_ids, run.groups.dp)
+    for k, v in m.items():
+        metrics.add_same(k, v)
+    return rollout, rewards, group_ids
+
+
+def advantages(run: Run, batch: dict, rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
+    """GRPO family: group-relative, gathered across DP by global prompt id (`group_ids` [b]).
+    PPO: GAE with the critic."""
     alg, g = run.cfg.algorithm, run.groups
     mask = batch["loss_mask"]
     if alg.name == "ppo":
@@ -171,7 +188,6 @@ def advantages(run: Run, batch: dict, rewards: torch.Tensor, prompt_index, globa
         )
         batch["advantages"], batch["returns"] = adv, ret
         return
-    group_ids = torch.tensor([global_ids[i] for i in prompt_index], dtype=torch.long)
     adv = gather_advantages(
         rewards,
         group_ids,
