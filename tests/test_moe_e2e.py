@@ -84,8 +84,8 @@ def test_mixtral_grpo_learns_at_ep2_with_routing_replay(tmp_path):
     assert last > first + 0.05, (first, last)
 
 
-@pytest.mark.slow
-def test_routing_replay_is_no_worse_than_without(tmp_path):
+def _r3_off_and_on(tmp_path, *overrides: str) -> dict[str, list[dict]]:
+    """Metrics of two 6-step one-process runs, routing replay "false" and "true"."""
     runs = {}
     for r3 in ("false", "true"):
         out = tmp_path / f"r3_{r3}"
@@ -93,10 +93,17 @@ def test_routing_replay_is_no_worse_than_without(tmp_path):
             out,
             "trainer.steps=6",
             "parallel.expert_parallel=1",
+            *overrides,
             f"rollout.routing_replay={r3}",
             config=CONFIG,
         )
         runs[r3] = _metrics(out)
+    return runs
+
+
+@pytest.mark.slow
+def test_routing_replay_is_no_worse_than_without(tmp_path):
+    runs = _r3_off_and_on(tmp_path)
     stats = {
         r3: (
             sum(r["logprob_mismatch"] for r in rows) / len(rows),
@@ -120,18 +127,7 @@ def test_routing_replay_closes_the_bf16_gap(tmp_path):
     trainer's routing differs); later steps train different weights. Measured (2026-12-01):
     step 1 max 0.0058 with R3 vs 0.0184 without (mean 0.00100 vs 0.00104, the rest is bf16
     arithmetic); max over 6 steps 0.0080 vs 0.068."""
-    runs = {}
-    for r3 in ("false", "true"):
-        out = tmp_path / f"r3_{r3}"
-        _train(
-            out,
-            "trainer.steps=6",
-            "parallel.expert_parallel=1",
-            "precision.dtype=bf16",
-            f"rollout.routing_replay={r3}",
-            config=CONFIG,
-        )
-        runs[r3] = _metrics(out)
+    runs = _r3_off_and_on(tmp_path, "precision.dtype=bf16")
     off, on = runs["false"], runs["true"]
     for name, rows in runs.items():
         print(
