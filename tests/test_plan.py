@@ -8,9 +8,12 @@ against a measurement.
 (d) on CPU, every trainer row (reference, actor weights + grads, Adam state, the training
     micro-batches' peak, the logprob pass) is within `BAND` of the resident-set growth measured
     by building and running the same thing on gloo ranks (`tests/plan_worker.py`), for fp32 and
-    bf16, TP2 with sequence parallelism and recompute, PP2 with two micro-batches in flight;
+    bf16, TP2 with sequence parallelism and recompute, PP2 with two micro-batches in flight, a
+    Qwen3-MoE at EP2 (experts' Adam over expert-DP), and PPO's critic; vLLM's KV-cache term
+    as the difference of two engines;
 (e) `parallel.recompute=full` changes no gradient (bitwise).
-The vLLM and CUDA-runtime rows are GPU figures with stated assumptions and are not measured here.
+vLLM's GPU budget, the CUDA runtime, Transformer-Engine activations and FP8 copies are GPU
+figures with stated assumptions and are not measured here.
 """
 
 from __future__ import annotations
@@ -238,18 +241,33 @@ CASES = {
         0.0,
     ),
     "pp2": (dict(pipeline_parallel=2), "fp32", 2, 0.0),
+    "moe-ep2": (dict(expert_parallel=2), "fp32", 1, 0.0),  # Qwen3-MoE, 8 experts, top-2
 }
+MOE = dict(
+    HF,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    moe_intermediate_size=512,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    head_dim=64,
+)
 
 
-def _config(layout: dict, dtype: str, micros: int, entropy: float, algo="grpo") -> RunConfig:
-    mbs = 2
+def _config(layout: dict, dtype: str, micros: int, entropy: float, algo, hf) -> RunConfig:
+    mbs, dp = 2, layout.get("expert_parallel", 1)  # every rank runs `micros` micro-batches
     return build(
         RunConfig,
         {
-            "model": {"config": HF, "tokenizer": "toy"},
+            "model": {"config": hf, "tokenizer": "toy"},
             "parallel": layout,
             "precision": {"dtype": dtype},
-            "data": {"max_prompt_length": 256, "prompts_per_step": micros * mbs, "path": "toy"},
+            "data": {
+                "max_prompt_length": 256,
+                "prompts_per_step": micros * mbs * dp,
+                "path": "toy",
+            },
             "rollout": {"max_tokens": 256, "n": 1},
             "algorithm": {
                 "name": algo,
@@ -266,11 +284,16 @@ def _config(layout: dict, dtype: str, micros: int, entropy: float, algo="grpo") 
 def test_each_row_against_the_measured_rss(case, monkeypatch):
     layout, dtype, micros, entropy = CASES[case]
     critic = case == "fp32"
-    cfg = _config(layout, dtype, micros, entropy, "ppo" if critic else "grpo")
-    world = layout.get("tensor_parallel", 1) * layout.get("pipeline_parallel", 1)
+    hf = MOE if "expert_parallel" in layout else HF
+    cfg = _config(layout, dtype, micros, entropy, "ppo" if critic else "grpo", hf)
+    world = (
+        layout.get("tensor_parallel", 1)
+        * layout.get("pipeline_parallel", 1)
+        * layout.get("expert_parallel", 1)
+    )
     estimate = plan(cfg, gpus=world, gpu_mem_gib=24, device="cpu")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MiB))
-    measured = spawn(plan_worker.measure, world, HF, layout, dtype, 512, 2, micros, entropy, critic)
+    measured = spawn(plan_worker.measure, world, hf, layout, dtype, 512, 2, micros, entropy, critic)
     report, failures = [], []
     for rank, m in enumerate(measured):
         stage = estimate.stages[rank * estimate.topo.pp // world]

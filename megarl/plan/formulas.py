@@ -93,9 +93,15 @@ def logits_bytes_per_token(padded_vocab: int, *, tp: int, entropy: bool) -> tupl
 
 def forward_working_bytes_per_token(arch: ModelArch, *, elem: int, tp: int) -> tuple[float, str]:
     """A forward pass without grad keeps nothing between layers: its working set is one MLP's
-    [2f] + [f] intermediates and two fp32 [h] norm tensors."""
-    f = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
-    return 3 * f * elem / tp + 8 * arch.hidden_size, "(3 f e / TP + 8 h)"
+    [2f] + [f] intermediates (MoE: of each of the top-k experts, plus the dispatcher's permuted
+    copies of [h]) and two fp32 [h] norm tensors."""
+    h = arch.hidden_size
+    if arch.is_moe:
+        f, k = arch.moe_intermediate_size or arch.intermediate_size, arch.moe_topk
+        return k * (
+            3 * f * elem / tp + 2 * h * elem
+        ) + 8 * h, f"(top{k} x (3 f e / TP + 2 h e) + 8 h)"
+    return 3 * arch.intermediate_size * elem / tp + 8 * h, "(3 f e / TP + 8 h)"
 
 
 def in_flight_layer_passes(

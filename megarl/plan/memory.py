@@ -192,6 +192,7 @@ def micro_batching(cfg: RunConfig, topo) -> tuple[int, int, int]:
         mbs = max(1, min(mbs, cfg.algorithm.max_tokens_per_micro_batch // seq))
     sequences = cfg.data.prompts_per_step * cfg.rollout.n
     per_rank = math.ceil(sequences / (cfg.algorithm.mini_batches * topo.dp))
+    mbs = max(1, min(mbs, per_rank))  # a mini-batch smaller than a micro-batch
     micro = max(1, math.ceil(per_rank / mbs))
     if topo.vpp:  # the interleaved schedule runs micro-batches in groups of PP (forward.run)
         micro = fm.round_up(micro, topo.pp)
