@@ -137,18 +137,20 @@ def plan(
         arch=arch,
     )
     problems, warnings = _cluster_checks(cfg, gpus, nodes)
+    advice = []
     try:
         shape, topo = count_params(cfg, gpus, dry_run)
-    except TopologyError as e:
+    except TopologyError as e:  # no layout of the trainer: say what any layout would need
         problems.append(str(e))
         shape = topo = None
+        advice = _lower_bound(cfg, arch, gpus, gpu_mem_gib * fm.GiB)
     if problems:
         return Plan(
             **base,
             topo=topo,
             problems=tuple(problems),
             warnings=tuple(warnings),
-            advice=tuple(_lower_bound(cfg, arch, gpus, gpu_mem_gib * fm.GiB)),
+            advice=tuple(advice),
         )
     stages = tuple(
         stage_plan(cfg, arch, topo, shape, r, device=device, gpu_mem=gpu_mem_gib * fm.GiB)
