@@ -73,3 +73,22 @@ def test_bf16_compute_with_fp32_master_weights_and_optimizer_state():
     assert r["logprob_dtype"] == "torch.float32"
     assert torch.isfinite(torch.tensor(r["loss"]))
     assert r["changed"] == r["params"]
+
+
+def test_half_precision_note_names_the_missing_instructions(monkeypatch):
+    """bf16 / fp16 on a CPU that can only emulate them gets a warning that says why and what to
+    use instead; a CPU with the instructions (or fp32) gets none."""
+    from megarl.distributed import device
+
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False)
+    note = device.cpu_half_precision_note("bf16")
+    assert "precision.dtype=bf16" in note and "AVX512-BF16 or AMX" in note
+    assert "precision.dtype=fp32" in note
+    assert "AMX-FP16" in device.cpu_half_precision_note("fp16")
+    assert device.cpu_half_precision_note("fp32") is None
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert device.cpu_half_precision_note("bf16") is None
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert device.cpu_half_precision_note("bf16") is None

@@ -55,6 +55,29 @@ def backend() -> str:
     return "cpu:gloo,cuda:nccl" if use_gpu() else "gloo"
 
 
+def cpu_half_precision_note(dtype: str) -> str | None:
+    """Why `dtype` ("bf16" / "fp16") will be slow on this CPU, or None when it has native
+    instructions for it (AVX512-BF16 or AMX for bf16, AMX-FP16 for fp16). Without them torch
+    emulates the GEMMs: measured on a 2-core AVX2 EPYC (2026-12-01), a 4352x512 @ 512x1024 bf16
+    matmul ran at 1.1 GFLOP/s against 60 in fp32, and one RL step of the 18.9M-parameter peer
+    workload took 200 s to train in bf16 against ~3 s in fp32."""
+    if dtype == "bf16":
+        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+            return None
+        isa = "AVX512-BF16 or AMX"
+    elif dtype == "fp16":
+        if torch.cpu._is_amx_fp16_supported():
+            return None
+        isa = "AMX-FP16"
+    else:
+        return None
+    return (
+        f"precision.dtype={dtype} on a CPU without {isa} instructions (torch's capability: "
+        f"{torch.backends.cpu.get_cpu_capability()}): its matrix products are emulated, often "
+        "50x slower than fp32; use precision.dtype=fp32 on this machine"
+    )
+
+
 def setup() -> None:
     """Select the device for this process: on GPU set the local CUDA device, on CPU install the
     emulation (idempotent)."""

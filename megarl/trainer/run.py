@@ -123,6 +123,9 @@ class Run:
         except TopologyError as e:  # name the config section
             raise TopologyError(f"parallel: {e}") from e
         gpu = device.use_gpu()
+        slow = None if gpu else device.cpu_half_precision_note(cfg.precision.dtype)
+        if slow and rank == 0:
+            log.warning(slow)
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
         groups = topo.initialize(seed=cfg.model.init_seed)
