@@ -66,6 +66,12 @@ def build_optimizer(
     )
     wire_grad_finalization(chunks)
     opt = get_megatron_optimizer(oc, chunks)
+    if dtype == "fp16":
+        # megatron's fp16 optimizer unscales the grads by its dynamic loss scale (initially
+        # 2**32) before the step; the schedule scales the loss by it only through
+        # `config.grad_scale_func` (Megatron-LM's training loop sets the same). Without it the
+        # grads are divided by 2**32 and Adam sees almost nothing. bf16/fp32: scale 1, not set.
+        chunks[0].config.grad_scale_func = opt.scale_loss
     decay = cfg.decay_steps or max(1, total_steps - cfg.warmup_steps)
     sched = OptimizerParamScheduler(
         opt,

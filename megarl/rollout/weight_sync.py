@@ -260,6 +260,13 @@ class Reshard:
                 yield pc.hf, self.target.views[k]
 
 
+def _wait(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA), so that the seconds `sync` reports are the
+    copies' and not the time to enqueue them; a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _is_fp8(p: torch.Tensor) -> bool:
     """A Transformer-Engine quantized (FP8) tensor; always False without TE."""
     from megatron.core.fp8_utils import is_float8tensor
@@ -381,6 +388,7 @@ class WeightSync:
             if not self.staged:  # vLLM's own storage was partly overwritten
                 self.engine.mark_failed(e.param or "?")
             raise
+        _wait(self._device())  # GPU: the copies and NCCL calls above are only queued
         t1 = time.perf_counter()
         if self.staged:
             try:
@@ -399,6 +407,7 @@ class WeightSync:
             self.engine.failed_param = None
         # cached prompt-prefix KV blocks were computed with the old weights
         self.engine.reset_prefix_cache()
+        _wait(self._device())
         t2 = time.perf_counter()
         return {
             "bytes": self.plan.bytes_total,

@@ -89,15 +89,24 @@ def _step_metrics(outputs: list[dict], steps: int) -> LocalMetrics:
     return lm
 
 
-def _step(optimizer, scheduler, loss_ok: bool, groups) -> tuple[bool, float]:
-    """Optimizer step unless any rank saw a non-finite loss (then the grads are dropped)."""
+def _step(optimizer, scheduler, loss_ok: bool, groups) -> tuple[bool, float, bool]:
+    """Optimizer step unless any rank saw a non-finite loss (then the grads are dropped).
+    Returns (applied, grad norm, overflow): `overflow` is an fp16 step the optimizer itself
+    skipped because its dynamic loss scale overflowed (the scale backs off; expected while it
+    calibrates, so not a sign of divergence)."""
     flag = torch.tensor([0.0 if loss_ok else 1.0])
     dist.all_reduce(flag)
     if flag.item() > 0:
-        return False, float("nan")
+        return False, float("nan"), False
     ok, grad_norm, _ = optimizer.step()
     scheduler.step(1)
-    return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
+    overflow = not ok and _has_loss_scaler(optimizer)
+    return bool(ok), float(grad_norm) if grad_norm is not None else float("nan"), overflow
+
+
+def _has_loss_scaler(optimizer) -> bool:
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(getattr(o, "grad_scaler", None) is not None for o in inner)
 
 
 def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: float):
@@ -206,14 +215,17 @@ def train_policy(
             out = forward.run(actor, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
             # the mini-batch loss is the sum of the micro-batch shares
             loss = sum(float(m["loss"]) for m in out) if out else 0.0
-            ok, grad_norm = _step(optimizer, scheduler, math.isfinite(loss), groups)
-            steps.append((ok, grad_norm))
+            ok, grad_norm, overflow = _step(optimizer, scheduler, math.isfinite(loss), groups)
+            steps.append((ok, grad_norm, overflow))
             metrics.update(_step_metrics(out, total))
             if reuse:
                 batch["old_logprobs"] = _assemble_rows(out, rows, batch["tokens"].shape)
     # the grad norm is global (megatron reduces it over the model), so equal on every rank
-    metrics.add_same("grad_norm", sum(g for _, g in steps) / len(steps))
-    metrics.add_same("skipped_steps", sum(1 for ok, _ in steps if not ok))
+    metrics.add_same("grad_norm", sum(g for _, g, _ in steps) / len(steps))
+    metrics.add_same("skipped_steps", sum(1 for ok, _, over in steps if not ok and not over))
+    overflows = sum(1 for _, _, over in steps if over)
+    if overflows:  # fp16 loss-scale back-offs (the same on every rank: found_inf is reduced)
+        metrics.add_same("overflow_steps", overflows)
     metrics.add_same("lr", optimizer.param_groups[0]["lr"])
     return metrics
 

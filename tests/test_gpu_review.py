@@ -1,0 +1,117 @@
+"""GPU-path defects found by reading megarl against megatron-core 0.16.1 and vLLM 0.32, pinned
+down on CPU with stand-ins for the objects only a GPU run builds."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+# ------------------------------------------------------------------ fp16 loss scaling
+class _FakeOptimizer:
+    """What `build_optimizer` and `OptimizerParamScheduler` touch of a megatron optimizer."""
+
+    def __init__(self, scaled: bool):
+        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+        self.grad_scaler = object() if scaled else None
+
+    def scale_loss(self, loss):
+        return loss * 2.0**32
+
+
+def _fake_chunks():
+    config = SimpleNamespace(grad_scale_func=None)
+    chunk = SimpleNamespace(config=config, no_sync=lambda: None)
+    return [chunk], config
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_fp16_training_scales_the_loss_the_optimizer_unscales(monkeypatch, dtype):
+    # megatron's schedule multiplies the loss by `config.grad_scale_func` before backward
+    # (pipeline_parallel/schedules.py, backward_step); its fp16 optimizer divides the grads by
+    # the dynamic loss scale (initially 2**32) before stepping. Unwired, fp16 grads shrink 2**32x.
+    from megatron.core import optimizer as mopt
+
+    from megarl.models.optim import OptimConfig, build_optimizer
+
+    made = {}
+
+    def fake_get(config, model_chunks, **kw):
+        made["config"] = config
+        return _FakeOptimizer(scaled=config.fp16)
+
+    monkeypatch.setattr(mopt, "get_megatron_optimizer", fake_get)
+    chunks, config = _fake_chunks()
+    opt, _ = build_optimizer(chunks, OptimConfig(lr=1e-5), dtype=dtype, total_steps=4)
+    assert made["config"].fp16 == (dtype == "fp16")
+    if dtype == "fp16":
+        assert config.grad_scale_func == opt.scale_loss
+    else:  # loss scale 1: nothing to wire, bf16 / fp32 numerics unchanged
+        assert config.grad_scale_func is None
+
+
+def test_fp16_loss_scale_overflow_is_not_counted_as_a_diverged_step(monkeypatch):
+    from megarl.trainer import update
+
+    monkeypatch.setattr(update.dist, "all_reduce", lambda t, *a, **k: None)
+
+    class Sched:
+        def step(self, n):
+            pass
+
+    class Refusing(_FakeOptimizer):
+        def step(self):
+            return False, None, None  # megatron: found_inf in the scaled grads, step skipped
+
+    applied, norm, overflow = update._step(Refusing(scaled=True), Sched(), True, None)
+    assert (applied, overflow) == (False, True) and math.isnan(norm)
+    # a non-finite loss is still a dropped step, not an overflow
+    applied, _, overflow = update._step(Refusing(scaled=True), Sched(), False, None)
+    assert (applied, overflow) == (False, False)
+    # bf16 / fp32 (no grad scaler): a refused step stays a skipped step
+    _, _, overflow = update._step(Refusing(scaled=False), Sched(), True, None)
+    assert overflow is False
+
+
+# ------------------------------------------------------------------ vLLM reload entry point
+def test_reload_goes_through_the_workers_entry_point(monkeypatch):
+    # vLLM 0.32 `Worker.reload_weights` (v1/worker/gpu_worker.py, also CPUWorker's) wraps the
+    # runner's reload in `set_current_vllm_config`; calling the runner directly skips it
+    import contextlib
+
+    from megarl.rollout import engine, moe_layout
+
+    monkeypatch.setattr(moe_layout, "cpu_experts_prepacked", lambda m: contextlib.nullcontext())
+    calls = []
+
+    class Runner:
+        def get_model(self):
+            return torch.nn.Module()
+
+        def reload_weights(self, **kw):
+            calls.append("runner")
+
+    class Worker:
+        model_runner = Runner()
+
+        def reload_weights(self, **kw):
+            calls.append("worker")
+            self.model_runner.reload_weights(**kw)
+
+    engine._reload(Worker(), iter([]))
+    assert calls == ["worker", "runner"]
+
+
+# ------------------------------------------------------------------ sync timing on GPU
+def test_sync_timing_waits_for_queued_cuda_work(monkeypatch):
+    from megarl.rollout import weight_sync
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: waited.append(d))
+    weight_sync._wait(torch.device("cpu"))
+    assert waited == []
+    weight_sync._wait(torch.device("cuda", 1))
+    assert waited == [torch.device("cuda", 1)]
