@@ -12,7 +12,7 @@ from tests.test_metrics_global import LENGTHS, PROMPTS, _state
 from tests.tiny import TINY_LLAMA
 
 
-def job(rank: int, world: int) -> dict:
+def job(rank: int, world: int, dtype: str = "bf16") -> dict:
     from megarl.config import RunConfig, build
     from megarl.convert.layout import load_full_state
     from megarl.distributed import Topology
@@ -24,7 +24,7 @@ def job(rank: int, world: int) -> dict:
 
     cfg = build(RunConfig, {
         "model": {"config": TINY_LLAMA},
-        "precision": {"dtype": "bf16"},
+        "precision": {"dtype": dtype},
         "optim": {"lr": 1e-2},
         "rollout": {"n": 4, "max_tokens": 12},
         "algorithm": {"micro_batch_size": 4},
@@ -33,7 +33,7 @@ def job(rank: int, world: int) -> dict:
     groups = Topology.for_model(cfg.parallel, world, arch).initialize(seed=0)
     actor = build_model(arch, cfg.parallel, cfg.precision, role="actor")
     load_full_state(actor, _state(arch))
-    opt, sched = build_optimizer(actor, cfg.optim, dtype="bf16", total_steps=2)
+    opt, sched = build_optimizer(actor, cfg.optim, dtype=dtype, total_steps=2)
     g = torch.Generator().manual_seed(7)
     responses = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
     batch = xp.build_batch([PROMPTS[i // 4] for i in range(len(LENGTHS))], responses,
@@ -60,8 +60,20 @@ def job(rank: int, world: int) -> dict:
         "logprob_dtype": str(lp.dtype),
         "loss": metrics["loss"],
         "changed": sum(not torch.equal(before[n], p) for n, p in model.named_parameters()),
+        # Adam's first step moves every weight with a gradient by ~lr (its sign): the median
+        # move of an MLP weight, over the lr
+        "move_over_lr": _median_move(before, model) / cfg.optim.lr,
+        "overflow_steps": metrics.get("overflow_steps", 0.0),
+        "grad_norm": metrics["grad_norm"],
         "params": len(before),
     }
+
+
+def _median_move(before: dict, model) -> float:
+    # a linear layer's weight (the embedding's unused rows get no gradient)
+    linears = [(n, p) for n, p in model.named_parameters() if "linear_fc1.weight" in n]
+    name, p = linears[0]
+    return float((p.detach().float() - before[name].float()).abs().median())
 
 
 def test_bf16_compute_with_fp32_master_weights_and_optimizer_state():
@@ -73,6 +85,22 @@ def test_bf16_compute_with_fp32_master_weights_and_optimizer_state():
     assert r["logprob_dtype"] == "torch.float32"
     assert torch.isfinite(torch.tensor(r["loss"]))
     assert r["changed"] == r["params"]
+    assert 0.9 < r["move_over_lr"] < 1.1
+
+
+def test_fp16_scales_the_loss_so_the_first_step_moves_the_weights():
+    """fp16: megatron's optimizer divides the grads by its dynamic loss scale, so the schedule
+    must multiply the loss by it (`config.grad_scale_func`); unwired, the grads reach Adam
+    2**16 x too small (its epsilon then eats part of the step). The scale starts at 2**16 (not
+    megatron's 2**32) so the first RL steps are not spent backing off from overflows."""
+    r = spawn(job, 1, "fp16", timeout=600)[0]
+    ref = spawn(job, 1, "fp32", timeout=600)[0]
+    # the unscaled gradient is the true one: its norm as in fp32 (not 2**-16 of it)
+    assert abs(r["grad_norm"] / ref["grad_norm"] - 1) < 0.05, (r["grad_norm"], ref["grad_norm"])
+    assert r["param_dtypes"] == {"torch.float16"} and r["master_dtypes"] == {"torch.float32"}
+    assert r["overflow_steps"] == 0
+    assert torch.isfinite(torch.tensor(r["loss"]))
+    assert 0.9 < r["move_over_lr"] < 1.1
 
 
 def test_half_precision_note_names_the_missing_instructions(monkeypatch):

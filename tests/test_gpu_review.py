@@ -4,9 +4,7 @@ down on CPU with stand-ins for the objects only a GPU run builds."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
-import pytest
 import torch
 
 
@@ -20,37 +18,6 @@ class _FakeOptimizer:
 
     def scale_loss(self, loss):
         return loss * 2.0**32
-
-
-def _fake_chunks():
-    config = SimpleNamespace(grad_scale_func=None)
-    chunk = SimpleNamespace(config=config, no_sync=lambda: None)
-    return [chunk], config
-
-
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-def test_fp16_training_scales_the_loss_the_optimizer_unscales(monkeypatch, dtype):
-    # megatron's schedule multiplies the loss by `config.grad_scale_func` before backward
-    # (pipeline_parallel/schedules.py, backward_step); its fp16 optimizer divides the grads by
-    # the dynamic loss scale (initially 2**32) before stepping. Unwired, fp16 grads shrink 2**32x.
-    from megatron.core import optimizer as mopt
-
-    from megarl.models.optim import OptimConfig, build_optimizer
-
-    made = {}
-
-    def fake_get(config, model_chunks, **kw):
-        made["config"] = config
-        return _FakeOptimizer(scaled=config.fp16)
-
-    monkeypatch.setattr(mopt, "get_megatron_optimizer", fake_get)
-    chunks, config = _fake_chunks()
-    opt, _ = build_optimizer(chunks, OptimConfig(lr=1e-5), dtype=dtype, total_steps=4)
-    assert made["config"].fp16 == (dtype == "fp16")
-    if dtype == "fp16":
-        assert config.grad_scale_func == opt.scale_loss
-    else:  # loss scale 1: nothing to wire, bf16 / fp32 numerics unchanged
-        assert config.grad_scale_func is None
 
 
 def test_fp16_loss_scale_overflow_is_not_counted_as_a_diverged_step(monkeypatch):

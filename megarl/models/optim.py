@@ -61,16 +61,19 @@ def build_optimizer(
         clip_grad=cfg.clip_grad,
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
+        # fp16's dynamic loss scale starts at 2**16 (torch's GradScaler default), not megatron's
+        # 2**32: with one optimizer step per RL step, each overflow back-off costs a rollout
+        initial_loss_scale=2.0**16,
         params_dtype=torch.float32,
         use_distributed_optimizer=cfg.distributed,
     )
     wire_grad_finalization(chunks)
     opt = get_megatron_optimizer(oc, chunks)
     if dtype == "fp16":
-        # megatron's fp16 optimizer unscales the grads by its dynamic loss scale (initially
-        # 2**32) before the step; the schedule scales the loss by it only through
-        # `config.grad_scale_func` (Megatron-LM's training loop sets the same). Without it the
-        # grads are divided by 2**32 and Adam sees almost nothing. bf16/fp32: scale 1, not set.
+        # megatron's fp16 optimizer unscales the grads by its dynamic loss scale before the
+        # step; the schedule scales the loss by it only through `config.grad_scale_func`
+        # (Megatron-LM's training loop sets the same). Without it the grads reach Adam 2**16 x
+        # too small. bf16 / fp32: scale 1, nothing to wire.
         chunks[0].config.grad_scale_func = opt.scale_loss
     decay = cfg.decay_steps or max(1, total_steps - cfg.warmup_steps)
     sched = OptimizerParamScheduler(
