@@ -57,10 +57,14 @@ def _fake_run(step_s: float, completion_len: float, steps: int) -> dict:
     }
 
 
-def _patch(monkeypatch, trl_reason):
+def _patch(monkeypatch, trl_reason, bf16_reason=None):
+    from megarl.distributed import device
+
+    measured = []
     monkeypatch.setattr(peer, "write_model", lambda d: 18_948_608)
-    monkeypatch.setattr(peer, "gemm_flops", lambda dtype: 1e11)
+    monkeypatch.setattr(peer, "gemm_flops", lambda dtype: measured.append(dtype) or 1e11)
     monkeypatch.setattr(peer, "trl_missing", lambda: trl_reason)
+    monkeypatch.setattr(device, "cpu_half_precision_note", lambda dtype: bf16_reason)
     times = {("megarl", "fp32"): 8.0, ("megarl", "bf16"): 4.0, ("trl", "fp32"): 8.0}
     times.update({("trl", "bf16"): 16.0, ("trl", "bf16w"): 10.0})
     for system in ("megarl", "trl"):
@@ -71,6 +75,7 @@ def _patch(monkeypatch, trl_reason):
                 times[(s, precision)], 60.0, steps
             ),
         )
+    return measured
 
 
 def test_suite_without_trl_reports_megarl_and_skips(monkeypatch):
@@ -95,3 +100,22 @@ def test_suite_ratio_is_best_against_best(monkeypatch):
     assert ratio["params"]["megarl_config"] == "bf16" and ratio["params"]["trl_config"] == "fp32"
     assert math.isclose(ratio["params"]["same_precision"]["bf16"], 4.0)
     assert "megarl (bf16) / TRL best (fp32): 2.00x" in peer.markdown_table(records)
+
+
+def test_suite_skips_bf16_where_the_cpu_only_emulates_it(monkeypatch):
+    """On a CPU without bf16 instructions the bf16 rows are SKIP records with the reason (a
+    megarl bf16 step took 200 s there), no bf16 floor is measured, and fp32 is still compared."""
+    import torch
+
+    measured = _patch(monkeypatch, None, bf16_reason="no AVX512-BF16 or AMX")
+    records = peer.suite(argparse.Namespace(quick=True, rounds=1, threads=1))
+    by_name = {r["name"]: r for r in records}
+    for name in ("megarl_bf16", "trl_bf16", "trl_bf16w"):
+        rec = by_name[f"{name}_completion_tokens_per_s"]
+        assert rec["params"]["status"] == "SKIP" and "AVX512-BF16" in rec["params"]["reason"]
+        assert f"{name}_step_seconds" not in by_name
+    assert torch.bfloat16 not in measured and "gemm_bf16_flops" not in by_name
+    ratio = by_name["megarl_over_trl_best"]
+    assert ratio["params"]["megarl_config"] == "fp32" and ratio["params"]["trl_config"] == "fp32"
+    assert math.isclose(ratio["value"], 1.0) and list(ratio["params"]["same_precision"]) == ["fp32"]
+    assert "SKIP: no AVX512-BF16 or AMX" in peer.markdown_table(records)
