@@ -119,3 +119,18 @@ def test_suite_skips_bf16_where_the_cpu_only_emulates_it(monkeypatch):
     assert ratio["params"]["megarl_config"] == "fp32" and ratio["params"]["trl_config"] == "fp32"
     assert math.isclose(ratio["value"], 1.0) and list(ratio["params"]["same_precision"]) == ["fp32"]
     assert "SKIP: no AVX512-BF16 or AMX" in peer.markdown_table(records)
+
+
+def test_ceiling_puts_the_train_stage_at_the_gemm_floor(monkeypatch):
+    """The ratio's ceiling: megarl's measured steps with the train stage replaced by its model
+    FLOPs at the measured GEMM rate (nothing else changed), over TRL's best rate."""
+    _patch(monkeypatch, None)
+    records = peer.suite(argparse.Namespace(quick=True, rounds=1, threads=1))
+    ratio = next(r for r in records if r["name"] == "megarl_over_trl_best")
+    fpt = peer.flops_per_token(peer.MODEL, seq_len=64, training=True, causal=True)
+    train_at_floor = fpt * 64 * 64 / 1e11  # (60 completion + 4 prompt tokens) x 64 samples
+    for precision, step_s in (("bf16", 4.0), ("fp32", 8.0)):
+        rate = 60 * 64 / (step_s / 2 + train_at_floor)  # rollout = half the fake step
+        trl_best = 60 * 64 / 8.0
+        assert math.isclose(ratio["params"]["train_at_floor"][precision], rate / trl_best)
+    assert "the GEMM floor (the ceiling): fp32 0.92x, bf16 1.19x" in peer.markdown_table(records)
