@@ -78,6 +78,55 @@ def test_kv_cache_on_gpu_is_checked_against_the_memory_budget(monkeypatch):
     assert check_kv_cache(big, fits, dtype="bf16", gpu=True) is None
 
 
+def test_vllm_start_is_refused_early_when_the_trainer_left_too_little_free(monkeypatch):
+    """vLLM V1 will not start unless gpu_memory_utilization x the GPU is free; the engine is
+    built after the trainer's models, so megarl checks first (after freeing torch's cached
+    blocks) and names the value that fits."""
+    from megarl.rollout.engine import check_free_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    free = {"bytes": 40 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free["bytes"], 80 * 2**30))
+    with pytest.raises(RolloutConfigError) as e:
+        check_free_memory(RolloutConfig(gpu_memory_utilization=0.8))
+    msg = str(e.value)
+    assert "gpu_memory_utilization=0.8 asks vLLM for 64.0 GiB of this GPU's 80.0 GiB" in msg
+    assert "only 40.0 GiB are free" in msg and "at most 0.49" in msg and "megarl plan" in msg
+    assert calls == ["empty_cache"]  # before reading the free memory
+    check_free_memory(RolloutConfig(gpu_memory_utilization=0.5))  # 40 of 80 GiB: fits
+    free["bytes"] = 2**29
+    with pytest.raises(RolloutConfigError, match="the trainer alone leaves no room"):
+        check_free_memory(RolloutConfig(gpu_memory_utilization=0.5))
+
+
+def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path):
+    """The order on GPU: the free-memory check, then vLLM's LLM(...) with the GPU kwargs."""
+    import json
+
+    import vllm
+
+    from megarl.rollout import engine
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    order = []
+    monkeypatch.setattr(engine, "_use_gpu", lambda: True)
+    monkeypatch.setattr(engine, "check_free_memory", lambda cfg: order.append("check"))
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        order.append(("LLM", kwargs["distributed_executor_backend"], kwargs["enable_sleep_mode"]))
+        raise Stop
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    cfg = RolloutConfig(kv_cache_memory_bytes=2**30, stop_token_ids=(2,))
+    with pytest.raises(Stop):
+        engine.RolloutEngine(str(tmp_path), arch_from_hf(TINY_LLAMA), cfg, dtype="bf16")
+    assert order == ["check", ("LLM", "external_launcher", True)]
+
+
 # ------------------------------------------------------------------ defect 8: stop tokens
 def test_stop_tokens_default_to_the_models_eos_ids(tmp_path):
     class Tok:

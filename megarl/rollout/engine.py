@@ -45,6 +45,7 @@ Assumptions and simplifications:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import weakref
@@ -201,6 +202,33 @@ def check_kv_cache(arch: ModelArch, cfg: RolloutConfig, *, dtype: str, gpu: bool
     return None
 
 
+def check_free_memory(cfg: RolloutConfig) -> None:
+    """GPU, right before vLLM starts: vLLM V1 refuses to start unless the device has
+    `gpu_memory_utilization` x its memory free (`vllm/v1/worker/utils.py`, `request_memory`,
+    even with `kv_cache_memory_bytes` set), and the engine is built after the trainer's models
+    and optimizer. Free the allocator's cached blocks, then fail with the value that fits."""
+    import torch.cuda
+
+    torch.cuda.empty_cache()  # blocks torch caches count as used for the device
+    free, total = torch.cuda.mem_get_info()
+    asked = cfg.gpu_memory_utilization * total
+    if free >= asked:
+        return
+    fits = math.floor(100 * free / total) / 100 - 0.01  # a margin for vLLM's own start-up
+    raise RolloutConfigError(
+        f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
+        f"{asked / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, but only "
+        f"{free / 2**30:.1f} GiB are free once the trainer's models and optimizer are built "
+        "(vLLM refuses to start with less free than its share of the whole GPU); "
+        + (
+            f"set it to at most {fits:.2f}, "
+            if fits > 0
+            else "the trainer alone leaves no room: use more GPUs or recompute, "
+        )
+        + "and check the budget with `megarl plan CONFIG --gpus N --gpu-mem GIB`"
+    )
+
+
 def require_vllm() -> None:
     """Fail early, with what to install, when vLLM is not importable (e.g. a GPU machine with
     megarl's trainer dependencies only)."""
@@ -326,6 +354,8 @@ class RolloutEngine:
                 enable_sleep_mode=cfg.sleep_between_steps,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
             )
+        if self.gpu:
+            check_free_memory(cfg)
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
