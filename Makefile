@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: install test train lint bench gpu-wheels gpu-check
+.PHONY: install test test-slow train lint bench gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -20,8 +20,13 @@ $(STAMP): setup.py
 	$(PY) -c "import megarl, megatron.core, vllm, transformers"
 	touch $(STAMP)
 
+# the CI tier: every feature once, tiny shapes; the cost of each test is printed
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not learning" --durations=25
+
+# learning quality: multi-seed runs and learning bars (tens of minutes)
+test-slow: install
+	$(PY) -m pytest -q tests -m learning --durations=25
 
 train: install
 	$(VENV)/bin/megarl train
