@@ -179,6 +179,48 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate every this many steps, at step 0 (before any update) and after the last step;
+    0 = no evaluation."""
+    path: str | None = None
+    """Held-out prompt source (same forms as data.path); null: see eval.fraction."""
+    fraction: float = 0.0
+    """With no eval.path: hold out this seeded fraction of the training rows (removed from
+    training, so the two sets are disjoint)."""
+    seed: int = 0
+    """Seed of the eval.fraction split."""
+    max_prompts: int | None = None
+    """Evaluate at most this many held-out prompts (the first ones); null = all."""
+    n: int = 1
+    """Samples per prompt (pass@k for k <= n)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation; 0 = greedy."""
+    max_tokens: int | None = None
+    """Longest evaluation response; null = rollout.max_tokens."""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ConfigError(f"eval.every={self.every}; accepted: 0 (off) or >= 1")
+        if not 0.0 <= self.fraction < 1.0:
+            raise ConfigError(f"eval.fraction={self.fraction}; accepted: 0 <= fraction < 1")
+        if self.path is not None and self.fraction > 0:
+            raise ConfigError("eval.path and eval.fraction are both set; accepted: one of them")
+        if self.every and self.path is None and self.fraction == 0:
+            raise ConfigError(
+                f"eval.every={self.every} needs held-out prompts: set eval.path or eval.fraction"
+            )
+        if self.n < 1:
+            raise ConfigError(f"eval.n={self.n}; accepted: >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature={self.temperature}; accepted: >= 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"eval.max_tokens={self.max_tokens}; accepted: null or >= 1")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ConfigError(f"eval.max_prompts={self.max_prompts}; accepted: null or >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     wandb: bool = True
     """Log to Weights & Biases (offline unless wandb_mode says online or WANDB_MODE is set)."""
@@ -226,6 +268,8 @@ class RunConfig:
     """Reward functions and their weights."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, seeds, checkpoints, resume and export."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation: which prompts, how often, how they are sampled."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where metrics go besides metrics.jsonl (wandb, tensorboard) and the console progress."""
 
