@@ -1,10 +1,21 @@
 """megarl: Megatron-core RL trainer (PPO, GRPO family) with colocated vLLM rollouts."""
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the version is declared once, in megarl/__init__.py (read as text: importing megarl here would
+# need its dependencies before they are installed)
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"',
+    Path(__file__).with_name("megarl").joinpath("__init__.py").read_text(),
+    re.M,
+).group(1)
 
 setup(
     name="megarl",
-    version="0.1.0",
+    version=VERSION,
     description="Megatron-core RL trainer (PPO, GRPO) with colocated vLLM rollouts",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*"]),

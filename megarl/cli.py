@@ -24,6 +24,13 @@ from functools import partial
 
 from megarl import console
 
+# subcommands that own their parser, each `main(argv) -> int` in its module: `megarl NAME ARGS`
+# runs `module.main(ARGS)`
+TOOLS = {
+    "bench": ("megarl.benchmarks.cli", "benchmark suites, each figure with its physical floor"),
+    "prepare-data": ("megarl.data.prepare", "public dataset formats -> megarl's columns"),
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
@@ -51,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="memory per GPU in GiB as the driver reports it (H100/H200 SXM: 80 / 141)",
     )
     pl.add_argument("--nodes", type=int, metavar="K", help="nodes (default: 8 GPUs per node)")
+    for name, (_, what) in TOOLS.items():  # listed in --help; `main` hands them their argv
+        sub.add_parser(name, help=f"{what} (megarl {name} --help)", add_help=False)
     for p in (t, c, pl):
         p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny CPU run)")
         p.add_argument(
@@ -86,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """The `megarl` console script and `python -m megarl`. Ends the process itself
     (`console.end_process`) unless `--verbose`; in-process callers use `run`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        import importlib
+
+        return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])
     args = parse_args(argv)
     code = run(args)
     if args.verbose:

@@ -1,4 +1,4 @@
-"""One benchmark harness for every suite (`python tools/benchmark.py --suite NAME`).
+"""One benchmark harness for every suite (`megarl bench --suite NAME`).
 
 A suite is a function `suite(args) -> list[dict]` registered with `@register_suite(name)`. Each
 record names the figure, its value and unit, the machine it ran on and, where a physical floor is
@@ -38,7 +38,7 @@ _SUMMARIES: dict[str, Callable[[list[dict]], str]] = {}
 def register_suite(name: str, *, summary: Callable[[list[dict]], str] | None = None):
     """Decorator: register `fn(args) -> list[record]` as suite `name` (duplicates raise).
     `summary(records) -> str`, if given, is a human-readable table of the records that
-    tools/benchmark.py prints after them."""
+    `megarl bench` prints after them."""
 
     def wrap(fn):
         if name in _SUITES:

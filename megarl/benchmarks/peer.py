@@ -35,7 +35,7 @@ Floors: the dense GEMM rate of each precision (a 4352x512 @ 512x1024 `torch.mm`,
 64 x 68-token MLP projection), measured in the parent before every run at the runs' thread
 count; each train stage's model FLOP/s (`flops_per_token(..., training=True)` x trained
 tokens / train seconds; TRL's train = step - generate-and-score) is reported against it.
-`markdown_table` renders the records; tools/benchmark.py prints it after them.
+`markdown_table` renders the records; `megarl bench` prints it after them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The benchmark report a person reads: `tools/benchmark.py ... --report OUT.md`.
+"""The benchmark report a person reads: `megarl bench ... --report OUT.md`.
 
 From the records of one run (or a saved `--json` file, `--from-json`): a header with the date,
 the machine and the package versions, then one markdown table per suite (figure, median value and

@@ -1,8 +1,9 @@
 """Prompt datasets: load rows, tokenize prompts once, keep the other columns for reward functions.
 
-Sources (`load_rows`): a `.jsonl` / `.json` / `.parquet` file, a directory of such files (read
-in name order), or `hf:NAME[:SPLIT]` / `hf:NAME:CONFIG:SPLIT` for a `datasets` dataset that is
-already in the local cache. Parquet needs `pyarrow`, `hf:` needs `datasets`; both are imported
+Sources (`load_rows`): a `.jsonl` / `.json` / `.parquet` / `.arrow` file, a directory of such
+files (read in name order; `datasets.save_to_disk` writes a directory of `.arrow` files), or
+`hf:NAME[:SPLIT]` / `hf:NAME:CONFIG:SPLIT` for a `datasets` dataset that is already in the local
+cache. Parquet and Arrow need `pyarrow`, `hf:` needs `datasets`; each is imported
 only when used. Every problem with the data itself raises `DataError` naming the file, row or
 column (a user error: the command line prints it as one line).
 
@@ -36,15 +37,15 @@ class DataError(UserError, ValueError):
 
 
 OVERLONG = ("error", "drop", "truncate-left")
-EXTENSIONS = (".jsonl", ".json", ".parquet")
+EXTENSIONS = (".jsonl", ".json", ".parquet", ".arrow")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     path: str | None = None
-    """Prompt source: a .jsonl/.json/.parquet file, a directory of them, or `hf:NAME[:SPLIT]`
-    (`hf:NAME:CONFIG:SPLIT`) for a locally cached `datasets` dataset. None: the embedded toy
-    task (`megarl.data.toy`)."""
+    """Prompt source: a .jsonl/.json/.parquet/.arrow file, a directory of them (e.g. from
+    `datasets.save_to_disk`), or `hf:NAME[:SPLIT]` (`hf:NAME:CONFIG:SPLIT`) for a locally cached
+    `datasets` dataset. None: the embedded toy task (`megarl.data.toy`)."""
 
     prompt_key: str = "prompt"
     """Column holding the prompt: a string or a list of chat messages."""
@@ -93,6 +94,8 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in EXTENSIONS)
+        if any(f.suffix == ".arrow" for f in files):  # `save_to_disk`: its .json are metadata
+            files = [f for f in files if f.suffix == ".arrow"]
         if not files:
             present = sorted(f.name for f in p.iterdir())[:20]
             raise DataError(
@@ -117,6 +120,8 @@ def _load_file(path: Path) -> list[dict]:
         return _read_jsonl(path, _read_text(path))
     if path.suffix == ".json":
         return _read_json(path)
+    if path.suffix == ".arrow":
+        return _read_arrow(path)
     if path.suffix == ".parquet":
         return _read_parquet(path)
     raise DataError(
@@ -193,6 +198,25 @@ def _read_parquet(path: Path) -> list[dict]:
         return pq.read_table(path).to_pylist()
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(f"{path}: not a readable parquet file ({err})") from None
+
+
+def _read_arrow(path: Path) -> list[dict]:
+    """An Arrow IPC stream file, as `datasets.save_to_disk` writes them (no `datasets` needed)."""
+    try:
+        import pyarrow as pa
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"reading {str(path)!r} needs pyarrow: pip install pyarrow"
+        ) from err
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(source).read_all()
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: not a readable Arrow file ({err})") from None
+    return table.to_pylist()
 
 
 def _load_hf(spec: str) -> list[dict]:

@@ -288,8 +288,8 @@ def check_paths(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}={path!r} {what}; accepted: {accepted}")
     if d.path is not None and not d.path.startswith("hf:") and not os.path.exists(d.path):
         raise ConfigError(
-            f"data.path={d.path!r} does not exist; accepted: a .jsonl/.json/.parquet file, a "
-            "directory of them, 'hf:NAME[:SPLIT]', or null for the toy task"
+            f"data.path={d.path!r} does not exist; accepted: a .jsonl/.json/.parquet/.arrow "
+            "file, a directory of them, 'hf:NAME[:SPLIT]', or null for the toy task"
         )
 
 
