@@ -1,0 +1,48 @@
+"""Every example config resolves and lays out at the world size it is written for: a dry run
+(meta device, no GPU, weights or data) through `megarl train --dry-run`, with the GPU examples'
+models given by the shapes shipped in examples/models/. A new example must be added here."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# example -> (ranks of the run it is written for, shipped model shape or None for its own model)
+EXAMPLES = {
+    "grpo_tiny_cpu.yaml": (1, None),
+    "ppo_tiny_cpu.yaml": (1, None),
+    "grpo_moe_tiny_cpu.yaml": (2, None),
+    "grpo_qwen2.5_7b_gsm8k.yaml": (8, "qwen2.5-7b-instruct"),
+    "grpo_qwen3_30b_a3b_ep8.yaml": (8, "qwen3-30b-a3b"),
+    "grpo_llama3_70b_fp8.yaml": (32, "llama3-70b-instruct"),
+}
+
+
+def test_every_example_is_covered():
+    shipped = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
+    assert shipped == sorted(EXAMPLES), "add the new example to EXAMPLES with its world size"
+    for _, model in EXAMPLES.values():
+        assert model is None or (ROOT / "examples" / "models" / model / "config.json").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_dry_run_at_its_world_size(name):
+    world, model = EXAMPLES[name]
+    args = [f"examples/{name}", "--dry-run", f"--world-size={world}", f"--rank={world - 1}"]
+    if model is not None:
+        args += ["--set", "model.mcore_ckpt=null", "--set", f"model.hf=examples/models/{model}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert f"= {world} rank{'s' if world > 1 else ''}" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr
