@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: install test test-slow train lint bench gpu-wheels gpu-check
+.PHONY: install test test-slow wheel-check train lint bench gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -27,6 +27,25 @@ test: install
 # learning quality: multi-seed runs and learning bars (tens of minutes)
 test-slow: install
 	$(PY) -m pytest -q tests -m learning --durations=25
+
+# a non-editable install, as a user of the wheel gets it: built here, installed into a fresh
+# virtualenv outside the checkout, run from another directory (so nothing is read from here)
+WHEEL_VENV ?= /tmp/megarl-wheel-venv
+wheel-check: install
+	rm -rf dist $(WHEEL_VENV) /tmp/megarl-wheel-run
+	$(PY) -m pip wheel -q --no-deps -w dist .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/megarl-*.whl)[cpu]"
+	$(WHEEL_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	mkdir -p /tmp/megarl-wheel-run
+	cd /tmp/megarl-wheel-run && $(WHEEL_VENV)/bin/megarl --help > /dev/null
+	cd /tmp/megarl-wheel-run && $(WHEEL_VENV)/bin/megarl config --reference | grep -q "algorithm.kl_coef"
+	cd /tmp/megarl-wheel-run && $(WHEEL_VENV)/bin/python -c "import megarl, os; assert not os.path.abspath(megarl.__file__).startswith('$(CURDIR)'), megarl.__file__"
+	cd /tmp/megarl-wheel-run && $(WHEEL_VENV)/bin/megarl train --out run --set trainer.steps=2 \
+		--set logging.wandb=false && test -s run/metrics.jsonl && test -f run/reward.png
+	@echo "wheel-check: the wheel installs outside the checkout and trains"
 
 train: install
 	$(VENV)/bin/megarl train
