@@ -113,6 +113,13 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.name={self.name!r}; accepted: {ALGORITHMS}")
         if self.kl_in not in KL_PLACEMENT:
             raise ConfigError(f"algorithm.kl_in={self.kl_in!r}; accepted: {KL_PLACEMENT}")
+        if self.kl_in == "reward" and self.kl_coef > 0 and self.name != "ppo":
+            # group-relative advantages take one reward per sample: a per-token penalty has no
+            # place in them (PPO's GAE takes per-token rewards)
+            raise ConfigError(
+                f"algorithm.kl_in=reward needs algorithm.name=ppo (per-token rewards into GAE); "
+                f"with algorithm.name={self.name} accepted: algorithm.kl_in=loss"
+            )
         for k in ("ppo_epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"algorithm.{k}={getattr(self, k)} must be >= 1")
@@ -146,7 +153,8 @@ class RewardConfig:
     on_error: str = "raise"
     """A reward function that raises: raise (stop the run) or zero (score 0, count it)."""
     kwargs: dict = field(default_factory=dict)
-    """Per-function keyword arguments: {function_name: {arg: value}}."""
+    """Per-function keyword arguments, keyed by the entry as written in reward.functions (a
+    built-in name or 'pkg.module:function'): {entry: {arg: value}}."""
 
     def __post_init__(self):
         if self.on_error not in ("raise", "zero"):

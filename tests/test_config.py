@@ -52,3 +52,12 @@ def test_override_syntax():
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/megarl.yaml")
+
+
+def test_kl_in_reward_only_with_ppo():
+    """A per-token KL penalty in the reward reaches the update only through GAE (PPO); with the
+    GRPO family it would be silently dropped, so it is refused."""
+    with pytest.raises(ConfigError, match="algorithm.kl_in=reward needs algorithm.name=ppo"):
+        load_config(None, ["algorithm.kl_in=reward", "algorithm.kl_coef=0.01"])
+    load_config(None, ["algorithm.name=ppo", "algorithm.kl_in=reward", "algorithm.kl_coef=0.01"])
+    load_config(None, ["algorithm.kl_in=reward", "algorithm.kl_coef=0"])  # no KL: nothing lost

@@ -64,11 +64,28 @@ def get_suite(name: str) -> Callable[[Any], list[dict]]:
     return _SUITES[name]
 
 
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (`platform.processor()` is often only the
+    architecture), with its vector extensions that decide the GEMM floor."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    field_ = lambda key: next(  # noqa: E731
+        (ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() == key), ""
+    )
+    name = field_("model name") or platform.processor() or platform.machine()
+    flags = set(field_("flags").split())
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(ext)})" if ext else name
+
+
 def machine_info() -> dict:
     """What the figures were measured on."""
     info = {
         "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
