@@ -27,30 +27,23 @@ cannot show a command nobody checks.
 - Python blocks are executed (`>>>` blocks as doctests); YAML blocks of config sections have
   their keys checked.
 
-Running: the checks that need megarl's command line run in ONE child process (`main`, started by
-tests/test_docs.py), so the imports are paid once and no global state (logging, process
-groups) leaks into the test process. Things that are not in the repository yet but are
-documented on purpose are listed in `PENDING`: while absent, their checks are skipped with the
-reason; once present they are checked like the rest.
+Running: the checks that need megarl's command line run in ONE child process
+(`tests/docs_worker.py`, started by tests/test_docs.py), so the imports are paid once and no
+global state (logging, process groups) leaks into the test process. Things that are not in the
+repository yet but are documented on purpose are listed in `PENDING_FILES` and
+`PENDING_SUBCOMMANDS`: while absent, their checks are skipped with the reason; once present they
+are checked like the rest.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import contextlib
 import dataclasses
-import doctest
 import functools
-import io
-import json
 import os
 import re
 import shlex
 import subprocess
-import sys
-import tempfile
-import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,12 +67,16 @@ SEGMENT_OPS = {"&&", "||", ";", "|", "&"}
 # commands a doc may show that this check does not run: navigation, inspection, other tools
 NOOP = {
     "cd", "git", "export", "source", "ls", "cat", "tail", "head", "less", "jq", "grep", "du",
-    "mkdir", "cp", "mv", "echo", "tee", "nvidia-smi", "wandb", "tensorboard", "watch", "squeue",
-    "scancel", "sacct", "kill", "docker", "wc", "sort",
+    "mkdir", "cp", "mv", "rm", "touch", "echo", "printf", "tee", "sleep", "nvidia-smi", "lscpu",
+    "nproc", "free", "df", "ps", "wandb", "tensorboard", "watch", "squeue", "scontrol", "scancel",
+    "sacct", "kill", "wc", "sort", "diff", "sha256sum",
 }  # fmt: skip
+# prefixes that run the rest of the line as a command: checked as that command
+WRAPPERS = {"timeout", "nohup", "time", "env", "exec"}
 FILE_EXTENSIONS = (
     ".py", ".yaml", ".yml", ".json", ".jsonl", ".md", ".sh", ".png", ".txt", ".parquet",
-    ".arrow", ".gguf", ".pt", ".safetensors", ".toml", ".log",
+    ".arrow", ".gguf", ".pt", ".pth", ".bin", ".safetensors", ".toml", ".log", ".csv", ".whl",
+    ".gz", ".zip",
 )  # fmt: skip
 _FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -118,11 +115,14 @@ def blocks(text: str) -> tuple[list[Block], str]:
 
 
 def command_lines(block: Block) -> list[tuple[int, str]]:
-    """(line, command) of a shell block: continuations joined; a `console` block's commands are
-    its `$ ` lines (the rest is output)."""
-    out, pending, first = [], "", 0
+    """(line, command) of a shell block: continuations joined, here-document bodies skipped; a
+    `console` block's commands are its `$ ` lines (the rest is output)."""
+    out, pending, first, heredoc = [], "", 0, None
     for i, raw in enumerate(block.text.splitlines(), block.line):
         line = raw.rstrip()
+        if heredoc is not None:
+            heredoc = None if line.strip() == heredoc else heredoc
+            continue
         if block.lang == "console":
             if not pending:
                 if not line.lstrip().startswith("$ "):
@@ -135,6 +135,9 @@ def command_lines(block: Block) -> list[tuple[int, str]]:
             continue
         cmd = (pending + line).strip()
         pending = ""
+        doc = re.search(r"<<-?\s*['\"]?(\w+)['\"]?", cmd)
+        if doc:
+            heredoc = doc.group(1)
         if cmd and not cmd.startswith("#"):
             out.append((first, cmd))
     return out
@@ -198,8 +201,19 @@ def is_placeholder(word: str) -> bool:
 
 
 def _strip_env(words: list[str]) -> list[str]:
-    while words and _ENV.match(words[0]):
-        words = words[1:]
+    """Drop `VAR=value` prefixes and wrappers (`timeout 3600`, `nohup`, `env X=1`)."""
+    while words:
+        if _ENV.match(words[0]):
+            words = words[1:]
+        elif words[0] in WRAPPERS:
+            wrapper, words = words[0], words[1:]
+            if wrapper == "timeout":  # options (`-s INT`, `-k 10`), then the duration
+                at = [i for i, w in enumerate(words) if re.fullmatch(r"\d+(\.\d+)?[smhd]?", w)]
+                words = words[at[0] + 1 :] if at else words
+            while words and words[0].startswith("-"):  # the wrapper's own flags
+                words = words[1:]
+        else:
+            return words
     return words
 
 
@@ -331,7 +345,7 @@ def checks_of(doc: str, text: str) -> tuple[list[Check], list[tuple[int, str]], 
 
 
 # ------------------------------------------------------------------------- config keys, links
-@typing.no_type_check
+@functools.cache
 def _schema() -> dict[str, type]:
     from megarl.config_reference import sections
 
@@ -513,183 +527,8 @@ def check_static(c: Check) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ the child process (megarl)
-class _Parsed(Exception):
-    def __init__(self, namespace):
-        super().__init__("parsed")
-        self.namespace = namespace
-
-
-@contextlib.contextmanager
-def _parse_only():
-    """Every argparse `parse_args` raises `_Parsed` right after parsing: the command's own
-    parser checks the arguments and nothing after it runs."""
-    original = argparse.ArgumentParser.parse_args
-
-    def parse_args(self, args=None, namespace=None):
-        raise _Parsed(original(self, args, namespace))
-
-    argparse.ArgumentParser.parse_args = parse_args
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.parse_args = original
-
-
-def _captured(fn) -> tuple[int | None, str, object]:
-    """(exit status or None, stdout + stderr, the value or `_Parsed`) of `fn()`."""
-    out = io.StringIO()
-    code, value = None, None
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            value = fn()
-            code = value if isinstance(value, int) else 0
-        except _Parsed as p:
-            value, code = p, 0
-        except SystemExit as e:
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 2
-        except Exception as e:  # noqa: BLE001 - reported as the check's failure
-            print(f"{type(e).__name__}: {e}", file=out)
-            code = 1
-    return code, out.getvalue(), value
-
-
-@functools.cache
 def subcommands() -> frozenset[str]:
-    """The subcommands `megarl --help` lists."""
-    from megarl import cli
+    """The subcommands `megarl --help` lists (the test process asks, to skip PENDING ones)."""
+    from tests.docs_worker import subcommands as listed
 
-    _, text, _ = _captured(lambda: cli.parse_args(["--help"]))
-    names = re.search(r"\{([^}]+)\}", text)
-    return frozenset(names.group(1).split(",") if names else ())
-
-
-def _args_check(argv: list[str]) -> tuple[bool, str]:
-    from megarl import cli
-
-    with _parse_only():
-        code, text, value = _captured(lambda: cli.main(list(argv)))
-    if isinstance(value, _Parsed):
-        ns = value.namespace
-        for o in getattr(ns, "overrides", None) or []:
-            problem = key_problem(o.split("=", 1)[0])
-            if problem:
-                return False, problem
-        if argv[0] == "bench" and getattr(ns, "suite", None):
-            from megarl.benchmarks import SUITE_MODULES
-
-            if ns.suite != "all" and ns.suite not in SUITE_MODULES:
-                return False, f"--suite {ns.suite}: suites are {sorted(SUITE_MODULES)} and all"
-        return True, "arguments parse"
-    return False, f"exit status {code}: {text.strip()[-1500:]}"
-
-
-def _tool_check(argv: list[str]) -> tuple[bool, str]:
-    import importlib.util
-
-    path = ROOT / argv[0]
-    if not path.is_file():
-        return False, f"{argv[0]}: no such file"
-    spec = importlib.util.spec_from_file_location(f"_doc_tool_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with _parse_only():
-        code, text, value = _captured(lambda: module.main(list(argv[1:])))
-    if isinstance(value, _Parsed):
-        return True, "arguments parse"
-    return False, f"exit status {code}: {text.strip()[-1500:]}"
-
-
-def _without(argv: list[str], option: str) -> list[str]:
-    out, skip = [], False
-    for w in argv:
-        if skip:
-            skip = False
-        elif w == option:
-            skip = True
-        elif not w.startswith(option + "="):
-            out.append(w)
-    return out
-
-
-def _run_megarl(argv: list[str], accept=(0,)) -> tuple[bool, str]:
-    from megarl import cli
-
-    code, text, _ = _captured(lambda: cli.run(cli.parse_args(list(argv))))
-    return code in accept, f"exit status {code}: {text.strip()[-1500:]}"
-
-
-def run_megarl_check(c: dict, scratch: str) -> tuple[bool, str]:
-    argv, mode = list(c["argv"]), c["mode"]
-    if argv and argv[0] not in subcommands() and not argv[0].startswith("-"):
-        return False, f"megarl has no subcommand {argv[0]!r} (it has {sorted(subcommands())})"
-    if mode == "args":
-        return _args_check(argv)
-    if mode == "dry-run":
-        return _run_megarl(argv)
-    if mode == "print-config":
-        argv = _without(_without(argv, "--out"), "--verbose") + ["--print-config"]
-        ok, text = _run_megarl(argv)
-        if ok and c.get("world"):
-            ok, text = _dry_run_at(argv[:-1], c["world"])
-        return ok, text
-    if argv[0] == "plan":
-        return _run_megarl(argv, accept=(0, 1))
-    if argv[0] == "prepare-data":
-        out = os.path.join(scratch, f"prepared_{abs(hash(tuple(argv)))}.jsonl")
-        from megarl import cli
-
-        argv = _without(argv, "--out") + ["--out", out]
-        code, text, _ = _captured(lambda: cli.main(argv))
-        return code == 0 and os.path.exists(out), f"exit status {code}: {text.strip()[-1500:]}"
-    return _run_megarl(argv)
-
-
-def _dry_run_at(argv: list[str], world: int) -> tuple[bool, str]:
-    """A torchrun command's layout at its world size, when the model's shape is at hand."""
-    from megarl.config import load_config
-
-    config = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else None
-    overrides = [argv[i + 1] for i, w in enumerate(argv[:-1]) if w == "--set"]
-    cfg = load_config(config, overrides)
-    if cfg.model.config is None and not (cfg.model.hf and (ROOT / cfg.model.hf).exists()):
-        return True, "resolved (the model's shape is not in the repository: no dry run)"
-    return _run_megarl([*argv, "--dry-run", "--world-size", str(world)])
-
-
-def run_python(code: str) -> tuple[bool, str]:
-    if ">>>" in code:
-        test = doctest.DocTestParser().get_doctest(code, {}, "doc", "doc", 0)
-        runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-        out = io.StringIO()
-        runner.run(test, out=out.write)
-        return runner.failures == 0, out.getvalue()[-1500:]
-    status, text, _ = _captured(lambda: exec(compile(code, "doc", "exec"), {"__name__": "doc"}))
-    return status == 0, text[-1500:]
-
-
-def main(argv: list[str]) -> int:
-    """`python -m tests.docs_check JOBS.json RESULTS.json`: run the jobs, write
-    {id: [ok, text, seconds]}."""
-    os.chdir(ROOT)
-    jobs = json.loads(Path(argv[0]).read_text())
-    results = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for job in jobs:
-            t0 = time.perf_counter()
-            try:
-                if job["kind"] == "megarl":
-                    ok, text = run_megarl_check(job, scratch)
-                elif job["kind"] == "tool":
-                    ok, text = _tool_check(job["argv"])
-                else:
-                    ok, text = run_python(job["code"])
-            except Exception as e:  # noqa: BLE001 - one job's failure, reported with it
-                ok, text = False, f"{type(e).__name__}: {e}"
-            results[job["id"]] = (ok, text, round(time.perf_counter() - t0, 2))
-    Path(argv[1]).write_text(json.dumps(results))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return listed()

@@ -111,7 +111,7 @@ def results(tmp_path_factory) -> dict:
         os.pathsep
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.docs_check", str(tmp / "jobs.json"), str(tmp / "out.json")],
+        [sys.executable, "-m", "tests.docs_worker", str(tmp / "jobs.json"), str(tmp / "out.json")],
         cwd=dc.ROOT,
         env=env,
         capture_output=True,
@@ -251,3 +251,7 @@ def test_commands_are_taken_apart_as_a_shell_would():
     assert c.mode == "args"
     c = dc.classify("d", 1, "", ["OMP_NUM_THREADS=1", ".venv/bin/megarl", "plan", "x.yaml"])
     assert (c.kind, c.mode) == ("megarl", "run")
+    c = dc.classify("d", 1, "", ["timeout", "-s", "INT", "60", "megarl", "train"])
+    assert (c.kind, c.argv) == ("megarl", ["train"])
+    block = dc.Block("bash", 1, "cat > x.yaml <<'EOF'\ntrainer:\n  steps: 2\nEOF\nmake test\n")
+    assert [c for _, c in dc.command_lines(block)] == ["cat > x.yaml <<'EOF'", "make test"]
