@@ -56,8 +56,8 @@ lint: install
 bench: install
 	$(PY) tools/benchmark.py --suite all --json bench.json
 
-# cp312 wheels the lent GPU machine (Python 3.12, torch from its image, no network) lacks; carry
-# .gpu_wheels/ there and run `bash tools/gpu_check.sh` (README "GPU check")
+# cp312 wheels a GPU machine without network (Python 3.12, torch from its image) lacks; copy
+# .gpu_wheels/ there and run `bash tools/gpu_check.sh` (docs/contributing.md, "The GPU check")
 GPU_WHEELS := .gpu_wheels
 GPU_WHEEL_REQS := megatron-core==0.16.1
 GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64

@@ -150,8 +150,8 @@ def test_balancing_changes_no_global_figure_at_dp2(tmp_path):
 
 
 def test_simulated_long_tailed_steps():
-    """The README's figures: 64 prompts x 8 samples, per-prompt difficulty, log-normal response
-    lengths capped at 4096 plus a 200-token prompt, 50 steps, seeded."""
+    """The figures in docs/algorithms.md: 64 prompts x 8 samples, per-prompt difficulty,
+    log-normal response lengths capped at 4096 plus a 200-token prompt, 50 steps, seeded."""
     import statistics
 
     rng = random.Random(0)

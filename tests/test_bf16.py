@@ -1,4 +1,4 @@
-"""bf16 on CPU as a first-class precision (issue 11): bf16 parameters and compute, fp32 master
+"""bf16 on CPU as a first-class precision: bf16 parameters and compute, fp32 master
 weights and Adam state (megatron's DistributedOptimizer keeps an fp32 shard of every bf16
 parameter), fp32 logits / log-softmax for logprobs and losses, and an update that moves the bf16
 parameters by what the fp32 master weights moved (rounded to bf16)."""

@@ -92,7 +92,7 @@ def test_a_normal_run_is_quiet_unless_verbose(tmp_path):
     assert "nanobind" not in text and "Traceback" not in text, text
     library = [ln for ln in lines if " vllm" in ln or "Warning" in ln or "(MainProcess" in ln]
     assert library == [], library
-    assert len(lines) <= 12, text  # measured: 8 lines (103 before issue 13)
+    assert len(lines) <= 12, text  # measured: 8 lines (103 before the console was quietened)
 
     proc = _train(tmp_path / "verbose", "--verbose")
     text = proc.stdout

@@ -1,8 +1,8 @@
 """The embedded default (`megarl train` with no config, i.e. `make train`) learns its task.
 
 One full run of the default, in a subprocess, exactly as a user starts it: a tiny Llama from
-random init learns to copy 2-4 digit strings and stop (`megarl.data.toy`), GRPO on CPU. The README
-states >= 0.9 over the last 10 steps at seeds 0-2, measured 0.930 / 0.994 / 0.990 (and 0.889 for
+random init learns to copy 2-4 digit strings and stop (`megarl.data.toy`), GRPO on CPU.
+docs/training.md gives the last 10 steps at seeds 0-2, measured 0.930 / 0.994 / 0.990 (and 0.889 for
 seed 0 on one thread): another CPU or thread count changes the float sums and so the trajectory,
 so this test asserts 0.85, under every measured run and far above a broken learning path (which
 stays near the step-1 reward, ~0.03). It also checks that the run visibly learned to stop

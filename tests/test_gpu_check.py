@@ -14,7 +14,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# on the GPU machine: no vLLM, TE, apex, wandb, math-verify (nor what only they pull in)
+# on a GPU machine without network: no vLLM, TE, apex, wandb, math-verify (nor what only they
+# pull in)
 ABSENT_THERE = ("vllm", "transformer_engine", "apex", "flash_attn", "wandb", "math_verify",
                 "pydantic", "opentelemetry", "platformdirs", "dill")  # fmt: skip
 
@@ -53,7 +54,7 @@ def _by_check(records) -> dict:
 
 
 def test_without_gpu_every_gpu_check_skips(tmp_path):
-    # the venv path of the GPU machine: a venv made from another venv's Python (as from
+    # the venv path of a GPU image: a venv made from another venv's Python (as from
     # /opt/torch/.venv) must still see that venv's torch; no wheels needed here
     wheels = tmp_path / "wheels"
     wheels.mkdir()

@@ -1,8 +1,8 @@
-"""What can be checked on CPU of the GPU path (issue 9): the decisions each GPU-only branch
+"""What can be checked on CPU of the GPU path: the decisions each GPU-only branch
 takes, as pure functions, and the dispatch plan that makes every prompt be generated once.
 
 Numbers that only a GPU can give (NCCL, Transformer-Engine, vLLM on CUDA) are checked by
-`tools/gpu_check.sh` when a GPU is at hand; here each defect's logic is pinned down."""
+`tools/gpu_check.sh` when a GPU is at hand; here each decision's logic is pinned down."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.tiny import TINY_LLAMA
 ARCH = arch_from_hf(TINY_LLAMA)  # 4 layers, 2 KV heads, head_dim 16
 
 
-# ------------------------------------------------------------------ defect 4: device-mapped PG
+# ------------------------------------------------------------------ device-mapped process group
 def test_backend_on_gpu_maps_cpu_tensors_to_gloo(monkeypatch):
     from megarl.distributed import device
 
@@ -35,7 +35,7 @@ def test_backend_on_gpu_maps_cpu_tensors_to_gloo(monkeypatch):
     assert device.backend() == "gloo"
 
 
-# ------------------------------------------------------------------ defect 2: KV cache sizing
+# ------------------------------------------------------------------ KV cache sizing
 def test_kv_cache_defaults_to_gpu_memory_utilization_and_a_cpu_size():
     cfg = RolloutConfig()
     assert cfg.kv_cache_memory_bytes is None
@@ -127,7 +127,7 @@ def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path)
     assert order == ["check", ("LLM", "external_launcher", True)]
 
 
-# ------------------------------------------------------------------ defect 8: stop tokens
+# ------------------------------------------------------------------ stop tokens
 def test_stop_tokens_default_to_the_models_eos_ids(tmp_path):
     class Tok:
         eos_token_id = 2
@@ -139,7 +139,7 @@ def test_stop_tokens_default_to_the_models_eos_ids(tmp_path):
     assert resolve_stop_tokens((7,), Tok(), hf) == (7,)
 
 
-# ------------------------------------------------------------------ defect 3: batches to device
+# ------------------------------------------------------------------ batches to the device
 def test_micro_batches_move_to_the_model_device_except_host_indices():
     from megarl.models.forward import to_device
 
@@ -149,7 +149,7 @@ def test_micro_batches_move_to_the_model_device_except_host_indices():
     assert out["index"].device.type == "cpu" and out["k"] is None
 
 
-# ------------------------------------------------------------------ defect 9: FP8 shapes
+# ------------------------------------------------------------------ FP8 shapes
 def test_sequence_multiple_pads_for_fp8_and_sequence_parallel():
     from megarl.models.forward import sequence_multiple
 
@@ -173,7 +173,7 @@ def test_fp8_refuses_weight_shapes_that_cannot_be_padded():
         _check_fp8_shapes(ARCH, ParallelConfig(tensor_parallel=8), fp8)
 
 
-# ------------------------------------------------------------------ defect 11: no silent fallback
+# ------------------------------------------------------------------ no silent fallback
 def test_missing_transformer_engine_on_gpu_is_an_error():
     from megarl.models.builder import BuildConfig, resolve_use_te
 
@@ -195,7 +195,7 @@ def test_missing_transformer_engine_on_gpu_is_an_error():
         PrecisionConfig(dtype="bf16", fp8="hybrid", transformer_engine=False)
 
 
-# ------------------------------------------------------------------ defect 12: context parallel
+# ------------------------------------------------------------------ context parallel
 def test_context_parallel_is_refused_until_implemented():
     from megarl.distributed import ParallelConfig
     from megarl.distributed.topology import TopologyError
@@ -204,7 +204,7 @@ def test_context_parallel_is_refused_until_implemented():
         ParallelConfig(context_parallel=2)
 
 
-# ------------------------------------------------------------------ defect 13: FP8 MFU
+# ------------------------------------------------------------------ FP8 MFU
 def test_fp8_runs_report_mfu_against_the_fp8_and_the_bf16_peak():
     from megarl.metrics.throughput import precision_mfu
 
@@ -218,7 +218,7 @@ def test_fp8_runs_report_mfu_against_the_fp8_and_the_bf16_peak():
     assert precision_mfu("cpu", torch.float32, False, 1e12, 1) == {}
 
 
-# ------------------------------------------------------------------ defect 7: dispatch plan
+# ------------------------------------------------------------------ dispatch plan
 def _megatron_dp_of(world: int, tp: int, pp: int) -> list[int]:
     """DP rank of every global rank under megatron's default order tp-cp-ep-dp-pp (TP fastest,
     PP slowest; CP = EP = 1)."""

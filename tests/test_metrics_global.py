@@ -1,4 +1,4 @@
-"""Logged metrics are global: DP=1 and DP=2 log the same values for the same data (issue 10).
+"""Logged metrics are global: DP=1 and DP=2 log the same values for the same data.
 
 The trainer's own step functions (`megarl.trainer.loop`: forward passes, advantages, update,
 collect_metrics) run on a real megatron tiny Llama over gloo, once in one process holding the

@@ -1,4 +1,4 @@
-"""`megarl plan`: the verdicts the issue asks for, the arithmetic behind each row, and each row
+"""`megarl plan`: the fit / no-fit verdicts, the arithmetic behind each row, and each row
 against a measurement.
 
 (a) the 70B example fits 32 x 80 GiB and is rejected on 8 x 80 GiB with the reason, through the
@@ -61,7 +61,7 @@ def _example(model: str) -> list[str]:
     return [EXAMPLE_70B, "--set", "model.mcore_ckpt=null", "--set", f"model.hf={model}"]
 
 
-# ------------------------------------------------------------------ (a) the issue's verdicts
+# ------------------------------------------------------------------ (a) the verdicts
 def test_70b_example_fits_on_32_gpus_of_80_gib(llama70b):
     proc = _cli(*_example(llama70b), "--gpus", "32", "--gpu-mem", "80")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""The order of one RL step around the colocated engine (issue 9, defect 6), observed on the real
+"""The order of one RL step around the colocated engine, observed on the real
 engine and trainer: generate -> sleep -> (forward passes, train) -> empty_cache ->
 wake_up(weights) -> weight sync (which drops vLLM's prefix cache) -> wake_up(kv_cache).
 

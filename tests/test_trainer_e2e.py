@@ -62,7 +62,7 @@ def _check_run(out, rows, steps):
     assert set(rows[-1]["time_s"]) >= {"rollout", "reward", "logprobs", "train", "sync"}
     # the engine samples from exactly the weights the trainer holds (fp32, CPU)
     assert max(r["logprob_mismatch_max"] for r in rows) <= 1e-4
-    # every prompt is generated once, whatever the layout (issue 9, defect 7)
+    # every prompt is generated once, whatever the layout
     with open(os.path.join(out, "config.yaml")) as f:
         cfg = yaml.safe_load(f)
     want = cfg["data"]["prompts_per_step"] * cfg["rollout"]["n"]
@@ -72,7 +72,7 @@ def _check_run(out, rows, steps):
 
 
 STEPS = 16
-# sequences, KL to the reference and a temperature that is not 1 (issue 10): every e2e run
+# sequences, KL to the reference and a temperature that is not 1: every e2e run
 SEQ = [f"trainer.steps={STEPS}", "rollout.temperature=0.9", "rollout.max_tokens=8"]
 
 

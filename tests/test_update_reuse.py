@@ -1,4 +1,4 @@
-"""Work the trainer skips or regroups changes no loss, metric or gradient (issue 11).
+"""Work the trainer skips or regroups changes no loss, metric or gradient.
 
 1. One epoch over one mini-batch: the update's own detached logprobs are the old ones. A
    separate old-logprob forward pass cannot change such an update (ratio = 1 by construction);

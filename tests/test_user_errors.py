@@ -51,7 +51,7 @@ def _assert_user_error(proc, seconds: float, *needles: str, out_dir=None) -> str
     return lines[0]
 
 
-# ---------------------------------------------------------------- the cases of issue 13
+# ---------------------------------------------------------------- the common mistakes
 def test_missing_data_file(tmp_path):
     proc, s = _train(tmp_path, "--set", f"data.path={tmp_path}/nope.jsonl")
     run = tmp_path / "run"

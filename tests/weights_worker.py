@@ -250,7 +250,7 @@ def _check_export(arch, out, naive, hf_dir, where, dtype) -> list[str]:
 
 # ----------------------------------------------------------------------------- memory
 def _old_initial_state(actor, arch, hf_dir):
-    """The replaced code (run.py `_initial_state` before issue 9), kept as the control."""
+    """The replaced code (run.py's `_initial_state` before streamed init), kept as the control."""
     if hf_dir is not None:
         lazy = LazyHFTensors(hf_dir)
         full = dict(hf_to_canonical(arch, lazy.get, lazy.names))

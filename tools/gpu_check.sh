@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# megarl GPU check (issue 9): everything megarl can check on a lent GPU machine without network.
+# megarl GPU check: everything megarl can check on a GPU machine without network access.
 #
 #   bash tools/gpu_check.sh [--cpu] [--only STEP,STEP] [--budget SECONDS]
 #

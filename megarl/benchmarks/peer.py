@@ -1,6 +1,6 @@
 """`--suite peer`: megarl against TRL's `GRPOTrainer` on one GRPO workload, in one process tree.
 
-The workload (issue 11): a random 18.9M-parameter Llama (hidden 512, 8 layers, 16 heads, 8 KV
+The workload: a random 18.9M-parameter Llama (hidden 512, 8 layers, 16 heads, 8 KV
 heads, MLP 1024, vocab 64), the toy character tokenizer, the 55 prompts "a+b=" with a + b <= 9
 (4 tokens each; `ROWS`, written to `prompts.jsonl` beside the model), GRPO with 8 prompts x 8
 samples per step, temperature 1, at most 64 new tokens with a stop at EOS, lr 1e-3 (constant,

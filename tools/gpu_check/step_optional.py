@@ -1,7 +1,7 @@
-"""Step 5: what the GPU machine usually cannot check: Transformer-Engine, FP8, the vLLM engine.
+"""Step 5: what a GPU machine without network seldom has: Transformer-Engine, FP8, vLLM.
 
 Transformer-Engine (~276 MB wheel plus a source build) and vLLM's CUDA wheel (hundreds of MB)
-cannot travel to the lent machine, which has no network, so these are SKIPs with the reason,
+cannot be installed on a GPU machine without network, so these are SKIPs with the reason,
 unless the modules import there; then a minimal check runs:
 - transformer_engine: a tiny model on megarl's TE layer spec (`precision.transformer_engine=
   True`), bf16, one forward + backward, finite.

@@ -1,10 +1,11 @@
 """Step 3: the weight-sync writer into vLLM-layout tensors on the device, bitwise, at 7B shapes.
 
-megarl's sync normally describes a live vLLM model (`vllm_layout.describe_model`). vLLM cannot
-travel to the GPU machine, so the description of a vLLM TP=1 Llama (qkv_proj, gate_up_proj,
-o_proj, down_proj, norms, embed_tokens, lm_head with vLLM's vocab padding to a multiple of 64) is
-built here from `vllm_layout.pieces_for_module`, the same rule `describe_model` applies to live
-modules, and the vLLM parameters are plain device tensors (NaN-filled, as dummy weights).
+megarl's sync normally describes a live vLLM model (`vllm_layout.describe_model`). vLLM cannot be
+installed on a GPU machine without network, so the description of a vLLM TP=1 Llama (qkv_proj,
+gate_up_proj, o_proj, down_proj, norms, embed_tokens, lm_head with vLLM's vocab padding to a
+multiple of 64) is built here from `vllm_layout.pieces_for_module`, the same rule `describe_model`
+applies to live modules, and the vLLM parameters are plain device tensors (NaN-filled, as dummy
+weights).
 - plan: a megatron model (the frozen-reference builder, bf16, local spec) of a 7B Llama shape
   with grouped-query attention (Mistral-7B: 32 heads, 8 KV heads), `check_coverage`, the sources
   published the way `WeightSync.__init__` does (`weight_sync._sources`, one `RankMeta`),
