@@ -66,6 +66,7 @@ def job(rank: int, world: int, algo: str) -> dict:
     from megarl.models.optim import build_optimizer
     from megarl.trainer import experience as xp
     from megarl.trainer import loop
+    from megarl.trainer.run import Models, Trained
 
     torch.set_num_threads(1)
     cfg = _config(algo)
@@ -83,10 +84,10 @@ def job(rank: int, world: int, algo: str) -> dict:
     gr = torch.Generator().manual_seed(11)
     ref_state = {k: v + 0.05 * torch.randn(v.shape, generator=gr) for k, v in state.items()}
     opt, sched = build_optimizer(actor, cfg.optim, dtype="fp32", total_steps=4)
-    critic = critic_opt = critic_sched = None
+    critic = None
     if algo == "ppo":
-        critic = make("critic", {**state, "output_layer.weight": torch.zeros(1, arch.hidden_size)})
-        critic_opt, critic_sched = build_optimizer(critic, cfg.critic_optim, dtype="fp32")
+        chunks = make("critic", {**state, "output_layer.weight": torch.zeros(1, arch.hidden_size)})
+        critic = Trained(chunks, *build_optimizer(chunks, cfg.critic_optim, dtype="fp32"))
     g = torch.Generator().manual_seed(7)
     responses = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
     sampler = [(-torch.rand(n, generator=g) - 0.5).tolist() for n in LENGTHS]
@@ -104,14 +105,12 @@ def job(rank: int, world: int, algo: str) -> dict:
         groups=groups,
         arch=arch,
         step=0,
-        actor=actor,
-        actor_opt=opt,
-        actor_sched=sched,
-        reference=make("reference", ref_state),
-        critic=critic,
-        critic_opt=critic_opt,
-        critic_sched=critic_sched,
-        dispatcher=SimpleNamespace(samples_generated=len(rows)),
+        models=Models(
+            actor=Trained(actor, opt, sched),
+            reference=make("reference", ref_state),
+            critic=critic,
+        ),
+        rollout=SimpleNamespace(dispatcher=SimpleNamespace(samples_generated=len(rows))),
     )
     rewards = torch.tensor([REWARDS[i] for i in rows])
     group_ids = torch.tensor([prompt_of[i] for i in rows])  # global prompt ids

@@ -65,7 +65,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         with timer("train"):
             train_metrics = update(run, batch)
         with timer("sync"):
-            run.sync_weights()
+            run.rollout.sync_weights()
         run.step += 1
         metrics = collect_metrics(
             run,
@@ -100,12 +100,12 @@ def generate(run: Run):
     """This DP rank's prompts and their samples (each prompt generated once, by the engines of
     its model-parallel group: `megarl.rollout.dispatch`); then the engine sleeps (GPU: frees its
     weights and KV cache for the trainer) until the next weight sync wakes it."""
-    prompts = run.dataset.batch(run.sampler.next_step())
+    prompts = run.data.dataset.batch(run.data.sampler.next_step())
     count = len(prompts.prompt_ids)
     positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
     seed = run.cfg.trainer.seed * 1_000_003 + run.step
-    rollout = run.dispatcher.generate(prompts.prompt_ids, positions, seed)
-    run.engine.sleep()
+    rollout = run.rollout.dispatcher.generate(prompts.prompt_ids, positions, seed)
+    run.rollout.engine.sleep()
     return prompts, rollout
 
 
@@ -138,7 +138,7 @@ def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics]:
 def forward_passes(run: Run, batch: dict) -> None:
     """Old-policy (when the update needs them first: `recompute_old_logprobs`) and reference
     logprobs, and critic values, into `batch` (last PP stage)."""
-    alg, g = run.cfg.algorithm, run.groups
+    alg, g, m = run.cfg.algorithm, run.groups, run.models
     split = dict(
         micro_batch_size=alg.micro_batch_size,
         groups=g,
@@ -148,11 +148,11 @@ def forward_passes(run: Run, batch: dict) -> None:
     kw = dict(split, vocab_size=run.arch.vocab_size, temperature=run.cfg.rollout.temperature)
     batch["old_logprobs"] = None  # the update's own forward provides them (one epoch, one mb)
     if recompute_old_logprobs(run.cfg.algorithm) or not _trains_policy(run):
-        batch["old_logprobs"] = xp.forward_logprobs(run.actor, batch, **kw)
-    if run.reference is not None:
-        batch["ref_logprobs"] = xp.forward_logprobs(run.reference, batch, **kw)
-    if run.critic is not None:
-        batch["old_values"] = xp.forward_values(run.critic, batch, **split)
+        batch["old_logprobs"] = xp.forward_logprobs(m.actor.chunks, batch, **kw)
+    if m.reference is not None:
+        batch["ref_logprobs"] = xp.forward_logprobs(m.reference, batch, **kw)
+    if m.critic is not None:
+        batch["old_values"] = xp.forward_values(m.critic.chunks, batch, **split)
 
 
 def balance(run: Run, rollout, rewards, group_ids, metrics: LocalMetrics):
@@ -201,13 +201,14 @@ def advantages(run: Run, batch: dict, rewards: torch.Tensor, group_ids: torch.Te
 
 def update(run: Run, batch: dict) -> LocalMetrics:
     alg, g, seed = run.cfg.algorithm, run.groups, run.cfg.trainer.seed * 1000003 + run.step
+    actor, critic = run.models.actor, run.models.critic
     metrics = LocalMetrics()
-    if run.critic is not None:
+    if critic is not None:
         metrics.update(
             train_value(
-                run.critic,
-                run.critic_opt,
-                run.critic_sched,
+                critic.chunks,
+                critic.opt,
+                critic.sched,
                 batch,
                 alg=alg,
                 groups=g,
@@ -218,9 +219,9 @@ def update(run: Run, batch: dict) -> LocalMetrics:
     if _trains_policy(run):
         metrics.update(
             train_policy(
-                run.actor,
-                run.actor_opt,
-                run.actor_sched,
+                actor.chunks,
+                actor.opt,
+                actor.sched,
                 batch,
                 alg=alg,
                 rollout=run.cfg.rollout,
@@ -235,7 +236,7 @@ def update(run: Run, batch: dict) -> LocalMetrics:
 
 def _trains_policy(run: Run) -> bool:
     """PPO trains only the critic for its first `trainer.critic_warmup_steps` steps."""
-    return run.critic is None or run.step >= run.cfg.trainer.critic_warmup_steps
+    return run.models.critic is None or run.step >= run.cfg.trainer.critic_warmup_steps
 
 
 def collect_metrics(
@@ -260,7 +261,8 @@ def collect_metrics(
     local.add_sum("tokens", batch["seq_len"].sum())
     local.update(reward_metrics)
     local.update(train_metrics)
-    local.update(moe_metrics(run.actor, run.arch))  # router load balance, aux loss (MoE only)
+    # router load balance, aux loss (MoE only)
+    local.update(moe_metrics(run.models.actor.chunks, run.arch))
     if g.is_last_stage:
         old, valid = batch["old_logprobs"], mask.bool()
         diff = (old.double() - batch["sampler_logprobs"].double()).abs()[valid]
@@ -276,7 +278,7 @@ def collect_metrics(
     var = (merged.pop("_reward_sq") - mean * mean) * n / max(n - 1, 1)  # unbiased, as torch.std
     merged["reward_std"] = math.sqrt(max(var, 0.0))
     # every prompt generated once: samples generated in the world = prompts x n
-    made = torch.tensor([float(run.dispatcher.samples_generated)], dtype=torch.float64)
+    made = torch.tensor([float(run.rollout.dispatcher.samples_generated)], dtype=torch.float64)
     dist.all_reduce(made)
     merged["rollout/samples_generated"] = made.item()
     # the last stage's view reaches rank 0 through the pipeline group
@@ -348,7 +350,7 @@ def export_hf(run: Run, out: str) -> None:
 
     tok_dir = os.path.join(run.out_dir, "tokenizer")  # only rank 0 reads it
     save_hf_streaming(
-        run.actor,
+        run.models.actor.chunks,
         run.arch,
         out,
         tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,

@@ -1,8 +1,11 @@
-"""Everything one training run holds, built once: topology, models, optimizers, the colocated
-rollout engine and its weight sync, data, reward functions, logging, and resume.
+"""Everything one training run holds, built once: topology, models by role (`Models`), the
+colocated rollout engine and its weight sync (`RolloutParts`), data (`Data`), reward functions,
+logging, and resume.
 
-The named steps of the RL loop (`megarl.trainer.loop`) are methods of `Run`, so the loop itself
-reads like the algorithm. Process groups come from the topology and are passed down explicitly.
+Each part has one builder below; `Run.create` is the RL run's sequence of them, checking
+everything a user can get wrong before any model or engine exists. A run that needs no engine
+builds models, data and logging only. Process groups come from the topology and are passed down
+explicitly.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,18 @@ from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from transformers import PreTrainedTokenizerBase
+
+    from megarl.data.dataset import PromptDataset
+    from megarl.data.sampler import PromptSampler
+    from megarl.metrics.sinks import MetricsLogger
+    from megarl.rollout.dispatch import RolloutDispatcher
+    from megarl.rollout.engine import RolloutEngine
+    from megarl.rollout.weight_sync import WeightSync
 
 log = logging.getLogger("megarl")
 
@@ -76,176 +92,44 @@ def load_tokenizer(cfg: RunConfig, out_dir: str):
 
 
 @dataclass
-class Run:
-    cfg: RunConfig
-    out_dir: str
-    topo: Topology
-    groups: Groups
-    arch: ModelArch
-    tokenizer: object
-    actor: list
-    actor_opt: object
-    actor_sched: object
-    reference: list | None
-    critic: list | None
-    critic_opt: object
-    critic_sched: object
-    engine: object
-    sync: object
-    dispatcher: object
-    dataset: object
-    sampler: object
-    reward_fns: list
-    logger: object
-    resume: tuple[str, dict] | None = None
-    """(checkpoint directory, its trainer state) to resume from, read and checked in create."""
-    step: int = 0
-    bad_steps: int = 0
-    extra: dict = field(default_factory=dict)
+class Trained:
+    """A model the run trains: this rank's megatron chunks (one per virtual pipeline stage),
+    its DistributedOptimizer and its LR schedule."""
 
-    # ------------------------------------------------------------------ construction
-    @staticmethod
-    def create(cfg: RunConfig, out_dir: str) -> Run:
-        rank, world = init_distributed()
-        check_paths(cfg)
-        arch = load_arch(cfg)
-        longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
-        if longest > arch.max_position_embeddings:
-            raise ConfigError(
-                f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_tokens "
-                f"({cfg.rollout.max_tokens}) = {longest} exceeds the model's "
-                f"max_position_embeddings ({arch.max_position_embeddings})"
-            )
-        p = cfg.parallel
-        try:
-            topo = Topology.for_model(p, world, arch)
-            topo.check_training(arch)
-        except TopologyError as e:  # name the config section
-            raise TopologyError(f"parallel: {e}") from e
-        gpu = device.use_gpu()
-        slow = None if gpu else device.cpu_half_precision_note(cfg.precision.dtype)
-        if slow and rank == 0:
-            log.warning(slow)
-        if rank == 0:
-            os.makedirs(out_dir, exist_ok=True)
-        groups = topo.initialize(seed=cfg.model.init_seed)
-        tokenizer = load_tokenizer(cfg, out_dir)
-        # everything a user can get wrong is checked before the models and the engine exist
-        cfg = _resolve_rollout(cfg, arch, tokenizer, gpu)
-        dataset, sampler = _data(cfg, tokenizer, groups)
-        reward_fns = _reward_functions(cfg)
-        _check_model_files(cfg, arch)
-        resume = _resume_state(cfg, out_dir, arch, sampler)
-        if rank == 0:
-            _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
-        build = BuildConfig(
-            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-            routing_replay=cfg.rollout.routing_replay,
-        )
-        make = lambda role: build_model(arch, p, cfg.precision, role=role, build=build, gpu=gpu)  # noqa: E731
+    chunks: list
+    opt: MegatronOptimizer
+    sched: OptimizerParamScheduler
 
-        actor = make("actor")
-        _initial_state(cfg, arch, actor)
-        updates = cfg.trainer.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
-        actor_opt, actor_sched = build_optimizer(
-            actor, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates
-        )
-        reference = None
-        if cfg.algorithm.kl_coef > 0:
-            reference = make("reference")
-            copy_weights(actor, reference)  # the initial policy (resume loads the actor later)
-        critic = critic_opt = critic_sched = None
-        if cfg.algorithm.name == "ppo":
-            critic = make("critic")
-            copy_weights(actor, critic)  # the actor's trunk; the value head starts at zero
-            critic_opt, critic_sched = build_optimizer(
-                critic, cfg.critic_optim, dtype=cfg.precision.dtype, total_steps=updates
-            )
 
-        engine, sync, dispatcher = _rollout(cfg, arch, actor, groups, out_dir)
-        from megarl.metrics.sinks import MetricsLogger
+@dataclass
+class Models:
+    """The run's megatron models by role, each sharded by the run's topology."""
 
-        lg = cfg.logging
-        wandb_cfg = None
-        if lg.wandb and lg.wandb_mode != "disabled":
-            wandb_cfg = {
-                "mode": os.environ.get("WANDB_MODE", lg.wandb_mode),
-                "project": lg.wandb_project,
-                "config": to_dict(cfg),
-                "dir": out_dir,
-            }
-        logger = MetricsLogger(out_dir, rank=rank, wandb_cfg=wandb_cfg, tensorboard=lg.tensorboard)
-        run = Run(
-            cfg=cfg,
-            out_dir=out_dir,
-            topo=topo,
-            groups=groups,
-            arch=arch,
-            tokenizer=tokenizer,
-            actor=actor,
-            actor_opt=actor_opt,
-            actor_sched=actor_sched,
-            reference=reference,
-            critic=critic,
-            critic_opt=critic_opt,
-            critic_sched=critic_sched,
-            engine=engine,
-            sync=sync,
-            dispatcher=dispatcher,
-            dataset=dataset,
-            sampler=sampler,
-            reward_fns=reward_fns,
-            logger=logger,
-            resume=resume,
-        )
-        run.maybe_resume()
-        run.sync_weights()
-        return run
+    actor: Trained
+    """The policy that trains (the model an SFT / DPO / RL run improves and exports)."""
+    reference: list | None = None
+    """Frozen chunks of the initial policy (the KL term); None when nothing reads it."""
+    critic: Trained | None = None
+    """The value model (PPO): the actor's trunk with a scalar head."""
 
-    # ------------------------------------------------------------------ checkpoints
-    def _models(self) -> dict:
-        models = {"actor": (self.actor, self.actor_opt)}
+    def checkpointed(self) -> dict:
+        """{name: (chunks, optimizer)} of what a checkpoint holds (the trained models; the
+        reference is rebuilt from the initial weights)."""
+        models = {"actor": (self.actor.chunks, self.actor.opt)}
         if self.critic is not None:
-            models["critic"] = (self.critic, self.critic_opt)
+            models["critic"] = (self.critic.chunks, self.critic.opt)
         return models
 
-    def trainer_state(self) -> dict:
-        state = {
-            "step": self.step,
-            "sampler": self.sampler.state_dict(),
-            "actor_sched": self.actor_sched.state_dict(),
-            "arch": self.arch.hf_config,
-        }
-        if self.critic_sched is not None:
-            state["critic_sched"] = self.critic_sched.state_dict()
-        return state
 
-    def save(self) -> str:
-        path = checkpoint.save(
-            self.out_dir,
-            self.step,
-            self._models(),
-            self.trainer_state(),
-            keep_last=self.cfg.trainer.keep_last,
-        )
-        log.info("saved checkpoint %s", path)
-        return path
+@dataclass
+class RolloutParts:
+    """The colocated generation side: this rank's vLLM engine, the weight sync from the actor's
+    shards into it, and the dispatcher that has each prompt generated once."""
 
-    def maybe_resume(self) -> None:
-        if self.resume is None:
-            return
-        path, state = self.resume
-        checkpoint.load_models(path, self._models())
-        torch.set_rng_state(state["torch_rng"])
-        self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.actor_sched.load_state_dict(state["actor_sched"])
-        if self.critic_sched is not None:
-            self.critic_sched.load_state_dict(state["critic_sched"])
-        self.logger.truncate_after(self.step)
-        log.info("resumed from %s at step %d", path, self.step)
+    engine: RolloutEngine
+    sync: WeightSync
+    dispatcher: RolloutDispatcher
 
-    # ------------------------------------------------------------------ weight sync
     def sync_weights(self) -> dict:
         """Push the actor's weights into this rank's vLLM engine (collective).
 
@@ -259,8 +143,219 @@ class Run:
         self.engine.wake_up(["kv_cache"])
         return stats
 
+
+@dataclass
+class Data:
+    """The training rows and the resumable order this DP rank reads them in."""
+
+    dataset: PromptDataset
+    sampler: PromptSampler
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    out_dir: str
+    topo: Topology
+    groups: Groups
+    arch: ModelArch
+    tokenizer: PreTrainedTokenizerBase
+    models: Models
+    data: Data
+    logger: MetricsLogger
+    rollout: RolloutParts | None = None
+    """The generation side; None for a run that builds no engine."""
+    reward_fns: list = field(default_factory=list)
+    """The loaded `reward.functions`, in order."""
+    resume: tuple[str, dict] | None = None
+    """(checkpoint directory, its trainer state) to resume from, read and checked in create."""
+    step: int = 0
+    bad_steps: int = 0
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def create(cfg: RunConfig, out_dir: str) -> Run:
+        """The RL run: every check a user's input can fail, then models, engine and logging."""
+        rank, world = init_distributed()
+        check_paths(cfg)
+        arch = load_arch(cfg)
+        _check_rollout_length(cfg, arch)
+        topo, groups = build_topology(cfg, arch, world, out_dir)
+        tokenizer = load_tokenizer(cfg, out_dir)
+        gpu = device.use_gpu()
+        # everything a user can get wrong is checked before the models and the engine exist
+        cfg = _resolve_rollout(cfg, arch, tokenizer, gpu)
+        data = build_data(cfg, tokenizer, groups)
+        reward_fns = _reward_functions(cfg)
+        _check_model_files(cfg, arch)
+        resume = _resume_state(cfg, out_dir, arch, data.sampler)
+        write_config(cfg, out_dir)
+        a = cfg.algorithm
+        models = build_models(
+            cfg,
+            arch,
+            gpu=gpu,
+            updates=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
+            reference=a.kl_coef > 0,
+            critic=a.name == "ppo",
+        )
+        rollout = build_rollout(cfg, arch, models.actor.chunks, groups, out_dir)
+        run = Run(
+            cfg=cfg,
+            out_dir=out_dir,
+            topo=topo,
+            groups=groups,
+            arch=arch,
+            tokenizer=tokenizer,
+            models=models,
+            data=data,
+            logger=build_logger(cfg, out_dir),
+            rollout=rollout,
+            reward_fns=reward_fns,
+            resume=resume,
+        )
+        run.maybe_resume()
+        run.rollout.sync_weights()
+        return run
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainer_state(self) -> dict:
+        m = self.models
+        state = {
+            "step": self.step,
+            "sampler": self.data.sampler.state_dict(),
+            "actor_sched": m.actor.sched.state_dict(),
+            "arch": self.arch.hf_config,
+        }
+        if m.critic is not None:
+            state["critic_sched"] = m.critic.sched.state_dict()
+        return state
+
+    def save(self) -> str:
+        path = checkpoint.save(
+            self.out_dir,
+            self.step,
+            self.models.checkpointed(),
+            self.trainer_state(),
+            keep_last=self.cfg.trainer.keep_last,
+        )
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def maybe_resume(self) -> None:
+        if self.resume is None:
+            return
+        path, state = self.resume
+        m = self.models
+        checkpoint.load_models(path, m.checkpointed())
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
+        self.data.sampler.load_state_dict(state["sampler"])
+        m.actor.sched.load_state_dict(state["actor_sched"])
+        if m.critic is not None:
+            m.critic.sched.load_state_dict(state["critic_sched"])
+        self.logger.truncate_after(self.step)
+        log.info("resumed from %s at step %d", path, self.step)
+
     def close(self) -> None:
         self.logger.close()
+
+
+# ---------------------------------------------------------------------- the builders
+def _check_rollout_length(cfg: RunConfig, arch: ModelArch) -> None:
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+    if longest > arch.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_tokens "
+            f"({cfg.rollout.max_tokens}) = {longest} exceeds the model's "
+            f"max_position_embeddings ({arch.max_position_embeddings})"
+        )
+
+
+def build_topology(
+    cfg: RunConfig, arch: ModelArch, world: int, out_dir: str
+) -> tuple[Topology, Groups]:
+    """Check the layout for `world` ranks (naming the `parallel` section), create the run
+    directory and megatron's process groups."""
+    rank = dist.get_rank()
+    try:
+        topo = Topology.for_model(cfg.parallel, world, arch)
+        topo.check_training(arch)
+    except TopologyError as e:  # name the config section
+        raise TopologyError(f"parallel: {e}") from e
+    slow = None if device.use_gpu() else device.cpu_half_precision_note(cfg.precision.dtype)
+    if slow and rank == 0:
+        log.warning(slow)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    return topo, topo.initialize(seed=cfg.model.init_seed)
+
+
+def write_config(cfg: RunConfig, out_dir: str) -> None:
+    """The resolved config as `out_dir/config.yaml` (rank 0)."""
+    if dist.get_rank() == 0:
+        _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
+
+
+def build_models(
+    cfg: RunConfig, arch: ModelArch, *, gpu: bool, updates: int, reference: bool, critic: bool
+) -> Models:
+    """The actor (with its starting weights), and the reference / critic when asked, each
+    built by its role's function. `updates`: optimizer steps the LR schedules span."""
+    build = BuildConfig(
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        routing_replay=cfg.rollout.routing_replay,
+    )
+
+    def make(role: str) -> list:
+        return build_model(arch, cfg.parallel, cfg.precision, role=role, build=build, gpu=gpu)
+
+    actor = build_actor(cfg, arch, make, updates)
+    return Models(
+        actor=actor,
+        reference=build_reference(make, actor) if reference else None,
+        critic=build_critic(cfg, make, actor, updates) if critic else None,
+    )
+
+
+def build_actor(cfg: RunConfig, arch: ModelArch, make, updates: int) -> Trained:
+    chunks = make("actor")
+    _initial_state(cfg, arch, chunks)
+    opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
+    return Trained(chunks, opt, sched)
+
+
+def build_reference(make, actor: Trained) -> list:
+    chunks = make("reference")
+    copy_weights(actor.chunks, chunks)  # the initial policy (resume loads the actor later)
+    return chunks
+
+
+def build_critic(cfg: RunConfig, make, actor: Trained, updates: int) -> Trained:
+    chunks = make("critic")
+    copy_weights(actor.chunks, chunks)  # the actor's trunk; the value head starts at zero
+    opt, sched = build_optimizer(
+        chunks, cfg.critic_optim, dtype=cfg.precision.dtype, total_steps=updates
+    )
+    return Trained(chunks, opt, sched)
+
+
+def build_logger(cfg: RunConfig, out_dir: str) -> MetricsLogger:
+    """metrics.jsonl on rank 0, and wandb / tensorboard as `logging` asks."""
+    from megarl.metrics.sinks import MetricsLogger
+
+    lg = cfg.logging
+    wandb_cfg = None
+    if lg.wandb and lg.wandb_mode != "disabled":
+        wandb_cfg = {
+            "mode": os.environ.get("WANDB_MODE", lg.wandb_mode),
+            "project": lg.wandb_project,
+            "config": to_dict(cfg),
+            "dir": out_dir,
+        }
+    return MetricsLogger(
+        out_dir, rank=dist.get_rank(), wandb_cfg=wandb_cfg, tensorboard=lg.tensorboard
+    )
 
 
 def _write_yaml(path: str, data: dict) -> None:
@@ -382,7 +477,9 @@ def _resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> R
     return dataclasses.replace(cfg, rollout=rollout)
 
 
-def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: str):
+def build_rollout(
+    cfg: RunConfig, arch: ModelArch, actor: list, groups: Groups, out_dir: str
+) -> RolloutParts:
     """An engine on every rank: SPMD (external_launcher, its own TP) on GPU; on CPU a TP=1
     engine per rank that receives the full model. The dispatcher has each prompt generated
     once, by the engines of its model-parallel group."""
@@ -402,10 +499,10 @@ def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: st
     dist.barrier()
     engine = RolloutEngine(model_dir, arch, cfg.rollout, dtype=cfg.precision.dtype)
     sync = WeightSync(actor, arch, engine, groups)
-    return engine, sync, RolloutDispatcher(engine, groups.dp_rank)
+    return RolloutParts(engine, sync, RolloutDispatcher(engine, groups.dp_rank))
 
 
-def _data(cfg: RunConfig, tokenizer, groups: Groups):
+def build_data(cfg: RunConfig, tokenizer, groups: Groups) -> Data:
     from megarl.data.dataset import PromptDataset
     from megarl.data.sampler import PromptSampler
 
@@ -418,7 +515,7 @@ def _data(cfg: RunConfig, tokenizer, groups: Groups):
         seed=cfg.data.seed,
         shuffle=cfg.data.shuffle,
     )
-    return dataset, sampler
+    return Data(dataset, sampler)
 
 
 def _reward_functions(cfg: RunConfig) -> list:
