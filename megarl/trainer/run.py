@@ -27,6 +27,7 @@ from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
+from megarl.trainer.evaluate import Evaluator, check_eval
 
 log = logging.getLogger("megarl")
 
@@ -97,6 +98,8 @@ class Run:
     sampler: object
     reward_fns: list
     logger: object
+    evaluator: object = None
+    """Held-out evaluation (`megarl.trainer.evaluate.Evaluator`); None without held-out prompts."""
     resume: tuple[str, dict] | None = None
     """(checkpoint directory, its trainer state) to resume from, read and checked in create."""
     step: int = 0
@@ -116,6 +119,7 @@ class Run:
                 f"({cfg.rollout.max_tokens}) = {longest} exceeds the model's "
                 f"max_position_embeddings ({arch.max_position_embeddings})"
             )
+        check_eval(cfg, arch)
         p = cfg.parallel
         try:
             topo = Topology.for_model(p, world, arch)
@@ -132,7 +136,7 @@ class Run:
         tokenizer = load_tokenizer(cfg, out_dir)
         # everything a user can get wrong is checked before the models and the engine exist
         cfg = _resolve_rollout(cfg, arch, tokenizer, gpu)
-        dataset, sampler = _data(cfg, tokenizer, groups)
+        dataset, sampler, held_out = _data(cfg, tokenizer, groups)
         reward_fns = _reward_functions(cfg)
         _check_model_files(cfg, arch)
         resume = _resume_state(cfg, out_dir, arch, sampler)
@@ -163,18 +167,8 @@ class Run:
             )
 
         engine, sync, dispatcher = _rollout(cfg, arch, actor, groups, out_dir)
-        from megarl.metrics.sinks import MetricsLogger
-
-        lg = cfg.logging
-        wandb_cfg = None
-        if lg.wandb and lg.wandb_mode != "disabled":
-            wandb_cfg = {
-                "mode": os.environ.get("WANDB_MODE", lg.wandb_mode),
-                "project": lg.wandb_project,
-                "config": to_dict(cfg),
-                "dir": out_dir,
-            }
-        logger = MetricsLogger(out_dir, rank=rank, wandb_cfg=wandb_cfg, tensorboard=lg.tensorboard)
+        evaluator = Evaluator.create(cfg, held_out, dispatcher, tokenizer, reward_fns, groups)
+        logger = build_logger(cfg, out_dir, rank)
         run = Run(
             cfg=cfg,
             out_dir=out_dir,
@@ -196,6 +190,7 @@ class Run:
             sampler=sampler,
             reward_fns=reward_fns,
             logger=logger,
+            evaluator=evaluator,
             resume=resume,
         )
         run.maybe_resume()
@@ -232,7 +227,8 @@ class Run:
         return path
 
     def maybe_resume(self) -> None:
-        if self.resume is None:
+        if self.resume is None:  # a fresh start: what an earlier attempt logged here goes
+            self.logger.truncate_after(-1)
             return
         path, state = self.resume
         checkpoint.load_models(path, self._models())
@@ -261,6 +257,22 @@ class Run:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def build_logger(cfg: RunConfig, out_dir: str, rank: int):
+    """metrics.jsonl and the samples files, mirrored to wandb / tensorboard as configured."""
+    from megarl.metrics.sinks import MetricsLogger
+
+    lg = cfg.logging
+    wandb_cfg = None
+    if lg.wandb and lg.wandb_mode != "disabled":
+        wandb_cfg = {
+            "mode": os.environ.get("WANDB_MODE", lg.wandb_mode),
+            "project": lg.wandb_project,
+            "config": to_dict(cfg),
+            "dir": out_dir,
+        }
+    return MetricsLogger(out_dir, rank=rank, wandb_cfg=wandb_cfg, tensorboard=lg.tensorboard)
 
 
 def _write_yaml(path: str, data: dict) -> None:
@@ -406,10 +418,12 @@ def _rollout(cfg: RunConfig, arch: ModelArch, actor, groups: Groups, out_dir: st
 
 
 def _data(cfg: RunConfig, tokenizer, groups: Groups):
-    from megarl.data.dataset import PromptDataset
+    """Training prompts, their sampler, and the held-out prompts (None without eval.path /
+    eval.fraction; `megarl.data.split`)."""
     from megarl.data.sampler import PromptSampler
+    from megarl.data.split import prompt_sets
 
-    dataset = PromptDataset.from_config(cfg.data, tokenizer)
+    dataset, held_out = prompt_sets(cfg.data, cfg.eval, tokenizer)
     sampler = PromptSampler(
         len(dataset),
         prompts_per_step=cfg.data.prompts_per_step,
@@ -418,7 +432,7 @@ def _data(cfg: RunConfig, tokenizer, groups: Groups):
         seed=cfg.data.seed,
         shuffle=cfg.data.shuffle,
     )
-    return dataset, sampler
+    return dataset, sampler, held_out
 
 
 def _reward_functions(cfg: RunConfig) -> list:
