@@ -192,7 +192,8 @@ class EvalConfig:
     seed: int = 0
     """Seed of the eval.fraction split."""
     max_prompts: int | None = None
-    """Evaluate at most this many held-out prompts (the first ones); null = all."""
+    """Evaluate at most this many held-out prompts, the first ones (of eval.path in file order;
+    of eval.fraction's split in its seeded order, so a random subset); null = all."""
     n: int = 1
     """Samples per prompt (pass@k for k <= n)."""
     temperature: float = 0.0

@@ -131,7 +131,7 @@ def plot_rewards(
                 ax.plot(fs, moving_average(fv, window), lw=1.0, ls="--", label=name)
             for name, es, ev in eval_series(records):
                 ax.plot(es, ev, lw=1.2, marker="o", ms=3, label=f"{name} (held-out)")
-            ax.legend(loc="lower right", fontsize=8)
+            ax.legend(loc="best", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
