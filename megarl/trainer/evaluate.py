@@ -21,7 +21,8 @@ every prompt would compute them; `megarl.metrics.reduce`):
   the chance that k samples drawn from the n hold a pass; averaged over prompts. With n = 1 and
   greedy decoding pass@1 is the accuracy of the greedy answer;
 - `eval/response_len` (tokens), `eval/truncated` (fraction that hit max_tokens),
-  `eval/prompts`, `eval/time_s` (slowest DP rank).
+  `eval/prompts`, `eval/reward_errors` (failures scored 0 under `reward.on_error: zero`),
+  `eval/time_s` (slowest DP rank).
 The first `eval.samples_logged` prompts' samples go to `RUN/eval_samples.jsonl`, gathered to
 global rank 0 from one rank per DP rank.
 
