@@ -4,6 +4,10 @@
 prints what rank R holds (groups, layers, parameters) without GPUs, weights, data or vLLM.
 `megarl plan CONFIG --gpus N --gpu-mem GIB [--nodes K]` adds the memory of one GPU in every
 phase of a step; exit status 0 when it fits, 1 when it does not (with what to change).
+`megarl eval CONFIG` or `megarl eval MODEL_DIR [--config CONFIG]` evaluates a model on the
+config's held-out prompts (eval.*) without training; MODEL_DIR is an HF directory (model.hf)
+or a megarl checkpoint (model.mcore_ckpt). `megarl train --show-samples` prints each step's
+best and worst sample.
 
 Without a config: the embedded default, a tiny CPU GRPO run on a toy copy task that visibly
 learns in a few minutes. Multi-rank: `torchrun --nproc_per_node N -m megarl train CONFIG`.
@@ -60,8 +64,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pl.add_argument("--nodes", type=int, metavar="K", help="nodes (default: 8 GPUs per node)")
     for name, (_, what) in TOOLS.items():  # listed in --help; `main` hands them their argv
         sub.add_parser(name, help=f"{what} (megarl {name} --help)", add_help=False)
-    for p in (t, c, pl):
-        p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny CPU run)")
+    e = sub.add_parser(
+        "eval",
+        parents=[common],
+        help="evaluate a model on the held-out prompts (eval.*), no training",
+        description="Evaluate a model on held-out prompts without training: the config's "
+        "eval.* settings, its reward functions and data.* settings; writes OUT/metrics.jsonl "
+        "(one record, eval/...), OUT/eval_samples.jsonl and prints a one-line summary.",
+    )
+    e.add_argument(
+        "target",
+        help="a YAML config, or a model: an HF directory (config.json; read as model.hf) or a "
+        "megarl checkpoint directory (read as model.mcore_ckpt)",
+    )
+    e.add_argument(
+        "--config",
+        dest="config_file",
+        metavar="CONFIG",
+        help="with a model TARGET: the config whose eval/data/reward settings to use (default: "
+        "the embedded tiny CPU run); its model.* source is replaced by TARGET",
+    )
+    e.add_argument("--out", help="output directory (default: runs/eval-<name>-<time>)")
+    for p in (t, c, pl, e):
+        if p is not e:
+            p.add_argument(
+                "config", nargs="?", help="YAML config (default: the embedded tiny CPU run)"
+            )
         p.add_argument(
             "--set",
             dest="overrides",
@@ -71,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help="dotted override, e.g. --set algorithm.kl_coef=0.01 (repeatable)",
         )
     t.add_argument("--out", help="run directory (default: runs/<config>-<time>)")
+    t.add_argument(
+        "--show-samples",
+        action="store_true",
+        help="print each step's best and worst sample (prompt, completion, reward, advantage) "
+        "on the console (sets logging.show_samples)",
+    )
     t.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
     t.add_argument(
         "--dry-run",
@@ -110,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command; returns its exit status (2 for an input error)."""
     console.setup(verbose=args.verbose)
-    command = {"train": _train, "config": _config, "plan": _plan}[args.command]
+    command = {"train": _train, "config": _config, "plan": _plan, "eval": _eval}[args.command]
     return console.run_guarded(partial(command, args), debug=args.debug)
 
 
@@ -148,6 +182,8 @@ def _print_config(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from megarl.config import ConfigError, load_config
 
+    if args.show_samples:
+        args.overrides = [*args.overrides, "logging.show_samples=true"]
     if args.print_config:
         return _print_config(args)
     cfg = load_config(args.config, args.overrides)
@@ -162,13 +198,10 @@ def _train(args: argparse.Namespace) -> int:
     from megarl.trainer.run import init_distributed
 
     init_distributed()
-    out = [args.out]
-    if out[0] is None:  # one name for every rank
-        stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
-        out = [os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")]
-        dist.broadcast_object_list(out, src=0)
+    stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
+    out = _out_dir(args.out, stem)
     try:
-        run_ = train(cfg, out[0])
+        run_ = train(cfg, out)
     except TrainingDiverged as e:
         if dist.get_rank() == 0:
             print(f"megarl: {e}", file=sys.stderr)
@@ -179,6 +212,57 @@ def _train(args: argparse.Namespace) -> int:
             f"megarl: run directory {os.path.abspath(run_.out_dir)} "
             f"(metrics.jsonl, reward.png, checkpoints/{', wandb/' if wandb else ''})"
         )
+    dist.destroy_process_group()
+    return 0
+
+
+def _out_dir(out: str | None, stem: str) -> str:
+    """`out`, or runs/<stem>-<time> named once for every rank (collective)."""
+    import torch.distributed as dist
+
+    name = [out]
+    if out is None:
+        name = [os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")]
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.evaluate import evaluate_model, model_overrides, summary
+
+    target, config, overrides = args.target, args.config_file, list(args.overrides)
+    is_config = os.path.isfile(target) and target.endswith((".yaml", ".yml"))
+    if is_config:
+        if config is not None:
+            raise ConfigError(
+                f"megarl eval {target} --config {config}: two configs; accepted: a config, or a "
+                "model directory with --config"
+            )
+        config = target
+    elif os.path.exists(target):
+        overrides = model_overrides(os.path.abspath(target)) + overrides
+    else:
+        raise ConfigError(
+            f"megarl eval {target}: no such file or directory; accepted: a YAML config, an HF "
+            "model directory or a megarl checkpoint directory"
+        )
+    cfg = load_config(config, overrides)
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
+
+    import torch.distributed as dist
+
+    from megarl.trainer.run import init_distributed
+
+    init_distributed()
+    stem = os.path.splitext(os.path.basename(os.path.normpath(target)))[0]
+    out = _out_dir(args.out, f"eval-{stem}")
+    metrics = evaluate_model(cfg, out)
+    if dist.get_rank() == 0:
+        step = metrics.pop("step")
+        what = f"eval of {target}" + (f" (step {step})" if step else "")
+        print(f"megarl: {summary(what, metrics, cfg.eval)}; {os.path.abspath(out)}")
     dist.destroy_process_group()
     return 0
 

@@ -192,20 +192,33 @@ class EvalConfig:
     """Evaluate every this many steps, at step 0 (before any update) and after the last step;
     0 = no evaluation."""
     path: str | None = None
-    """Held-out prompt source (same forms as data.path); null: see eval.fraction."""
+    """Held-out prompt source (same forms as data.path, read with the data.* settings); null:
+    see eval.fraction."""
     fraction: float = 0.0
-    """With no eval.path: hold out this seeded fraction of the training rows (removed from
-    training, so the two sets are disjoint)."""
+    """With no eval.path: hold out this seeded fraction of the training data's distinct prompts
+    (every row of a held-out prompt is removed from training, so the two sets are disjoint)."""
     seed: int = 0
     """Seed of the eval.fraction split."""
     max_prompts: int | None = None
-    """Evaluate at most this many held-out prompts (the first ones); null = all."""
+    """Evaluate at most this many held-out prompts, the first ones (of eval.path in file order;
+    of eval.fraction's split in its seeded order, so a random subset); null = all."""
     n: int = 1
     """Samples per prompt (pass@k for k <= n)."""
     temperature: float = 0.0
-    """Sampling temperature of evaluation; 0 = greedy."""
+    """Sampling temperature of evaluation in [0, 2]; 0 = greedy. Above 0 it samples with
+    rollout.top_p and rollout.top_k."""
     max_tokens: int | None = None
     """Longest evaluation response; null = rollout.max_tokens."""
+    pass_reward: str | None = None
+    """The reward function that decides a pass (an entry of reward.functions, as written
+    there); null = the first one."""
+    pass_threshold: float = 1.0
+    """A sample passes when the value of eval.pass_reward is >= this."""
+    pass_k: tuple[int, ...] | None = None
+    """The k of the logged eval/pass@k (each 1 <= k <= eval.n); null = 1 and eval.n."""
+    samples_logged: int | None = 64
+    """Held-out prompts whose samples go to eval_samples.jsonl at every evaluation (the first
+    ones); null = all, 0 = none."""
 
     def __post_init__(self):
         if self.every < 0:
@@ -218,14 +231,34 @@ class EvalConfig:
             raise ConfigError(
                 f"eval.every={self.every} needs held-out prompts: set eval.path or eval.fraction"
             )
+        if self.seed < 0:
+            raise ConfigError(f"eval.seed={self.seed}; accepted: >= 0")
         if self.n < 1:
             raise ConfigError(f"eval.n={self.n}; accepted: >= 1")
-        if self.temperature < 0:
-            raise ConfigError(f"eval.temperature={self.temperature}; accepted: >= 0")
+        if not 0 <= self.temperature <= 2:
+            raise ConfigError(f"eval.temperature={self.temperature}; accepted: 0 <= T <= 2")
+        if self.temperature == 0 and self.n > 1:
+            raise ConfigError(
+                f"eval.n={self.n} with eval.temperature=0: greedy decoding gives {self.n} "
+                "identical samples; set eval.temperature > 0 (e.g. 1.0) or eval.n=1"
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"eval.max_tokens={self.max_tokens}; accepted: null or >= 1")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"eval.max_prompts={self.max_prompts}; accepted: null or >= 1")
+        for k in self.pass_k or ():
+            if not 1 <= k <= self.n:
+                raise ConfigError(
+                    f"eval.pass_k={list(self.pass_k)}: {k} is out of range; accepted: "
+                    f"1 <= k <= eval.n={self.n}"
+                )
+        if self.samples_logged is not None and self.samples_logged < 0:
+            raise ConfigError(f"eval.samples_logged={self.samples_logged}; accepted: null or >= 0")
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The k of every logged pass@k, ascending."""
+        return tuple(sorted(set(self.pass_k or (1, self.n))))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +273,23 @@ class LoggingConfig:
     """Also write tensorboard events if tensorboard is installed."""
     progress: bool = True
     """Console progress bar on rank 0."""
+    samples_per_step: int = 4
+    """Samples of each step written to samples.jsonl (and a wandb table): the best and the
+    worst by total reward, then a seeded pick of the others; 0 = none."""
+    show_samples: bool = False
+    """Print each step's best and worst sample on the console (`megarl train --show-samples`);
+    needs logging.samples_per_step >= 2."""
+
+    def __post_init__(self):
+        if self.samples_per_step < 0:
+            raise ConfigError(
+                f"logging.samples_per_step={self.samples_per_step}; accepted: >= 0 (0 = none)"
+            )
+        if self.show_samples and self.samples_per_step < 2:
+            raise ConfigError(
+                f"logging.show_samples (--show-samples) prints each step's best and worst sample "
+                f"but logging.samples_per_step={self.samples_per_step}; accepted: >= 2"
+            )
 
 
 def _rollout_config():
@@ -280,6 +330,16 @@ class RunConfig:
     """Held-out evaluation: which prompts, how often, how they are sampled."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where metrics go besides metrics.jsonl (wandb, tensorboard) and the console progress."""
+
+    def __post_init__(self):
+        fns = self.reward.functions
+        if self.eval.pass_reward is not None and self.eval.pass_reward not in fns:
+            raise ConfigError(
+                f"eval.pass_reward={self.eval.pass_reward!r} is not one of reward.functions; "
+                f"accepted: {list(fns)}"
+            )
+        if not fns and (self.eval.every or self.eval.path or self.eval.fraction):
+            raise ConfigError("eval: reward.functions is empty; a pass needs a reward function")
 
 
 _LAZY = {"rollout": _rollout_config, "data": _data_config}

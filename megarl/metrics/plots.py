@@ -2,7 +2,9 @@
 
 Panels: `reward_mean` per step with a moving average, and beside it (moving averages, dashed)
 the per-function rewards `reward/<name>` that differ from it, e.g. the toy task's
-`reward/exact_match`; then, when logged, the mean response length and the KL to the reference.
+`reward/exact_match`, and the held-out evaluation's curves (points joined by lines, from step 0
+on): `eval/pass@k`, `eval/reward_mean` and each `eval/<function>`, a series that only repeats an
+earlier one left out; then, when logged, the mean response length and the KL to the reference.
 Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch, safe off the main
 thread) and writes through a temporary file renamed into place, so a reader never sees a
 half-written PNG.
@@ -66,6 +68,34 @@ def _function_rewards(records: list[dict], reward: list[float]) -> list[tuple[st
     return out
 
 
+EVAL_SKIP = (
+    "eval/prompts",
+    "eval/time_s",
+    "eval/reward_errors",
+    "eval/truncated",
+    "eval/response_len",
+)
+"""Eval keys that are not success figures (not drawn beside the reward)."""
+
+
+def eval_series(records: list[dict]) -> list[tuple[str, list, list]]:
+    """(name, steps, values) of the held-out curves drawn beside the reward: pass@k first, then
+    eval/reward_mean, then the per-function means; a series equal to an earlier one is left
+    out (e.g. pass@1 and an exact-match function)."""
+    names = sorted({k for r in records for k in r if k.startswith("eval/") and k not in EVAL_SKIP})
+    order = lambda k: (0 if k.startswith("eval/pass@") else 1 if k == "eval/reward_mean" else 2, k)  # noqa: E731
+    out: list[tuple[str, list, list]] = []
+    for name in sorted(names, key=order):
+        s, v = _series(records, name)
+        repeats = any(
+            s == s2 and all(abs(a - b) < 1e-9 for a, b in zip(v, v2, strict=True))
+            for _, s2, v2 in out
+        )
+        if s and not repeats:
+            out.append((name, s, v))
+    return out
+
+
 def plot_rewards(
     metrics_jsonl_path: str | os.PathLike, out_png: str | os.PathLike, *, window: int | None = None
 ) -> Path:
@@ -99,7 +129,9 @@ def plot_rewards(
             ax.plot(s, moving_average(v, window), lw=1.8, label=f"moving average ({window})")
             for name, fs, fv in _function_rewards(records, rewards):
                 ax.plot(fs, moving_average(fv, window), lw=1.0, ls="--", label=name)
-            ax.legend(loc="lower right", fontsize=8)
+            for name, es, ev in eval_series(records):
+                ax.plot(es, ev, lw=1.2, marker="o", ms=3, label=f"{name} (held-out)")
+            ax.legend(loc="best", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")

@@ -8,9 +8,14 @@ numpy scalars become numbers, larger tensors lists, nested dicts stay dicts (e.g
 `"time_s": {"rollout": 1.9}`), NaN and +-inf become null, anything else its `str()`.
 wandb and tensorboard get the numeric leaves with flattened keys (`time_s/rollout`).
 
-Resuming: an existing metrics.jsonl is appended to; call `truncate_after(step)` with the
-checkpoint's step first, so steps logged after that checkpoint are not duplicated. Logging a
-step that is not larger than the last one raises.
+Samples (`log_samples`): `samples.jsonl` (a few of each training step's samples) and
+`eval_samples.jsonl` (held-out completions) hold one JSON object per sample, `{"step": N, ...}`,
+several per step, steps never decreasing; with wandb on, each call is also a wandb table.
+
+Resuming: existing files are appended to; call `truncate_after(step)` with the checkpoint's step
+first (a fresh start: -1), so records logged after that checkpoint are not duplicated; it
+truncates metrics.jsonl and the samples files alike. Logging a metrics step that is not larger
+than the last one raises.
 
 wandb mode: `WANDB_MODE` from the environment if set, else `wandb_cfg["mode"]`, else "offline".
 The run id is kept in `run_dir/wandb_run_id` so a resumed run continues the same wandb run.
@@ -33,6 +38,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
+SAMPLE_FILES = (SAMPLES_FILE, EVAL_SAMPLES_FILE)
 
 
 def json_safe(value: Any) -> Any:
@@ -136,26 +144,31 @@ class MetricsLogger:
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
 
+    def log_samples(self, step: int, rows: list[Mapping[str, Any]], *, file: str) -> None:
+        """Append `{"step": step, **row}` per row to `file` (one of `SAMPLE_FILES`) and, with
+        wandb on, the rows as a wandb table under the file's stem (`samples`, `eval_samples`)."""
+        if not self.enabled or not rows:
+            return
+        if file not in SAMPLE_FILES:
+            raise ValueError(f"log_samples(file={file!r}); accepted: {SAMPLE_FILES}")
+        records = [{"step": step, **json_safe(dict(r))} for r in rows]
+        with open(self.run_dir / file, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in records))
+        if self._wandb is not None:
+            self._wandb.log({Path(file).stem: _wandb_table(records)}, step=step)
+
     def truncate_after(self, step: int) -> int:
-        """Drop lines of metrics.jsonl with step > `step` (and unreadable ones, e.g. a line cut
-        by a crash); returns how many were dropped."""
+        """Drop records with step > `step` (and unreadable lines, e.g. one cut by a crash) from
+        metrics.jsonl and the samples files; returns how many metrics lines were dropped."""
         if not self.enabled:
             return 0
         self._file.close()
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = []
-        for line in lines:
-            s = _step_of(line)
-            if s is not None and s <= step and line.endswith("\n"):
-                kept.append(line)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        dropped, kept = _truncate(self.path, step)
         self._file = open(self.path, "a", encoding="utf-8")
         self._last_step = max((_step_of(line) for line in kept), default=None)
-        dropped = len(lines) - len(kept)
-        if dropped:
-            logger.info("%s: dropped %d lines after step %d", self.path, dropped, step)
+        for name in SAMPLE_FILES:
+            if (self.run_dir / name).exists():
+                _truncate(self.run_dir / name, step)
         return dropped
 
     def close(self) -> None:
@@ -202,6 +215,34 @@ class MetricsLogger:
         kwargs.setdefault("dir", str(self.run_dir))
         kwargs.setdefault("resume", "allow")
         return wandb.init(mode=mode, id=run_id, **kwargs)
+
+
+def _truncate(path: Path, step: int) -> tuple[int, list[str]]:
+    """Keep the complete lines of `path` whose step is <= `step` (atomic rewrite); returns
+    (lines dropped, lines kept)."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        s = _step_of(line)
+        if s is not None and s <= step and line.endswith("\n"):
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        logger.info("%s: dropped %d lines after step %d", path, dropped, step)
+    return dropped, kept
+
+
+def _wandb_table(records: list[dict]) -> Any:
+    """The records as a `wandb.Table`: one column per key (first seen order), nested values
+    (per-function rewards, chat prompts) as JSON text."""
+    import wandb
+
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    cell = lambda v: json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v  # noqa: E731
+    return wandb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in records])
 
 
 def _open_tensorboard(log_dir: Path) -> Any:

@@ -105,9 +105,13 @@ class RolloutDispatcher:
         """Samples this rank's instance generated in the last call, counted on its leader
         rank only (sum over ranks = samples generated in the world)."""
 
-    def generate(self, prompts: list[list[int]], positions: list[int], seed: int) -> Rollout:
+    def generate(
+        self, prompts: list[list[int]], positions: list[int], seed: int, **sampling
+    ) -> Rollout:
         """The rollout of this DP rank's `prompts` (every rank of its model-parallel group gets
-        the same one). `positions`: each prompt's place in the step's global batch."""
+        the same one; a DP rank may have none). `positions`: each prompt's place in the step's
+        global batch. `sampling`: `RolloutEngine.generate`'s overrides (n, greedy, max_tokens,
+        temperature), the same on every rank."""
         plan, mine = self.plan, self.plan.chunk(self.dp, self.instance, len(prompts))
         share = {self.dp: ([prompts[j] for j in mine], [positions[j] for j in mine])}
         if self._instance_group is not None:  # learn the other DP ranks' chunks for us
@@ -117,7 +121,7 @@ class RolloutDispatcher:
         owners = [(d, j) for d in sorted(share) for j in range(len(share[d][0]))]
         reqs = [share[d][0][j] for d, j in owners]
         pos = [share[d][1][j] for d, j in owners]
-        out = self.engine.generate(reqs, positions=pos, seed=seed) if reqs else _empty()
+        out = self.engine.generate(reqs, positions=pos, seed=seed, **sampling) if reqs else _empty()
         is_leader = self.rank == min(plan.instances[self.instance])
         self.samples_generated = len(out) if is_leader else 0
         # this instance's samples of our DP rank, keyed by their prompt index in `prompts`

@@ -479,11 +479,15 @@ class RolloutEngine:
         seed: int | None = None,
         greedy: bool = False,
         positions: list[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         """Sample `n` (default `cfg.n`) responses per prompt; see `Rollout` for the layout.
 
         `positions[i]` (default i) places prompt i in the seed block of `seed` (module
-        docstring). With vLLM TP > 1 every rank of the instance must make the same call."""
+        docstring). `max_tokens` / `temperature` override the config's for this call (held-out
+        evaluation); `greedy` decodes by argmax whatever the temperature. With vLLM TP > 1
+        every rank of the instance must make the same call."""
         from vllm import SamplingParams
 
         if self.weight_state == PARTIAL:
@@ -502,7 +506,14 @@ class RolloutEngine:
         n = cfg.n if n is None else n
         if n < 1:
             raise ValueError(f"generate(n={n}); accepted: n >= 1")
-        self._check_prompts(prompts)
+        max_tokens = cfg.max_tokens if max_tokens is None else max_tokens
+        temperature = cfg.temperature if temperature is None else temperature
+        if max_tokens < 1 or not 0 < temperature <= 2:
+            raise ValueError(
+                f"generate(max_tokens={max_tokens}, temperature={temperature}); accepted: "
+                "max_tokens >= 1, 0 < temperature <= 2 (greedy=True for argmax)"
+            )
+        self._check_prompts(prompts, max_tokens)
         base = cfg.seed + self._calls if seed is None else seed
         self._calls += 1
         if base < 0:
@@ -515,10 +526,10 @@ class RolloutEngine:
         params = [
             SamplingParams(
                 n=n,
-                temperature=0.0 if greedy else cfg.temperature,
+                temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else cfg.top_p,
                 top_k=0 if greedy or cfg.top_k == -1 else cfg.top_k,
-                max_tokens=cfg.max_tokens,
+                max_tokens=max_tokens,
                 stop_token_ids=list(cfg.stop_token_ids or ()),
                 ignore_eos=True,  # stop exactly at `stop_token_ids` (EOS included by default)
                 seed=(block + pos * n) % 2**32,
@@ -557,8 +568,8 @@ class RolloutEngine:
         }
         return ro
 
-    def _check_prompts(self, prompts) -> None:
-        vocab, limit = self.arch.vocab_size, self.max_model_len - self.cfg.max_tokens
+    def _check_prompts(self, prompts, max_tokens: int) -> None:
+        vocab, limit = self.arch.vocab_size, self.max_model_len - max_tokens
         if not isinstance(prompts, list | tuple) or not prompts:
             raise ValueError("generate(prompts): expected a non-empty list of token-id lists")
         for i, p in enumerate(prompts):
@@ -569,7 +580,7 @@ class RolloutEngine:
                 raise ValueError(f"prompt {i} holds token id {bad} outside [0, vocab_size={vocab})")
             if len(p) > limit:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_tokens={self.cfg.max_tokens} the "
+                    f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens} the "
                     f"engine's max_model_len={self.max_model_len} allows at most {limit}"
                 )
 

@@ -2,7 +2,9 @@
 
 prompts -> generate (vLLM, n samples each) -> score (reward functions) -> old / reference
 logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy (and
-critic) update -> weight sync into vLLM -> metrics -> checkpoint
+critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a few
+samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
+(its own metrics record, step 0).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics
+from megarl.metrics.sinks import SAMPLES_FILE
 from megarl.metrics.timer import StageTimer
 from megarl.models.forward import sequence_multiple
 from megarl.models.routing import moe_metrics
 from megarl.trainer import experience as xp
+from megarl.trainer.evaluate import evaluate
 from megarl.trainer.run import Run
+from megarl.trainer.samples import step_samples
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
 
 log = logging.getLogger("megarl")
@@ -37,7 +42,11 @@ class TrainingDiverged(RuntimeError):
 def train(cfg: RunConfig, out_dir: str) -> Run:
     run = Run.create(cfg, out_dir)
     timer = StageTimer()
-    bar = StepProgress(cfg.trainer.steps, rank=dist.get_rank(), initial=run.step)
+    if run.step == 0 and (baseline := evaluate(run)):  # the policy before any update
+        run.logger.log(0, baseline)
+    bar = StepProgress(
+        cfg.trainer.steps, rank=dist.get_rank(), initial=run.step, progress=cfg.logging.progress
+    )
     while run.step < cfg.trainer.steps:
         t0 = time.perf_counter()
         with timer("rollout"):
@@ -77,9 +86,11 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             time.perf_counter() - t0,
         )
         timer.reset()
+        metrics.update(evaluate(run))  # every eval.every steps and after the last
+        samples = step_samples(run, rollout, rewards, group_ids, batch)
+        run.logger.log_samples(run.step, samples, file=SAMPLES_FILE)
         run.logger.log(run.step, metrics)
-        if cfg.logging.progress:
-            bar.update(run.step, metrics)
+        bar.update(run.step, metrics, samples if cfg.logging.show_samples else ())
         if _bad_step(run, metrics):  # no checkpoint is written from a diverged state
             run.close()
             raise TrainingDiverged(

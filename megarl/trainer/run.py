@@ -31,6 +31,7 @@ from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
+from megarl.trainer.evaluate import Evaluator, check_eval
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -150,6 +151,9 @@ class Data:
 
     dataset: PromptDataset
     sampler: PromptSampler
+    held_out: PromptDataset | None = None
+    """The held-out prompts of `eval` (removed from `dataset`); None without eval.path /
+    eval.fraction (`megarl.data.split`)."""
 
 
 @dataclass
@@ -167,6 +171,8 @@ class Run:
     """The generation side; None for a run that builds no engine."""
     reward_fns: list = field(default_factory=list)
     """The loaded `reward.functions`, in order."""
+    evaluator: Evaluator | None = None
+    """Held-out evaluation through the rollout engine; None without held-out prompts."""
     resume: tuple[str, dict] | None = None
     """(checkpoint directory, its trainer state) to resume from, read and checked in create."""
     step: int = 0
@@ -180,6 +186,7 @@ class Run:
         check_paths(cfg)
         arch = load_arch(cfg)
         _check_rollout_length(cfg, arch)
+        check_eval(cfg, arch)
         topo, groups = build_topology(cfg, arch, world, out_dir)
         tokenizer = load_tokenizer(cfg, out_dir)
         gpu = device.use_gpu()
@@ -212,6 +219,9 @@ class Run:
             logger=build_logger(cfg, out_dir),
             rollout=rollout,
             reward_fns=reward_fns,
+            evaluator=Evaluator.create(
+                cfg, data.held_out, rollout.dispatcher, tokenizer, reward_fns, groups
+            ),
             resume=resume,
         )
         run.maybe_resume()
@@ -243,7 +253,8 @@ class Run:
         return path
 
     def maybe_resume(self) -> None:
-        if self.resume is None:
+        if self.resume is None:  # a fresh start: what an earlier attempt logged here goes
+            self.logger.truncate_after(-1)
             return
         path, state = self.resume
         m = self.models
@@ -503,10 +514,11 @@ def build_rollout(
 
 
 def build_data(cfg: RunConfig, tokenizer, groups: Groups) -> Data:
-    from megarl.data.dataset import PromptDataset
+    """Training prompts, their resumable order on this DP rank, and the held-out prompts."""
     from megarl.data.sampler import PromptSampler
+    from megarl.data.split import prompt_sets
 
-    dataset = PromptDataset.from_config(cfg.data, tokenizer)
+    dataset, held_out = prompt_sets(cfg.data, cfg.eval, tokenizer)
     sampler = PromptSampler(
         len(dataset),
         prompts_per_step=cfg.data.prompts_per_step,
@@ -515,7 +527,7 @@ def build_data(cfg: RunConfig, tokenizer, groups: Groups) -> Data:
         seed=cfg.data.seed,
         shuffle=cfg.data.shuffle,
     )
-    return Data(dataset, sampler)
+    return Data(dataset, sampler, held_out)
 
 
 def _reward_functions(cfg: RunConfig) -> list:
