@@ -1,4 +1,5 @@
-"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`.
+"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`,
+`megarl convert {gguf-to-hf,hf-to-mcore,mcore-to-hf} ...`, `megarl fetch-model NAME --out DIR`.
 
 `megarl train CONFIG --dry-run --world-size N [--rank R]` checks the layout for N ranks and
 prints what rank R holds (groups, layers, parameters) without GPUs, weights, data or vLLM.
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="memory per GPU in GiB as the driver reports it (H100/H200 SXM: 80 / 141)",
     )
     pl.add_argument("--nodes", type=int, metavar="K", help="nodes (default: 8 GPUs per node)")
+    from megarl.convert.command import add_parsers
+
+    add_parsers(sub, common)
     for p in (t, c, pl):
         p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny CPU run)")
         p.add_argument(
@@ -95,8 +99,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command; returns its exit status (2 for an input error)."""
+    from megarl.convert import command as convert
+
     console.setup(verbose=args.verbose)
-    command = {"train": _train, "config": _config, "plan": _plan}[args.command]
+    command = {
+        "train": _train,
+        "config": _config,
+        "plan": _plan,
+        "convert": convert.convert,
+        "fetch-model": convert.fetch,
+    }[args.command]
     return console.run_guarded(partial(command, args), debug=args.debug)
 
 
