@@ -106,8 +106,6 @@ def add_convert_commands(sub, common: argparse.ArgumentParser) -> None:
 
 def convert(args: argparse.Namespace) -> int:
     os.environ["MEGARL_DEVICE"] = "cpu"  # conversion never needs a GPU (and must not require one)
-    from megarl.convert.pipeline import hf_to_mcore, mcore_to_hf
-
     text = _read_text(args.verify_text) if args.verify and args.verify_text else None
     if args.conversion == "gguf-to-hf":
         from megarl.convert.gguf import gguf_to_hf
@@ -118,6 +116,8 @@ def convert(args: argparse.Namespace) -> int:
             hf_logging.disable_progress_bar()
         summary = gguf_to_hf(args.gguf, args.out, overwrite=args.overwrite)
     elif args.conversion == "hf-to-mcore":
+        from megarl.convert.pipeline import hf_to_mcore
+
         summary = hf_to_mcore(
             args.hf,
             args.out,
@@ -129,6 +129,8 @@ def convert(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     else:
+        from megarl.convert.pipeline import mcore_to_hf
+
         summary = mcore_to_hf(
             args.ckpt,
             args.out,

@@ -28,7 +28,7 @@ import time
 
 from megarl.convert.hf_io import AtomicDir
 from megarl.errors import UserError
-from megarl.models.hf_config import ARCHITECTURES, ModelConfigError, arch_from_hf
+from megarl.models.hf_config import ARCHITECTURES, MODEL_TYPES, ModelConfigError, arch_from_hf
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ MARKER = "megarl_gguf.json"
 """Written last into a converted directory: the source file's sha256 and size."""
 ACCEPTED = (
     "a llama.cpp GGUF model file (.gguf, starting with the bytes 'GGUF') of a model megarl "
-    f"builds ({', '.join(sorted(ARCHITECTURES))})"
+    f"builds: {', '.join(sorted(MODEL_TYPES))} (transformers' {', '.join(sorted(ARCHITECTURES))})"
 )
 
 
@@ -100,10 +100,15 @@ def _load_config(path: str):
     config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
+    if config.model_type not in MODEL_TYPES:
+        raise GGUFError(
+            f"{path}: a GGUF file of a {config.model_type!r} model, which megarl cannot build; "
+            f"accepted: {ACCEPTED}"
+        )
     try:
         arch_from_hf(config.to_dict(), where=path)
-    except ModelConfigError as e:
-        raise GGUFError(f"{e}. megarl cannot train this GGUF model; accepted: {ACCEPTED}") from None
+    except ModelConfigError as e:  # a supported family with a setting megarl cannot map
+        raise GGUFError(str(e)) from None
     return config
 
 
@@ -130,12 +135,12 @@ def gguf_to_hf(
 
     `out_dir` is refused when it holds files, unless `overwrite`. `sha256` (computed when None)
     is recorded in the marker file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     t0 = time.perf_counter()
     path = check_gguf_file(gguf_path)
     config = _load_config(path)  # refuses an unbuildable model before any tensor is read
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     out = AtomicDir(out_dir, overwrite=overwrite)
     try:
         folder, name = _split(path)
