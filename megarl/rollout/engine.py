@@ -673,7 +673,7 @@ def _tied_modules(model) -> list[tuple[str, object]]:
     owner: dict[int, object] = {}
     tied = []
     for name, module in model.named_modules():
-        owners = [owner.setdefault(id(p), module) for _, p in module.named_parameters(False)]
+        owners = [owner.setdefault(id(p), module) for p in module.parameters(recurse=False)]
         if any(first is not module for first in owners):
             tied.append((name, module))
     return tied
