@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.convert.gguf import MARKER, GGUFError, gguf_hf_config, gguf_to_hf, verify_gguf
+from megarl.convert.gguf import MARKER, GGUFError, gguf_hf_config, gguf_to_hf
 from megarl.convert.hf_io import LazyHFTensors
 from tests.gguf_files import CHAT_TEMPLATE, write_metadata_only, write_tiny_llama
 
@@ -34,8 +34,11 @@ def test_gguf_to_hf_is_the_dequantized_model_with_tokenizer_and_configs(tiny, tm
 
     path, weights = tiny
     out = str(tmp_path / "hf")
-    summary = gguf_to_hf(path, out)
+    summary = gguf_to_hf(path, out, verify=True, seq_len=48)
     assert summary["family"] == "llama" and summary["tied_embeddings"]
+    # transformers' own GGUF load gives the same logits as the written directory
+    assert summary["verify"]["max_abs_delta"] == 0.0, summary
+    assert summary["verify"]["tokens"] == 48
     lazy = LazyHFTensors(out)
     # tied embeddings stay tied: no lm_head.weight on disk
     assert sorted(lazy.names) == sorted(k for k in weights if k != "lm_head.weight")
@@ -56,9 +59,6 @@ def test_gguf_to_hf_is_the_dequantized_model_with_tokenizer_and_configs(tiny, tm
     assert tok.eos_token == "<|im_end|>"
     marker = json.load(open(os.path.join(out, MARKER)))
     assert marker["bytes"] == os.path.getsize(path) and len(marker["sha256"]) == 64
-    # transformers' own GGUF load gives the same logits as the written directory
-    res = verify_gguf(path, out, seq_len=48)
-    assert res["max_abs_delta"] == 0.0 and res["tokens"] == 48, res
 
 
 def test_model_hf_gguf_is_converted_once_into_the_cache(tiny, tmp_path, monkeypatch, caplog):

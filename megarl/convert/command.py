@@ -47,6 +47,7 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     f.add_argument("--out", help="output HF directory")
     f.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     f.add_argument("--list", action="store_true", help="print the known models, exit")
+    _verify_options(f, "compare the written directory's logits with transformers' GGUF load")
 
 
 def add_convert_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -87,21 +88,27 @@ def add_convert_commands(sub, common: argparse.ArgumentParser) -> None:
     b.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size")
     for s in (g, a, b):
         s.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-        s.add_argument("--verify", action="store_true", help="compare logits with transformers")
-        s.add_argument("--tol", type=float, default=1e-3, help="max |delta logit| for --verify")
-        s.add_argument(
-            "--verify-text",
-            metavar="FILE",
-            help="--verify on the tokens of this text file (default: seeded random tokens)",
-        )
-        s.add_argument(
-            "--verify-len",
-            type=int,
-            metavar="N",
-            help="--verify sequence length: random tokens (default 32), or the text's first N "
-            "tokens (default: as many as the model's context holds)",
-        )
         s.add_argument("--no-progress", action="store_true")
+    _verify_options(g, "compare the written directory's logits with transformers' GGUF load")
+    _verify_options(a, "compare logits of the checkpoint (megatron) with transformers")
+    _verify_options(b, "compare logits of the checkpoint (megatron) with transformers")
+
+
+def _verify_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--verify", action="store_true", help=f"{what}; exit status 3 above --tol")
+    p.add_argument("--tol", type=float, default=1e-3, help="max |delta logit| for --verify")
+    p.add_argument(
+        "--verify-text",
+        metavar="FILE",
+        help="--verify on the tokens of this text file (default: seeded random tokens)",
+    )
+    p.add_argument(
+        "--verify-len",
+        type=int,
+        metavar="N",
+        help="--verify sequence length: random tokens (default 32), or the text's first N "
+        "tokens (default: as many as the model's context holds)",
+    )
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -114,7 +121,14 @@ def convert(args: argparse.Namespace) -> int:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-        summary = gguf_to_hf(args.gguf, args.out, overwrite=args.overwrite)
+        summary = gguf_to_hf(
+            args.gguf,
+            args.out,
+            overwrite=args.overwrite,
+            verify=args.verify,
+            text=text,
+            seq_len=args.verify_len,
+        )
     elif args.conversion == "hf-to-mcore":
         from megarl.convert.pipeline import hf_to_mcore
 
@@ -140,27 +154,31 @@ def convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
         )
+    res = summary.pop("verify", None)
     print(json.dumps({"converted": args.out, **summary}))
     if not args.verify:
         return 0
-    kw = dict(tol=args.tol, seq_len=args.verify_len, text=text)
-    if args.conversion == "gguf-to-hf":
-        from megarl.convert.gguf import verify_gguf
-
-        res = verify_gguf(args.gguf, args.out, **kw)
-    else:
+    if res is None:
         from megarl.convert.verify import verify
 
         hf_dir, ckpt = (
             (args.hf, args.out) if args.conversion == "hf-to-mcore" else (args.out, args.ckpt)
         )
-        res = verify(hf_dir, ckpt, role=getattr(args, "role", None), **kw)
+        res = verify(
+            hf_dir, ckpt, role=getattr(args, "role", None), seq_len=args.verify_len, text=text
+        )
+    return report_verify(res, args.tol)
+
+
+def report_verify(res: dict, tol: float) -> int:
+    """Print the verify line; exit status 0 when max |delta logit| <= tol, else 3."""
+    ok = res["max_abs_delta"] <= tol
     print(
         f"verify: max |delta logit| {res['max_abs_delta']:.3g}, mean "
         f"{res['mean_abs_delta']:.3g}, argmax agreement {100 * res['argmax_agreement']:.2f}% "
-        f"over {res['tokens']} tokens (tol {args.tol:g}): {'OK' if res['ok'] else 'FAILED'}"
+        f"over {res['tokens']} tokens (tol {tol:g}): {'OK' if ok else 'FAILED'}"
     )
-    return 0 if res["ok"] else 3
+    return 0 if ok else 3
 
 
 def _read_text(path: str) -> str:
@@ -186,5 +204,15 @@ def fetch(args: argparse.Namespace) -> int:
             f"fetch-model needs a NAME and --out DIR; accepted names: {sorted(KNOWN_MODELS)}"
         )
     os.environ["MEGARL_DEVICE"] = "cpu"
-    print(json.dumps(fetch_model(args.name, args.out, overwrite=args.overwrite)))
-    return 0
+    text = _read_text(args.verify_text) if args.verify and args.verify_text else None
+    summary = fetch_model(
+        args.name,
+        args.out,
+        overwrite=args.overwrite,
+        verify=args.verify,
+        text=text,
+        seq_len=args.verify_len,
+    )
+    res = summary.pop("verify", None)
+    print(json.dumps(summary))
+    return report_verify(res, args.tol) if res is not None else 0

@@ -100,11 +100,14 @@ def fetch_gguf(name: str) -> str:
     return final
 
 
-def fetch_model(name: str, out_dir: str, *, overwrite: bool = False) -> dict:
-    """Fetch `name` and write its dequantized HF directory into `out_dir`; returns a summary."""
+def fetch_model(name: str, out_dir: str, *, overwrite: bool = False, **verify) -> dict:
+    """Fetch `name` and write its dequantized HF directory into `out_dir`; returns a summary.
+    `verify` (`verify`, `text`, `seq_len`): as `megarl.convert.gguf.gguf_to_hf`."""
     path = fetch_gguf(name)
-    log.info("converting %s into %s (4-bit weights dequantized to fp32)", path, out_dir)
-    summary = gguf_to_hf(path, out_dir, overwrite=overwrite, sha256=known_model(name).sha256)
+    log.info("converting %s into %s (quantized weights dequantized to fp32)", path, out_dir)
+    summary = gguf_to_hf(
+        path, out_dir, overwrite=overwrite, sha256=known_model(name).sha256, **verify
+    )
     return {"model": name, "gguf": path, "out": os.path.abspath(out_dir), **summary}
 
 

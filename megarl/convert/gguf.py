@@ -130,11 +130,17 @@ def gguf_to_hf(
     *,
     overwrite: bool = False,
     sha256: str | None = None,
+    verify: bool = False,
+    text: str | None = None,
+    seq_len: int | None = None,
 ) -> dict:
     """Write the dequantized (fp32) HF directory of `gguf_path` into `out_dir`; returns a summary.
 
     `out_dir` is refused when it holds files, unless `overwrite`. `sha256` (computed when None)
-    is recorded in the marker file."""
+    is recorded in the marker file. `verify`: the summary's `verify` compares (as
+    `megarl.convert.verify.compare_logits`) the logits of transformers' GGUF-loaded model with
+    those of the written directory loaded back, on `seq_len` seeded random tokens (default 32)
+    or the first `seq_len` tokens of `text`."""
     t0 = time.perf_counter()
     path = check_gguf_file(gguf_path)
     config = _load_config(path)  # refuses an unbuildable model before any tensor is read
@@ -144,17 +150,22 @@ def gguf_to_hf(
     out = AtomicDir(out_dir, overwrite=overwrite)
     try:
         folder, name = _split(path)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         log.info("dequantizing %s (transformers' GGUF loader)", path)
         quantized = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32
         )
+        if verify:
+            tokens = _verify_tokens(config, tokenizer, text, seq_len)
+            with torch.no_grad():
+                ref = quantized.eval()(input_ids=tokens).logits.float()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quantized.state_dict(), assign=True, strict=True)
         model.tie_weights()
         del quantized
         model.save_pretrained(out.tmp)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        del model
         tokenizer.save_pretrained(out.tmp)
         ids = {
             k: getattr(tokenizer, k, None)
@@ -173,17 +184,41 @@ def gguf_to_hf(
         with open(os.path.join(out.tmp, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
         _readable(out.tmp)
+        checked = {}
+        if verify:  # the directory as written, loaded back
+            from megarl.convert.verify import compare_logits, hf_logits
+
+            checked = compare_logits(ref, hf_logits(out.tmp, tokens))
+            checked["tokens"] = int(tokens.shape[1])
         out.commit()
     except BaseException:
         out.abort()
         raise
-    return {
+    summary = {
         "seconds": time.perf_counter() - t0,
         "family": arch_from_hf(out.out).family,
         "tied_embeddings": bool(config.tie_word_embeddings),
         "chat_template": tokenizer.chat_template is not None,
         **ids,
     }
+    if verify:
+        summary["verify"] = checked
+    return summary
+
+
+def _verify_tokens(config, tokenizer, text: str | None, seq_len: int | None):
+    """[1, s] token ids: the first `seq_len` of `text`, or `seq_len` seeded random ones."""
+    import torch
+
+    from megarl.convert.verify import sample_tokens
+
+    longest = min(seq_len or config.max_position_embeddings, config.max_position_embeddings)
+    if text is None:
+        return sample_tokens(config.vocab_size, batch=1, seq_len=min(seq_len or 32, longest))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:longest]
+    if not ids:
+        raise ValueError("verify: the text has no tokens")
+    return torch.tensor([ids])
 
 
 def _readable(directory: str) -> None:
@@ -238,37 +273,3 @@ def _complete(entry: str, digest: str) -> bool:
             return json.load(f).get("sha256") == digest
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def verify_gguf(
-    gguf_path: str | os.PathLike,
-    hf_dir: str,
-    *,
-    tol: float = 1e-3,
-    seq_len: int | None = None,
-    text: str | None = None,
-) -> dict:
-    """Logits of transformers on the GGUF file (its own dequantization) against transformers on
-    the converted `hf_dir`, on `seq_len` seeded random tokens (default 32) or the tokens of
-    `text`; the `megarl.convert.verify.compare_logits` dict plus `tokens`, `tol` and `ok`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from megarl.convert.verify import compare_logits, hf_logits, sample_tokens, text_tokens
-
-    path = check_gguf_file(gguf_path)
-    arch = arch_from_hf(hf_dir)
-    longest = min(seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    if text is not None:
-        tokens = text_tokens(hf_dir, text, max_len=longest)
-    else:
-        tokens = sample_tokens(arch.vocab_size, seq_len=min(seq_len or 32, longest))
-    folder, name = _split(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        ref = model(input_ids=tokens).logits.float()
-    del model
-    res = compare_logits(ref, hf_logits(hf_dir, tokens))
-    res.update(tokens=int(tokens.shape[1]), tol=tol, ok=res["max_abs_delta"] <= tol)
-    return res
