@@ -86,6 +86,23 @@ def test_model_hf_gguf_is_converted_once_into_the_cache(tiny, tmp_path, monkeypa
     assert os.path.exists(os.path.join(entry, MARKER))
 
 
+def resolve_worker(rank, world, path: str, cache: str):
+    """Two ranks resolve `model.hf: FILE.gguf`: rank 0 converts, rank 1 waits for it."""
+    os.environ["MEGARL_CACHE"] = cache
+    from megarl.trainer.model_source import resolve_model
+
+    cfg = load_config(None, ["model.config=null", "model.tokenizer=null", f"model.hf={path}"])
+    return resolve_model(cfg).model.hf
+
+
+def test_model_hf_gguf_is_converted_by_rank_0_while_the_others_wait(tiny, tmp_path):
+    from megarl.distributed.launch import spawn
+
+    dirs = spawn(resolve_worker, 2, tiny[0], str(tmp_path / "cache"))
+    assert dirs[0] == dirs[1] and os.path.exists(os.path.join(dirs[0], MARKER))
+    assert len(os.listdir(tmp_path / "cache" / "gguf")) == 1  # one entry, no leftovers
+
+
 def test_a_file_that_is_not_gguf_is_one_clear_error(tmp_path):
     from megarl.trainer.run import check_paths
 

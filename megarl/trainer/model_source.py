@@ -5,8 +5,8 @@ the run keeps beside its checkpoints.
 they are (architecture, tokenizer, weight files, the rollout engine's model directory):
 - `model.hf` naming a GGUF file: global rank 0 converts it once into the cache
   (`megarl.convert.gguf.cached_hf_dir`, keyed by the file's sha256; a later run with the same
-  file reuses it) while every other rank waits at a barrier, then all use the cached HF
-  directory. The cache root (`MEGARL_CACHE`, default `~/.cache/megarl`) must be visible to every
+  file reuses it) while every other rank waits (on a gloo group with a `CONVERT_TIMEOUT` of
+  its own), then all use the cached HF directory. The cache root (`MEGARL_CACHE`, default `~/.cache/megarl`) must be visible to every
   node of a multi-node run; otherwise convert ahead (`megarl convert gguf-to-hf`) and set
   `model.hf` to the directory.
 - `model.mcore_ckpt` naming a trainer checkpoint or a run directory (its newest complete
@@ -21,6 +21,7 @@ included) into `RUN/tokenizer`, from where every checkpoint and HF export takes 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import shutil
@@ -32,6 +33,8 @@ from megarl.config import ConfigError, RunConfig
 from megarl.errors import UserError
 
 log = logging.getLogger("megarl")
+CONVERT_TIMEOUT = datetime.timedelta(hours=4)
+"""How long the other ranks wait for rank 0's GGUF conversion."""
 
 
 def resolve_model(cfg: RunConfig) -> RunConfig:
@@ -72,16 +75,23 @@ def _gguf_on_rank0(path: str) -> str:
     """The cached HF directory of GGUF file `path`, converted by global rank 0 only."""
     from megarl.convert.gguf import cache_root, cached_hf_dir
 
-    box: list = [None, None]  # (directory, error message)
+    box: list = [None, None, False]  # (directory, error message, a user error?)
+    failed = None
     if _rank() == 0:
         try:
             box[0] = cached_hf_dir(path)
-        except UserError as e:
-            box[1] = f"model.hf={path!r}: {e}"
+        except Exception as e:  # noqa: BLE001 - every rank raises it below (none waits forever)
+            failed, box[1], box[2] = e, f"model.hf={path!r}: {e}", isinstance(e, UserError)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)  # the others wait here while rank 0 converts
+        # the others wait here while rank 0 converts: a big file takes longer than the default
+        # group's timeout (NCCL: 10 minutes), so the wait is on a gloo group of its own
+        group = dist.new_group(backend="gloo", timeout=CONVERT_TIMEOUT)
+        dist.broadcast_object_list(box, src=0, group=group)
+        dist.destroy_process_group(group)
+    if failed is not None and not box[2]:
+        raise failed
     if box[1] is not None:
-        raise ConfigError(box[1])
+        raise ConfigError(box[1]) if box[2] else RuntimeError(f"on rank 0: {box[1]}")
     if not os.path.isfile(os.path.join(box[0], "config.json")):
         raise ConfigError(
             f"model.hf={path!r}: rank {_rank()} does not see the converted directory {box[0]}; "
