@@ -6,9 +6,9 @@ they are (architecture, tokenizer, weight files, the rollout engine's model dire
 - `model.hf` naming a GGUF file: global rank 0 converts it once into the cache
   (`megarl.convert.gguf.cached_hf_dir`, keyed by the file's sha256; a later run with the same
   file reuses it) while every other rank waits (on a gloo group with a `CONVERT_TIMEOUT` of
-  its own), then all use the cached HF directory. The cache root (`MEGARL_CACHE`, default `~/.cache/megarl`) must be visible to every
-  node of a multi-node run; otherwise convert ahead (`megarl convert gguf-to-hf`) and set
-  `model.hf` to the directory.
+  its own), then all use the cached HF directory. The cache root (`MEGARL_CACHE`, default
+  `~/.cache/megarl`) must be visible to every node of a multi-node run; otherwise convert ahead
+  (`megarl convert gguf-to-hf`) and set `model.hf` to the directory.
 - `model.mcore_ckpt` naming a trainer checkpoint or a run directory (its newest complete
   checkpoint): the checkpoint's `actor` weights start the run; its optimizer state, schedule and
   step do not (a fresh run, unlike `trainer.resume`). Its kept tokenizer is the default
