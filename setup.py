@@ -34,6 +34,10 @@ setup(
         "wandb>=0.17",
         "math-verify>=0.7",
         "pyarrow>=14",  # parquet prompt datasets
+        # GGUF model files (model.hf: FILE.gguf, megarl convert gguf-to-hf, megarl fetch-model):
+        # transformers' GGUF loader needs both
+        "gguf>=0.10",
+        "accelerate>=0.26",
     ],
     extras_require={
         # CPU rollout: the CPU build of vLLM (pins torch==2.13.0+cpu)

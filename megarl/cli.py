@@ -1,4 +1,5 @@
-"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`.
+"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`,
+`megarl convert {gguf-to-hf,hf-to-mcore,mcore-to-hf} ...`, `megarl fetch-model NAME --out DIR`.
 
 `megarl train CONFIG --dry-run --world-size N [--rank R]` checks the layout for N ranks and
 prints what rank R holds (groups, layers, parameters) without GPUs, weights, data or vLLM.
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the embedded tiny CPU run); its model.* source is replaced by TARGET",
     )
     e.add_argument("--out", help="output directory (default: runs/eval-<name>-<time>)")
+    from megarl.convert.command import add_parsers
+
+    add_parsers(sub, common)
     for p in (t, c, pl, e):
         if p is not e:
             p.add_argument(
@@ -143,8 +147,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command; returns its exit status (2 for an input error)."""
+    from megarl.convert import command as convert
+
     console.setup(verbose=args.verbose)
-    command = {"train": _train, "config": _config, "plan": _plan, "eval": _eval}[args.command]
+    command = {
+        "train": _train,
+        "config": _config,
+        "plan": _plan,
+        "eval": _eval,
+        "convert": convert.convert,
+        "fetch-model": convert.fetch,
+    }[args.command]
     return console.run_guarded(partial(command, args), debug=args.debug)
 
 

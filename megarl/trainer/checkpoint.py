@@ -3,7 +3,9 @@
 Layout: `RUN/checkpoints/step_000042/` holds a megatron `dist_checkpointing` checkpoint (actor,
 critic, their DistributedOptimizer states in the fully-reshardable format, so a run can resume at
 another TP / PP / DP) plus `trainer_state.json` (step, sampler, schedulers, model config, torch's
-RNG state as base64; written by rank 0). Every checkpoint is written to `step_N.tmp` and renamed
+RNG state as base64; written by rank 0) and the run's tokenizer files (from `RUN/tokenizer`).
+Other readers (`megarl convert mcore-to-hf`, `model.mcore_ckpt`) go through
+`megarl.convert.source`. Every checkpoint is written to `step_N.tmp` and renamed
 by rank 0 after all ranks finished (`_commit`), so a run killed while saving leaves the previous
 checkpoint as the newest complete one. The keys inside are layout-free: chunk dicts are nested but
 each ShardedTensor carries its global key.
@@ -81,8 +83,18 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return ckpts[-1][1] if ckpts else None
 
 
-def save(run_dir: str, step: int, models: dict, trainer_state: dict, *, keep_last: int) -> str:
-    """Collective. Write checkpoint `step` atomically; prune to the newest `keep_last`."""
+def save(
+    run_dir: str,
+    step: int,
+    models: dict,
+    trainer_state: dict,
+    *,
+    keep_last: int,
+    tokenizer_dir: str | None = None,
+) -> str:
+    """Collective. Write checkpoint `step` atomically; prune to the newest `keep_last`. The
+    tokenizer files of `tokenizer_dir` (chat template, generation config) are copied in, so the
+    checkpoint alone converts to a complete HF directory (`megarl convert mcore-to-hf`)."""
     from megatron.core import dist_checkpointing
 
     root = os.path.join(run_dir, "checkpoints")
@@ -98,6 +110,10 @@ def save(run_dir: str, step: int, models: dict, trainer_state: dict, *, keep_las
     dist_checkpointing.save(_sharded(models, is_loading=False), tmp)
     if dist.get_rank() == 0:
         _write_trainer_state(os.path.join(tmp, STATE_FILE), trainer_state)
+        if tokenizer_dir is not None and os.path.isdir(tokenizer_dir):
+            from megarl.convert.hf_io import copy_tokenizer_files
+
+            copy_tokenizer_files(tokenizer_dir, tmp)
         _commit(tmp, final)
         for _, old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)

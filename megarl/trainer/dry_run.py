@@ -10,9 +10,9 @@ Simplified on purpose:
 - no gloo side groups (megatron's CPU groups for the distributed optimizer need a real store);
 - megatron-core's local layer spec even where the real run builds Transformer-Engine layers (GPU,
   FP8): the parameters are the same (TE fuses each norm into the next linear layer, same count);
-- only the model's shape is read (`model.config`, `model.hf`'s config.json, or `model.mcore_ckpt`'s
-  megarl_model.json): no weights, tokenizer, data, reward functions or vLLM engine. Paths the real
-  run reads and this machine lacks are listed, not refused.
+- only the model's shape is read (`model.config`, `model.hf`'s config.json or GGUF metadata, or
+  the small files of `model.mcore_ckpt`): no weights, tokenizer, data, reward functions or vLLM
+  engine. Paths the real run reads and this machine lacks are listed, not refused.
 """
 
 from __future__ import annotations
@@ -187,18 +187,18 @@ def dry_run(
 def _check_model_source(cfg: RunConfig) -> None:
     """The one input a dry run reads: the model's shape."""
     m = cfg.model
-    if m.hf is not None and not os.path.isdir(m.hf):
+    if m.hf is not None and not os.path.isdir(m.hf) and not os.path.isfile(m.hf):
         raise ConfigError(
             f"model.hf={m.hf!r} does not exist on this machine; the dry run reads the model's "
             "shape from it. Accepted: a directory holding the model's config.json (nothing else "
-            "in it is read)"
+            "in it is read), or a GGUF file (its metadata is read)"
         )
     if m.mcore_ckpt is not None and not os.path.isdir(m.mcore_ckpt):
         raise ConfigError(
             f"model.mcore_ckpt={m.mcore_ckpt!r} does not exist on this machine; --dry-run and "
-            "`megarl plan` read the model's shape from its megarl_model.json. Accepted: that "
-            "directory, or --set model.mcore_ckpt=null --set model.hf=DIR with DIR holding the "
-            "model's config.json"
+            "`megarl plan` read the model's shape from its small files (trainer_state.json or "
+            "megarl_model.json). Accepted: that directory, or --set model.mcore_ckpt=null --set "
+            "model.hf=DIR with DIR holding the model's config.json"
         )
 
 

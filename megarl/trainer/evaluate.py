@@ -305,6 +305,7 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     from megarl.distributed import device
     from megarl.models.builder import BuildConfig, build_model
     from megarl.trainer import run as R
+    from megarl.trainer.model_source import resolve_model
 
     ev = cfg.eval
     if ev.path is None and ev.fraction == 0:
@@ -314,6 +315,7 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
         )
     _, world = R.init_distributed()
     R.check_paths(cfg)
+    cfg = resolve_model(cfg)  # a GGUF file -> its cached HF dir; a run dir -> its checkpoint
     arch = R.load_arch(cfg)
     check_eval(cfg, arch)
     gpu = device.use_gpu()

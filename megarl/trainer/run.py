@@ -32,6 +32,7 @@ from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
 from megarl.trainer.evaluate import Evaluator, check_eval
+from megarl.trainer.model_source import keep_tokenizer, resolve_model
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -67,14 +68,21 @@ def init_distributed() -> tuple[int, int]:
 
 
 def load_arch(cfg: RunConfig) -> ModelArch:
+    """The model's architecture from its small files: `model.config`, `model.hf`'s config.json
+    (a GGUF file not converted yet, as in a dry run: its metadata), or the checkpoint of
+    `model.mcore_ckpt` (`megarl.convert.source`)."""
     m = cfg.model
     if m.config is not None:
         return arch_from_hf(m.config, where="model.config")
     if m.hf is not None:
-        return arch_from_hf(m.hf)
-    from megarl.convert.checkpoint import read_checkpoint_arch
+        if os.path.isfile(m.hf):
+            from megarl.convert.gguf import gguf_hf_config
 
-    return read_checkpoint_arch(m.mcore_ckpt)
+            return arch_from_hf(gguf_hf_config(m.hf), where=f"model.hf={m.hf}")
+        return arch_from_hf(m.hf)
+    from megarl.convert.source import open_checkpoint
+
+    return open_checkpoint(m.mcore_ckpt).arch
 
 
 def load_tokenizer(cfg: RunConfig, out_dir: str):
@@ -89,7 +97,10 @@ def load_tokenizer(cfg: RunConfig, out_dir: str):
             "model.tokenizer is required when the model comes from model.config; accepted: a "
             "tokenizer directory or 'toy'"
         )
-    return load(path)
+    tokenizer = load(path)
+    if dist.get_rank() == 0:  # kept beside the checkpoints, for exports (`keep_tokenizer`)
+        keep_tokenizer(tokenizer, path, out_dir)
+    return tokenizer
 
 
 @dataclass
@@ -184,6 +195,8 @@ class Run:
         """The RL run: every check a user's input can fail, then models, engine and logging."""
         rank, world = init_distributed()
         check_paths(cfg)
+        user_model = cfg.model  # config.yaml keeps what the user wrote (e.g. the GGUF file)
+        cfg = resolve_model(cfg)  # GGUF -> cached HF dir (rank 0), run dir -> its checkpoint
         arch = load_arch(cfg)
         _check_rollout_length(cfg, arch)
         check_eval(cfg, arch)
@@ -196,7 +209,7 @@ class Run:
         reward_fns = _reward_functions(cfg)
         _check_model_files(cfg, arch)
         resume = _resume_state(cfg, out_dir, arch, data.sampler)
-        write_config(cfg, out_dir)
+        write_config(dataclasses.replace(cfg, model=user_model), out_dir)
         a = cfg.algorithm
         models = build_models(
             cfg,
@@ -248,6 +261,7 @@ class Run:
             self.models.checkpointed(),
             self.trainer_state(),
             keep_last=self.cfg.trainer.keep_last,
+            tokenizer_dir=os.path.join(self.out_dir, "tokenizer"),
         )
         log.info("saved checkpoint %s", path)
         return path
@@ -381,8 +395,11 @@ def check_paths(cfg: RunConfig) -> None:
     before anything is read or built, and before a deeper error could name only the file."""
     m, d = cfg.model, cfg.data
     dirs = {
-        "model.hf": (m.hf, "a Hugging Face model directory (config.json + *.safetensors)"),
-        "model.mcore_ckpt": (m.mcore_ckpt, "a directory from `tools/convert.py hf-to-mcore`"),
+        "model.mcore_ckpt": (
+            m.mcore_ckpt,
+            "a trainer checkpoint RUN/checkpoints/step_N, a run directory RUN, or a directory "
+            "from `megarl convert hf-to-mcore`",
+        ),
         "model.tokenizer": (
             None if m.tokenizer == "toy" else m.tokenizer,
             "a tokenizer directory (tokenizer.json / tokenizer_config.json) or 'toy'",
@@ -392,6 +409,16 @@ def check_paths(cfg: RunConfig) -> None:
         if path is not None and not os.path.isdir(path):
             what = "is not a directory" if os.path.exists(path) else "does not exist"
             raise ConfigError(f"{key}={path!r} {what}; accepted: {accepted}")
+    if m.hf is not None and not os.path.isdir(m.hf):
+        from megarl.convert.gguf import is_gguf
+
+        if not is_gguf(m.hf):
+            what = "is not a directory or a GGUF file" if os.path.exists(m.hf) else "does not exist"
+            raise ConfigError(
+                f"model.hf={m.hf!r} {what}; accepted: a Hugging Face model directory "
+                "(config.json + *.safetensors) or a GGUF file (.gguf, converted once into "
+                "MEGARL_CACHE)"
+            )
     if d.path is not None and not d.path.startswith("hf:") and not os.path.exists(d.path):
         raise ConfigError(
             f"data.path={d.path!r} does not exist; accepted: a .jsonl/.json/.parquet/.arrow "
@@ -453,9 +480,10 @@ def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
 def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:
     """Load the starting weights into `actor`, each rank reading only the shards it holds
     (`model.hf`: the HF tensors of its own parameters; `model.mcore_ckpt`: a sharded
-    `dist_checkpointing` load; random init from `model.config`: `seeded_init`, the same model at
-    every layout, so a run resumed at another layout rebuilds the same reference). No rank holds
-    the whole model; the reference and the critic trunk are then copied from the actor's shards."""
+    `dist_checkpointing` load of the checkpoint's actor weights; random init from
+    `model.config`: `seeded_init`, the same model at every layout, so a run resumed at another
+    layout rebuilds the same reference). No rank holds the whole model; the reference and the
+    critic trunk are then copied from the actor's shards."""
     m = cfg.model
     if m.hf is None and m.mcore_ckpt is None:
         from megarl.convert.sharded import seeded_init
@@ -466,9 +494,9 @@ def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:
 
         load_hf_sharded(actor, arch, m.hf)
     elif m.mcore_ckpt is not None:
-        from megarl.convert.checkpoint import load_model_checkpoint
+        from megarl.convert.source import load_into, open_checkpoint
 
-        load_model_checkpoint(actor, m.mcore_ckpt)
+        load_into(actor, open_checkpoint(m.mcore_ckpt, "actor"))
 
 
 def _resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> RunConfig:
