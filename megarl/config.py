@@ -66,7 +66,8 @@ class AlgorithmConfig:
     scale: str = "group"
     """Advantage scaling: group, batch or none (see megarl.advantage)."""
     policy_loss: str = "ppo"
-    """ppo (token-level ratio) or gspo (sequence-level ratio)."""
+    """A registered policy loss (megarl.algorithms.losses): ppo (token-level ratio) or gspo
+    (sequence-level ratio)."""
     clip_low: float = 0.2
     """PPO clip range below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = 0.2
@@ -123,11 +124,15 @@ class AlgorithmConfig:
             )
         from megarl.algorithms.advantages import available_advantages
         from megarl.algorithms.kl import kl_penalty  # noqa: F401 - validated at use
-        from megarl.algorithms.losses import AGG_MODES
+        from megarl.algorithms.losses import AGG_MODES, available_policy_losses
 
         if self.advantage not in available_advantages():
             raise ConfigError(
                 f"algorithm.advantage={self.advantage!r}; accepted: {available_advantages()}"
+            )
+        if self.policy_loss not in available_policy_losses():
+            raise ConfigError(
+                f"algorithm.policy_loss={self.policy_loss!r}; accepted: {available_policy_losses()}"
             )
         if self.scale not in ("group", "batch", "none"):
             raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")

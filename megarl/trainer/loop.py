@@ -313,9 +313,11 @@ def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> d
 
 
 def _bad_step(run: Run, metrics: dict) -> bool:
-    """Count consecutive steps whose loss was non-finite (their updates were dropped)."""
-    loss = metrics.get("loss", 0.0)
-    if metrics.get("skipped_steps", 0) or not math.isfinite(loss):
+    """Count consecutive steps whose policy or critic loss was non-finite (their updates were
+    dropped)."""
+    skipped = metrics.get("skipped_steps", 0) + metrics.get("value_skipped_steps", 0)
+    losses = (metrics.get("loss", 0.0), metrics.get("value_loss", 0.0))
+    if skipped or not all(math.isfinite(x) for x in losses):
         run.bad_steps += 1
         log.warning(
             "step %d: non-finite loss, update skipped (%d in a row)", run.step, run.bad_steps
