@@ -10,7 +10,12 @@ wandb and tensorboard get the numeric leaves with flattened keys (`time_s/rollou
 
 Resuming: an existing metrics.jsonl is appended to; call `truncate_after(step)` with the
 checkpoint's step first, so steps logged after that checkpoint are not duplicated. Logging a
-step that is not larger than the last one raises.
+step that is not larger than the last one raises. A run that starts again from step 0 in a
+directory that already holds metrics (no complete checkpoint to resume from) first calls
+`set_aside_previous_run`, which renames those logs to `NAME.1` (`.2`, ...) and starts a new
+wandb run. wandb drops a step at or below the last one it holds, so a resumed wandb run keeps
+the first attempt's values for the steps that are done again (metrics.jsonl has the new ones);
+`truncate_after` says so in a warning.
 
 wandb mode: `WANDB_MODE` from the environment if set, else `wandb_cfg["mode"]`, else "offline".
 The run id is kept in `run_dir/wandb_run_id` so a resumed run continues the same wandb run.
@@ -152,10 +157,21 @@ class MetricsLogger:
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, self.path)
         self._file = open(self.path, "a", encoding="utf-8")
+        last_logged = self._last_step
         self._last_step = max((_step_of(line) for line in kept), default=None)
         dropped = len(lines) - len(kept)
         if dropped:
             logger.info("%s: dropped %d lines after step %d", self.path, dropped, step)
+        if self._wandb is not None and last_logged is not None and last_logged > step:
+            logger.warning(
+                "wandb run %s already holds steps %d-%d from before this resume; wandb drops "
+                "re-logged steps at or below its last one, so it shows the earlier values for "
+                "those and new values from step %d on (metrics.jsonl holds the re-done steps)",
+                getattr(self._wandb, "id", "?"),
+                step + 1,
+                last_logged,
+                last_logged + 1,
+            )
         return dropped
 
     def close(self) -> None:
@@ -202,6 +218,38 @@ class MetricsLogger:
         kwargs.setdefault("dir", str(self.run_dir))
         kwargs.setdefault("resume", "allow")
         return wandb.init(mode=mode, id=run_id, **kwargs)
+
+
+# what a run directory holds per attempt at its steps (`set_aside_previous_run`)
+PER_RUN_LOGS = (METRICS_FILE, "samples.jsonl", "eval_samples.jsonl", "wandb_run_id", "tensorboard")
+
+
+def set_aside_previous_run(run_dir: str | os.PathLike) -> int | None:
+    """Before a run starts at step 0 in `run_dir`: rename the logs of an earlier attempt there
+    (`PER_RUN_LOGS`) to `NAME.K`, K the first suffix free for all of them, when metrics.jsonl
+    holds any step; returns K (None: nothing to set aside). One process (rank 0) calls it."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS_FILE
+    if not metrics.exists() or not any(
+        _step_of(line) is not None for line in metrics.read_text(encoding="utf-8").splitlines()
+    ):
+        return None
+    k = 1
+    while any((run_dir / f"{name}.{k}").exists() for name in PER_RUN_LOGS):
+        k += 1
+    moved = []
+    for name in PER_RUN_LOGS:
+        if (run_dir / name).exists():
+            os.replace(run_dir / name, run_dir / f"{name}.{k}")
+            moved.append(name)
+    logger.warning(
+        "%s holds an earlier attempt's metrics and this run starts at step 0 (no complete "
+        "checkpoint to resume from, or trainer.resume=false): its %s kept with suffix .%d",
+        run_dir,
+        ", ".join(moved),
+        k,
+    )
+    return k
 
 
 def _open_tensorboard(log_dir: Path) -> Any:

@@ -23,6 +23,7 @@ from megarl.config import ConfigError, RunConfig, to_dict
 from megarl.convert.sharded import copy_weights
 from megarl.distributed import Topology, device
 from megarl.distributed.topology import Groups, TopologyError
+from megarl.metrics.sinks import set_aside_previous_run
 from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
@@ -137,6 +138,8 @@ class Run:
         _check_model_files(cfg, arch)
         resume = _resume_state(cfg, out_dir, arch, sampler)
         if rank == 0:
+            if resume is None:  # starting at step 0: an earlier attempt's metrics go aside
+                set_aside_previous_run(out_dir)
             _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
         build = BuildConfig(
             make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
@@ -310,13 +313,18 @@ def _check_model_files(cfg: RunConfig, arch: ModelArch) -> None:
 
 
 def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
-    """(newest checkpoint of `out_dir`, its trainer state), or None when there is none or
-    `trainer.resume` is off. Its small files are read and checked now, before the models exist:
-    the model config, the data order, and that its metadata is safe to unpickle."""
-    path = checkpoint.latest_checkpoint(out_dir) if cfg.trainer.resume else None
-    if path is None:
+    """(newest complete checkpoint of `out_dir`, its trainer state), or None when there is none
+    or `trainer.resume` is off (damaged ones are skipped: `checkpoint.resumable`). Its small
+    files are read and checked now, before the models exist: the model config, the data order,
+    that its metadata is safe to unpickle and that its tensor files are whole."""
+    if not cfg.trainer.resume:
         return None
-    state = checkpoint.read_trainer_state(path)
+    return checkpoint.resumable(
+        out_dir, lambda path, state: _check_resumable(cfg, path, state, arch, sampler)
+    )
+
+
+def _check_resumable(cfg: RunConfig, path: str, state: dict, arch: ModelArch, sampler) -> None:
     if state["arch"] != arch.hf_config:
         changed = sorted(
             k
@@ -340,8 +348,6 @@ def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
             f"checkpoint {path} cannot continue this run's prompt order: {e}; keep data.* as it "
             "was, or use a new run directory (--out) or trainer.resume=false"
         ) from e
-    checkpoint.check_dcp_metadata(path)
-    return path, state
 
 
 def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:
