@@ -170,9 +170,20 @@ class TrainerConfig:
     seed: int = 0
     """Global seed (data order, sampling, init)."""
     save_every: int = 0
-    """Checkpoint every k steps (0 = only at the end)."""
+    """Checkpoint every k steps (0 = only at the end; see also save_every_minutes)."""
+    save_every_minutes: float = 30.0
+    """Also checkpoint at the first step boundary this many minutes after the last checkpoint
+    (the clock starts when the process starts, so setup counts); 0 = off."""
+    time_limit_minutes: float = 0.0
+    """Stop with a checkpoint (exit status 4) before this many minutes since the process
+    started: at the first step boundary where the time left is shorter than the longest step
+    plus the longest checkpoint save so far. 0 = no limit. See docs/preemption.md."""
+    step_timeout_minutes: float = 60.0
+    """Hang watchdog: a step (with its checkpoint save) that runs longer than this dumps every
+    thread's Python stack to RUN/hang-rank{R}.txt, names the stage, and exits with status 5;
+    the process groups' collective timeout is set a few minutes above it. 0 = off."""
     keep_last: int = 2
-    """Checkpoints kept."""
+    """Checkpoints kept (the newest complete one is never removed); 0 = keep all."""
     resume: bool = True
     """Resume from the newest checkpoint in the run directory if there is one."""
     max_bad_steps: int = 3
@@ -181,6 +192,17 @@ class TrainerConfig:
     """Write the final policy as an HF directory (out/hf) at the end."""
     critic_warmup_steps: int = 0
     """PPO: steps that train only the critic."""
+
+    def __post_init__(self):
+        for k in ("steps", "save_every", "keep_last", "critic_warmup_steps"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"trainer.{k}={getattr(self, k)}; accepted: >= 0")
+        if self.max_bad_steps < 1:
+            raise ConfigError(f"trainer.max_bad_steps={self.max_bad_steps}; accepted: >= 1")
+        for k in ("save_every_minutes", "time_limit_minutes", "step_timeout_minutes"):
+            v = getattr(self, k)
+            if not v >= 0 or v == float("inf"):
+                raise ConfigError(f"trainer.{k}={v}; accepted: a number of minutes >= 0 (0 = off)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,6 +3,10 @@
 prompts -> generate (vLLM, n samples each) -> score (reward functions) -> old / reference
 logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy (and
 critic) update -> weight sync into vLLM -> metrics -> checkpoint
+
+Around it, `megarl.trainer.faults.RunGuard` turns stop requests (SIGTERM, SIGUSR1, the stop
+file, the time limit) into a checkpoint and `RunStopped` at the step boundary, writes the
+time-based checkpoints, and watches each step for hangs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from megarl.metrics.timer import StageTimer
 from megarl.models.forward import sequence_multiple
 from megarl.models.routing import moe_metrics
 from megarl.trainer import experience as xp
+from megarl.trainer.faults import RunGuard
 from megarl.trainer.run import Run
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
 
@@ -35,10 +40,12 @@ class TrainingDiverged(RuntimeError):
 
 
 def train(cfg: RunConfig, out_dir: str) -> Run:
+    guard = RunGuard.start(cfg.trainer, out_dir)  # stop requests, timed saves, hang watchdog
     run = Run.create(cfg, out_dir)
     timer = StageTimer()
     bar = StepProgress(cfg.trainer.steps, rank=dist.get_rank(), initial=run.step)
     while run.step < cfg.trainer.steps:
+        guard.begin_step(run, timer)
         t0 = time.perf_counter()
         with timer("rollout"):
             prompts, rollout = generate(run)
@@ -87,9 +94,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
                 f"loss (trainer.max_bad_steps={cfg.trainer.max_bad_steps}); the newest checkpoint "
                 f"in {run.out_dir}/checkpoints is from before the divergence"
             )
-        every = cfg.trainer.save_every
-        if (every and run.step % every == 0) or run.step == cfg.trainer.steps:
-            run.save()
+        guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
     bar.close()
     finish(run)
     return run

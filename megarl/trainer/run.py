@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -28,12 +29,15 @@ from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
+from megarl.trainer.faults import attempt_store, collective_timeout
 
 log = logging.getLogger("megarl")
 
 
-def init_distributed() -> tuple[int, int]:
-    """torch.distributed from torchrun's environment, or a one-process group when run plainly."""
+def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, int]:
+    """torch.distributed from torchrun's environment, or a one-process group when run plainly.
+    `timeout`: of every collective on the default group (None: torch's default;
+    `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             from megarl.distributed.launch import free_port
@@ -46,7 +50,7 @@ def init_distributed() -> tuple[int, int]:
                 MASTER_PORT=str(free_port()),
             )
         device.setup()
-        dist.init_process_group(device.backend())
+        dist.init_process_group(device.backend(), timeout=timeout, **attempt_store(timeout))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -129,7 +133,7 @@ class Run:
             log.warning(slow)
         if rank == 0:
             os.makedirs(out_dir, exist_ok=True)
-        groups = topo.initialize(seed=cfg.model.init_seed)
+        groups = topo.initialize(seed=cfg.model.init_seed, timeout=collective_timeout(cfg.trainer))
         tokenizer = load_tokenizer(cfg, out_dir)
         # everything a user can get wrong is checked before the models and the engine exist
         cfg = _resolve_rollout(cfg, arch, tokenizer, gpu)
