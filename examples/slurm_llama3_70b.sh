@@ -33,8 +33,9 @@ mkdir -p "$RUN_DIR"
 rm -f "$RUN_DIR/STOP" "$RUN_DIR/stopped.json"
 echo "megarl run directory $RUN_DIR (job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0})"
 
-# rendezvous: the first node of the allocation hosts torchrun's c10d store
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# rendezvous: the first node of the allocation hosts torchrun's c10d store (sed, not head:
+# head would close the pipe early, and with pipefail scontrol's SIGPIPE would end the script)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export MASTER_ADDR=$head_node MASTER_PORT=${MASTER_PORT:-29500}
 
 # megatron-core overlaps TP communication with compute only with a single CUDA work queue

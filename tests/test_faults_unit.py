@@ -536,7 +536,8 @@ SLURM = os.path.join(ROOT, "examples", "slurm_llama3_70b.sh")
 FAKE = {
     "scontrol": """#!/usr/bin/env bash
 echo "scontrol $*" >> "$FAKE_LOG"
-if [[ $1 == show ]]; then echo node-a; echo node-b; fi
+# one line at a time, as for a large allocation: a reader that stops early gets SIGPIPE here
+if [[ $1 == show ]]; then for n in node-a node-b node-c node-d; do echo $n; sleep 0.02; done; fi
 """,
     "srun": """#!/usr/bin/env bash
 echo "srun $*" >> "$FAKE_LOG"
