@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# Slurm launch for examples/grpo_llama3_70b_fp8.yaml: 4 nodes x 8 GPUs, srun + torchrun.
+# Slurm launch for examples/grpo_llama3_70b_fp8.yaml: 4 nodes x 8 GPUs, srun + torchrun, with
+# preemption-safe checkpoints and requeue (docs/preemption.md).
 #   sbatch examples/slurm_llama3_70b.sh [--set key=value ...]
-# The run directory (--out) and the checkpoint must be on a filesystem every node sees:
-# megatron's distributed checkpoints are written by all ranks into one directory, and a resume
-# reads them back from any node. (vLLM's model config is written per node, so that part is not.)
+#   RUN_NAME=llama3-70b-1234 sbatch examples/slurm_llama3_70b.sh   # continue an earlier job's run
+# The run directory (--out) must be on a filesystem every node sees: megatron's distributed
+# checkpoints are written by all ranks into one directory, a resume reads them back from any
+# node, and rank 0 reads the stop file there. (vLLM's model config is written per node.)
+#
+# Stopping in time: 10 minutes before the time limit Slurm sends USR1 to this script only
+# (--signal=B:...); the trap writes RUN/STOP; at the next step boundary every rank sees it,
+# megarl writes a checkpoint of the finished step and RUN/stopped.json and exits; this script
+# then requeues the job, which resumes from that checkpoint in the same run directory. Choose
+# the lead time from the "checkpoint written in ... s (longest step so far ... s)" log lines:
+# it must cover one step plus one save. A requeued job keeps its SLURM_JOB_ID, so the run
+# directory below stays the same; a new sbatch names it with RUN_NAME.
 #SBATCH --job-name=megarl-70b
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1          # one torchrun per node; it starts the 8 ranks of the node
@@ -11,23 +21,60 @@
 #SBATCH --cpus-per-task=96
 #SBATCH --exclusive
 #SBATCH --time=48:00:00
+#SBATCH --signal=B:USR1@600          # USR1 to the batch shell 600 s before the time limit
+#SBATCH --requeue                    # this job may be requeued (by the script or by preemption)
+#SBATCH --open-mode=append           # a requeued job appends to its log instead of truncating it
 set -euo pipefail
 
-# rendezvous: the first node of the allocation hosts torchrun's c10d store
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+RUN_NAME=${RUN_NAME:-llama3-70b-${SLURM_JOB_ID}}
+RUN_DIR=${RUN_ROOT:-runs}/$RUN_NAME
+mkdir -p "$RUN_DIR"
+# a stop request belongs to the attempt that made it
+rm -f "$RUN_DIR/STOP" "$RUN_DIR/stopped.json"
+echo "megarl run directory $RUN_DIR (job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0})"
+
+# rendezvous: the first node of the allocation hosts torchrun's c10d store (sed, not head:
+# head would close the pipe early, and with pipefail scontrol's SIGPIPE would end the script)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export MASTER_ADDR=$head_node MASTER_PORT=${MASTER_PORT:-29500}
 
 # megatron-core overlaps TP communication with compute only with a single CUDA work queue
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 # NVLink SHARP (NVLS) buffers take GPU memory that colocated vLLM + trainer cannot spare
 export NCCL_NVLS_ENABLE=0
-# fail a rank that waits on a dead peer instead of hanging until the Slurm time limit
+# fail a rank that waits on a dead peer instead of hanging until the Slurm time limit; megarl
+# sets the collective timeout a few minutes above trainer.step_timeout_minutes, whose watchdog
+# writes RUN/hang-rank{R}.txt first
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 # offline unless you set WANDB_MODE=online (and a key) in the environment you sbatch from
 export WANDB_MODE=${WANDB_MODE:-offline}
 
-# --kill-on-bad-exit: one failed node ends the job; rdzv_id scopes the rendezvous to this job
+trap 'echo "USR1: asking megarl to stop after the current step"; touch "$RUN_DIR/STOP"' USR1
+
+# --kill-on-bad-exit: one failed node ends the job; rdzv_id scopes the rendezvous to this job.
+# --max-restarts: a rank that dies (or hangs: exit 5) restarts the node's workers, which resume
+# from the newest checkpoint. --shutdown-timeout: after a SIGTERM (Slurm's preemption or the
+# time limit), torchrun passes it on and kills the workers this many seconds later; megarl
+# saves at the next step boundary, so give it a step plus a save when Slurm's KillWait allows.
+# Run in the background: bash runs a trap only between commands, and `wait` is one.
 srun --kill-on-bad-exit=1 torchrun \
   --nnodes "$SLURM_NNODES" --nproc_per_node 8 \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" \
-  -m megarl train examples/grpo_llama3_70b_fp8.yaml --out "runs/llama3-70b-$SLURM_JOB_ID" "$@"
+  --max-restarts 2 --shutdown-timeout 120 \
+  -m megarl train examples/grpo_llama3_70b_fp8.yaml --out "$RUN_DIR" "$@" &
+step=$!
+status=0
+while :; do
+  wait "$step" && status=0 || status=$?
+  kill -0 "$step" 2>/dev/null || break  # ended (not just a trap that interrupted the wait)
+done
+
+# torchrun reports any worker status but 0 as its own 1, so megarl's "stopped after a
+# checkpoint" (status 4) is read from the file it writes
+if [[ -f "$RUN_DIR/stopped.json" ]]; then
+  echo "megarl stopped after a checkpoint: $(tr -d '\n' < "$RUN_DIR/stopped.json")"
+  echo "requeueing job $SLURM_JOB_ID (it resumes in $RUN_DIR)"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$status"

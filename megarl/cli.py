@@ -17,6 +17,11 @@ A mistake in the input (config, data, model or checkpoint directory, reward func
 found before the models and the rollout engine are built and printed once as
 `megarl: error: ...` (exit status 2); `--debug` adds its traceback. `--verbose` shows what
 vLLM, megatron-core and torch log, which a normal run hides (see `megarl.console`).
+
+Exit status of `megarl train`: 0 done, 1 a bug (traceback), 2 an input error, 3 diverged
+(trainer.max_bad_steps), 4 stopped on request after a checkpoint (SIGTERM / SIGUSR1, the stop
+file RUN/STOP, trainer.time_limit_minutes: run the same command to continue), 5 a step hung
+(trainer.step_timeout_minutes; stacks in RUN/hang-rank{R}.txt). See docs/preemption.md.
 """
 
 from __future__ import annotations
@@ -205,12 +210,16 @@ def _train(args: argparse.Namespace) -> int:
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
 
+    from megarl.trainer import faults
+
+    faults.install_stop_signals()  # from here on SIGTERM / SIGUSR1 ask for a clean stop
+
     import torch.distributed as dist
 
     from megarl.trainer.loop import TrainingDiverged, train
     from megarl.trainer.run import init_distributed
 
-    init_distributed()
+    init_distributed(faults.collective_timeout(cfg.trainer))
     stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
     out = _out_dir(args.out, stem)
     try:
@@ -219,6 +228,11 @@ def _train(args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             print(f"megarl: {e}", file=sys.stderr)
         return 3
+    except faults.RunStopped as e:
+        console.record_for_torchrun(f"megarl: {e}")  # torchrun's report shows it
+        if dist.get_rank() == 0:
+            print(f"megarl: {e}", file=sys.stderr, flush=True)
+        return faults.EXIT_STOPPED
     if dist.get_rank() == 0:
         wandb = cfg.logging.wandb and cfg.logging.wandb_mode != "disabled"
         print(

@@ -70,7 +70,8 @@ class AlgorithmConfig:
     scale: str = "group"
     """Advantage scaling: group, batch or none (see megarl.advantage)."""
     policy_loss: str = "ppo"
-    """ppo (token-level ratio) or gspo (sequence-level ratio)."""
+    """A registered policy loss (megarl.algorithms.losses): ppo (token-level ratio) or gspo
+    (sequence-level ratio)."""
     clip_low: float = 0.2
     """PPO clip range below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = 0.2
@@ -134,11 +135,15 @@ class AlgorithmConfig:
             )
         from megarl.algorithms.advantages import available_advantages
         from megarl.algorithms.kl import kl_penalty  # noqa: F401 - validated at use
-        from megarl.algorithms.losses import AGG_MODES
+        from megarl.algorithms.losses import AGG_MODES, available_policy_losses
 
         if self.advantage not in available_advantages():
             raise ConfigError(
                 f"algorithm.advantage={self.advantage!r}; accepted: {available_advantages()}"
+            )
+        if self.policy_loss not in available_policy_losses():
+            raise ConfigError(
+                f"algorithm.policy_loss={self.policy_loss!r}; accepted: {available_policy_losses()}"
             )
         if self.scale not in ("group", "batch", "none"):
             raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
@@ -177,9 +182,20 @@ class TrainerConfig:
     seed: int = 0
     """Global seed (data order, sampling, init)."""
     save_every: int = 0
-    """Checkpoint every k steps (0 = only at the end)."""
+    """Checkpoint every k steps (0 = only at the end; see also save_every_minutes)."""
+    save_every_minutes: float = 30.0
+    """Also checkpoint at the first step boundary this many minutes after the last checkpoint
+    (the clock starts when the process starts, so setup counts); 0 = off."""
+    time_limit_minutes: float = 0.0
+    """Stop with a checkpoint (exit status 4) before this many minutes since the process
+    started: at the first step boundary where the time left is shorter than the longest step
+    plus the longest checkpoint save so far. 0 = no limit. See docs/preemption.md."""
+    step_timeout_minutes: float = 60.0
+    """Hang watchdog: a step (with its checkpoint save) that runs longer than this dumps every
+    thread's Python stack to RUN/hang-rank{R}.txt, names the stage, and exits with status 5;
+    the process groups' collective timeout is set a few minutes above it. 0 = off."""
     keep_last: int = 2
-    """Checkpoints kept."""
+    """Checkpoints kept (the newest complete one is never removed); 0 = keep all."""
     resume: bool = True
     """Resume from the newest checkpoint in the run directory if there is one."""
     max_bad_steps: int = 3
@@ -188,6 +204,17 @@ class TrainerConfig:
     """Write the final policy as an HF directory (out/hf) at the end."""
     critic_warmup_steps: int = 0
     """PPO: steps that train only the critic."""
+
+    def __post_init__(self):
+        for k in ("steps", "save_every", "keep_last", "critic_warmup_steps"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"trainer.{k}={getattr(self, k)}; accepted: >= 0")
+        if self.max_bad_steps < 1:
+            raise ConfigError(f"trainer.max_bad_steps={self.max_bad_steps}; accepted: >= 1")
+        for k in ("save_every_minutes", "time_limit_minutes", "step_timeout_minutes"):
+            v = getattr(self, k)
+            if not v >= 0 or v == float("inf"):
+                raise ConfigError(f"trainer.{k}={v}; accepted: a number of minutes >= 0 (0 = off)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -121,7 +121,7 @@ def run_guarded(body: Callable[[], int], *, debug: bool = False) -> int:
         print("megarl: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as err:  # noqa: BLE001 - a bug: shown with its traceback, status 1
-        _record_for_torchrun(f"{type(err).__name__}: {err}", traceback.format_exc())
+        record_for_torchrun(f"{type(err).__name__}: {err}", traceback.format_exc())
         sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes [rankN]
         return 1
 
@@ -130,16 +130,17 @@ def report_user_error(err: BaseException, *, debug: bool = False) -> None:
     """`megarl: error: <message>` on rank 0 (after the traceback with `debug`), and the message
     in torchrun's error file of every rank."""
     message = f"megarl: error: {err}"
-    _record_for_torchrun(message)
+    record_for_torchrun(message)
     if rank() == 0:
         if debug:
             traceback.print_exception(err)
         print(message, file=sys.stderr, flush=True)
 
 
-def _record_for_torchrun(message: str, callstack: str | None = None) -> None:
+def record_for_torchrun(message: str, callstack: str | None = None) -> None:
     """torchrun shows a failed rank's error file in its closing report (the format of
-    `torch.distributed.elastic`'s `ErrorHandler.record_exception`)."""
+    `torch.distributed.elastic`'s `ErrorHandler.record_exception`); also for a rank that ends
+    with a status of its own, such as a stop on request, which has no exception to show."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

@@ -283,6 +283,11 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     return wrap
 
 
+def available_policy_losses() -> list[str]:
+    """Names accepted by `get_policy_loss` (and by `algorithm.policy_loss`)."""
+    return sorted(_POLICY_LOSSES)
+
+
 def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss registered as `name`: 'ppo' (token ratio) or 'gspo' (sequence ratio)."""
     try:

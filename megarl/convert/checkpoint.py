@@ -53,6 +53,11 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be written or loaded; the message names the file or key."""
 
 
+class IncompleteCheckpoint(CheckpointError):
+    """A checkpoint with a missing, truncated or unreadable file (a save cut short, a damaged
+    disk): a resume skips it for the one before (`megarl.trainer.checkpoint`)."""
+
+
 def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict:
     path = os.path.join(os.fspath(ckpt_dir), META)
     if not os.path.exists(path):
@@ -92,6 +97,10 @@ _PLAIN_GLOBALS = {
 }
 
 
+class _RefusedGlobal(pickle.UnpicklingError):
+    """The pickle names a global outside what a `.metadata` file holds."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only the globals a torch.distributed.checkpoint `.metadata` file needs: classes
     whose construction runs no caller-chosen code (DCP's dataclasses and enums, torch.Size, path
@@ -110,25 +119,56 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         elif (module, name) in _PLAIN_GLOBALS:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
+        raise _RefusedGlobal(f"global '{module}.{name}' is not allowed")
 
 
-def check_dcp_metadata(ckpt_dir: str | os.PathLike) -> None:
-    """Refuse (`CheckpointError`) a checkpoint whose `.metadata` pickle refers to anything but
-    torch.distributed.checkpoint's metadata types: plain `pickle.load` of it would run code."""
+def check_dcp_metadata(ckpt_dir: str | os.PathLike):
+    """The `.metadata` record of a torch_dist checkpoint, unpickled safely. Refuses
+    (`CheckpointError`) one that refers to anything but torch.distributed.checkpoint's metadata
+    types (plain `pickle.load` of it would run code); a missing or cut file raises
+    `IncompleteCheckpoint`."""
     path = os.path.join(os.fspath(ckpt_dir), ".metadata")
     if not os.path.exists(path):
-        raise CheckpointError(f"{ckpt_dir}: no .metadata (not a complete torch_dist checkpoint)")
+        raise IncompleteCheckpoint(
+            f"{ckpt_dir}: no .metadata (not a complete torch_dist checkpoint)"
+        )
     try:
         with open(path, "rb") as f:
-            _MetadataUnpickler(f).load()
-    except Exception as e:  # noqa: BLE001 - whatever the bytes are, the file is not usable
+            return _MetadataUnpickler(f).load()
+    except _RefusedGlobal as e:
         raise CheckpointError(
             f"{path}: refusing to load this checkpoint: its metadata is not a plain "
-            f"torch.distributed.checkpoint record ({type(e).__name__}: {e}); unpickling it "
-            "could run code. Use a checkpoint written by megarl / megatron-core, or one you "
-            "trust, re-saved"
+            f"torch.distributed.checkpoint record ({e}); unpickling it could run code. Use a "
+            "checkpoint written by megarl / megatron-core, or one you trust, re-saved"
         ) from None
+    except Exception as e:  # noqa: BLE001 - whatever the bytes are, the file is not usable
+        raise IncompleteCheckpoint(
+            f"{path}: unreadable ({type(e).__name__}: {e}); the file is cut or damaged"
+        ) from None
+
+
+def check_dcp_complete(ckpt_dir: str | os.PathLike) -> None:
+    """Raise `IncompleteCheckpoint` naming the file when a torch_dist checkpoint lacks megatron's
+    `metadata.json` / `common.pt` or a tensor file its `.metadata` refers to, or when such a
+    file is shorter than the bytes recorded for it. Reads only `.metadata` and file sizes."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    meta = check_dcp_metadata(ckpt_dir)
+    for name in ("metadata.json", "common.pt"):
+        if not os.path.exists(os.path.join(ckpt_dir, name)):
+            raise IncompleteCheckpoint(f"{ckpt_dir}: megatron's {name} is missing")
+    needed: dict[str, int] = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.exists(path):
+            raise IncompleteCheckpoint(f"{path} is missing (its .metadata records {size} bytes)")
+        have = os.path.getsize(path)
+        if have < size:
+            raise IncompleteCheckpoint(
+                f"{path} is truncated: {have} bytes, its .metadata records {size}"
+            )
 
 
 def read_checkpoint_arch(ckpt_dir: str | os.PathLike) -> ModelArch:

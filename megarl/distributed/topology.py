@@ -13,10 +13,13 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
 from megarl.errors import UserError
+
+MINUTE = timedelta(minutes=1)
 
 log = logging.getLogger(__name__)
 
@@ -216,12 +219,16 @@ class Topology:
         return Topology.create(dataclasses.replace(self.parallel, **changes), self.world_size)
 
     # ----------------------------------------------------------------- process groups
-    def initialize(self, *, seed: int = 1234, gloo_groups: bool = True) -> Groups:
+    def initialize(
+        self, *, seed: int = 1234, gloo_groups: bool = True, timeout: timedelta | None = None
+    ) -> Groups:
         """Initialise torch.distributed (if needed) and megatron-core's parallel state.
 
         On CPU this also installs the CUDA emulation megatron-core needs (see `cpu.py`).
         gloo_groups=False skips megatron's gloo side groups (the dry run's fake process group
-        cannot make them)."""
+        cannot make them). `timeout`: of the collectives on every group made here (NCCL's
+        watchdog aborts a collective that waits longer); None keeps torch's and megatron's
+        defaults (30 minutes for megatron's groups)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
@@ -229,7 +236,7 @@ class Topology:
 
         device.setup()
         if not torch.distributed.is_initialized():
-            torch.distributed.init_process_group(device.backend())
+            torch.distributed.init_process_group(device.backend(), timeout=timeout)
         if torch.distributed.get_world_size() != self.world_size:
             raise TopologyError(
                 f"topology was validated for world size {self.world_size} but torch.distributed "
@@ -246,6 +253,7 @@ class Topology:
             expert_model_parallel_size=p.expert_parallel,
             expert_tensor_parallel_size=p.expert_tensor_parallel,
             create_gloo_process_groups=gloo_groups,
+            **({} if timeout is None else {"distributed_timeout_minutes": timeout / MINUTE}),
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return Groups.from_parallel_state()

@@ -17,6 +17,12 @@ first (a fresh start: -1), so records logged after that checkpoint are not dupli
 truncates metrics.jsonl and the samples files alike. Logging a metrics step that is not larger
 than the last one raises.
 
+A run that starts again from step 0 in a directory that already holds metrics (no complete
+checkpoint to resume from) first calls `set_aside_previous_run`, which renames those logs to
+`NAME.1` (`.2`, ...) and starts a new wandb run. wandb drops a step at or below the last one it
+holds, so a resumed wandb run keeps the first attempt's values for the steps that are done again
+(metrics.jsonl has the new ones); `truncate_after` says so in a warning.
+
 wandb mode: `WANDB_MODE` from the environment if set, else `wandb_cfg["mode"]`, else "offline".
 The run id is kept in `run_dir/wandb_run_id` so a resumed run continues the same wandb run.
 """
@@ -165,10 +171,21 @@ class MetricsLogger:
         self._file.close()
         dropped, kept = _truncate(self.path, step)
         self._file = open(self.path, "a", encoding="utf-8")
+        last_logged = self._last_step
         self._last_step = max((_step_of(line) for line in kept), default=None)
         for name in SAMPLE_FILES:
             if (self.run_dir / name).exists():
                 _truncate(self.run_dir / name, step)
+        if self._wandb is not None and last_logged is not None and last_logged > step:
+            logger.warning(
+                "wandb run %s already holds steps %d-%d from before this resume; wandb drops "
+                "re-logged steps at or below its last one, so it shows the earlier values for "
+                "those and new values from step %d on (metrics.jsonl holds the re-done steps)",
+                getattr(self._wandb, "id", "?"),
+                step + 1,
+                last_logged,
+                last_logged + 1,
+            )
         return dropped
 
     def close(self) -> None:
@@ -243,6 +260,38 @@ def _wandb_table(records: list[dict]) -> Any:
     columns = list(dict.fromkeys(k for r in records for k in r))
     cell = lambda v: json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v  # noqa: E731
     return wandb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in records])
+
+
+# what a run directory holds per attempt at its steps (`set_aside_previous_run`)
+PER_RUN_LOGS = (METRICS_FILE, "samples.jsonl", "eval_samples.jsonl", "wandb_run_id", "tensorboard")
+
+
+def set_aside_previous_run(run_dir: str | os.PathLike) -> int | None:
+    """Before a run starts at step 0 in `run_dir`: rename the logs of an earlier attempt there
+    (`PER_RUN_LOGS`) to `NAME.K`, K the first suffix free for all of them, when metrics.jsonl
+    holds any step; returns K (None: nothing to set aside). One process (rank 0) calls it."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS_FILE
+    if not metrics.exists() or not any(
+        _step_of(line) is not None for line in metrics.read_text(encoding="utf-8").splitlines()
+    ):
+        return None
+    k = 1
+    while any((run_dir / f"{name}.{k}").exists() for name in PER_RUN_LOGS):
+        k += 1
+    moved = []
+    for name in PER_RUN_LOGS:
+        if (run_dir / name).exists():
+            os.replace(run_dir / name, run_dir / f"{name}.{k}")
+            moved.append(name)
+    logger.warning(
+        "%s holds an earlier attempt's metrics and this run starts at step 0 (no complete "
+        "checkpoint to resume from, or trainer.resume=false): its %s kept with suffix .%d",
+        run_dir,
+        ", ".join(moved),
+        k,
+    )
+    return k
 
 
 def _open_tensorboard(log_dir: Path) -> Any:

@@ -10,7 +10,8 @@ On GPU the clock is read after `torch.cuda.synchronize()` (at entry and exit), s
 charged for the kernels it launched rather than for whatever the next stage waits on. This costs
 the overlap between stages, which is what a per-stage breakdown measures anyway. On CPU (or with
 `sync=False`) it is plain `time.perf_counter()`. Stages may nest; each accumulates its own time,
-and a stage entered several times in a step accumulates all of them.
+and a stage entered several times in a step accumulates all of them. `current` names the stage
+the loop is in now (read by the hang watchdog from its own thread, `megarl.trainer.faults`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StageTimer:
             sync = use_gpu()
         self.sync = sync
         self._times: dict[str, float] = {}
+        self._active: list[str] = []
 
     def _now(self) -> float:
         if self.sync:
@@ -42,11 +44,18 @@ class StageTimer:
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         self._times.setdefault(name, 0.0)  # keeps the order of first entry
+        self._active.append(name)
         start = self._now()
         try:
             yield
         finally:
             self._times[name] += self._now() - start
+            self._active.pop()
+
+    @property
+    def current(self) -> str | None:
+        """The stage being timed now ('train/inner' when nested), None between stages."""
+        return "/".join(self._active) or None
 
     def step_times(self) -> dict[str, float]:
         """Seconds per stage since the last reset, in order of first use."""

@@ -7,8 +7,15 @@ RNG state as base64; written by rank 0) and the run's tokenizer files (from `RUN
 Other readers (`megarl convert mcore-to-hf`, `model.mcore_ckpt`) go through
 `megarl.convert.source`. Every checkpoint is written to `step_N.tmp` and renamed
 by rank 0 after all ranks finished (`_commit`), so a run killed while saving leaves the previous
-checkpoint as the newest complete one. The keys inside are layout-free: chunk dicts are nested but
+checkpoint as the newest complete one. Pruning (`keep_last`) runs after the commit and never
+removes the checkpoint just written. The keys inside are layout-free: chunk dicts are nested but
 each ShardedTensor carries its global key.
+
+Damaged checkpoints: `resumable` walks the checkpoints newest first and skips one whose trainer
+state cannot be read or whose tensor files are missing or shorter than its `.metadata` records
+(`check_dcp_complete`: file sizes only, no tensor is read), with a warning naming it and the one
+resumed from. A skipped checkpoint is never deleted: rank 0 renames it `step_N.unreadable`, out
+of the way of pruning and of the run's next save of step N.
 
 Untrusted files: a checkpoint directory may come from elsewhere, and reading it must not run
 code. The trainer state is JSON (no pickle); the tensor files are read by torch with
@@ -31,7 +38,12 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from megarl.convert.checkpoint import CheckpointError, check_dcp_metadata
+from megarl.convert.checkpoint import (
+    CheckpointError,
+    IncompleteCheckpoint,
+    check_dcp_complete,
+    check_dcp_metadata,
+)
 from megarl.models.builder import unwrap
 
 log = logging.getLogger(__name__)
@@ -83,6 +95,48 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return ckpts[-1][1] if ckpts else None
 
 
+def resumable(run_dir: str, check=None) -> tuple[str, dict] | None:
+    """Collective (every rank, before the models exist). The newest checkpoint of `run_dir`
+    that is complete, as (directory, trainer state), or None when there is none.
+
+    A checkpoint that raises `IncompleteCheckpoint` (unreadable trainer state, a tensor file
+    missing or cut) is skipped with a warning and renamed aside, never deleted (module doc).
+    `check(path, state)` adds the caller's checks; what it raises (a checkpoint of another
+    model, say) stops the run as before: such a checkpoint is whole, just not this run's."""
+    skipped, found = [], None
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            state = read_trainer_state(path)
+            check_dcp_complete(path)
+        except IncompleteCheckpoint as e:
+            skipped.append((path, str(e)))
+            continue
+        if check is not None:
+            check(path, state)
+        found = (path, state)
+        break
+    if not skipped:
+        return found
+    dist.barrier()  # every rank has read what it needs from the skipped directories
+    newest = f"resuming from {found[0]}" if found else "no complete checkpoint left: step 0"
+    for path, why in skipped:
+        aside = _aside(path)
+        if dist.get_rank() == 0:
+            os.replace(path, aside)
+            log.warning("skipped checkpoint %s (%s); kept as %s; %s", path, why, aside, newest)
+    dist.barrier()
+    return found
+
+
+def _aside(path: str) -> str:
+    """`step_N.unreadable` (`.unreadable.2`, ... when taken): where a skipped checkpoint goes."""
+    aside, k = f"{path}.unreadable", 1
+    while os.path.exists(aside):
+        k += 1
+        aside = f"{path}.unreadable.{k}"
+    return aside
+
+
 def save(
     run_dir: str,
     step: int,
@@ -115,10 +169,19 @@ def save(
 
             copy_tokenizer_files(tokenizer_dir, tmp)
         _commit(tmp, final)
-        for _, old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(run_dir, final, keep_last)
     dist.barrier()
     return final
+
+
+def _prune(run_dir: str, newest: str, keep_last: int) -> None:
+    """Remove all but `keep_last` checkpoints; `newest` (just committed) always stays, whatever
+    the steps of the others (a run started with trainer.resume=false beside older ones)."""
+    if keep_last <= 0:
+        return
+    others = [path for _, path in list_checkpoints(run_dir) if path != newest]
+    for path in others[: max(len(others) - (keep_last - 1), 0)]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _commit(tmp: str, final: str) -> None:
@@ -151,23 +214,25 @@ def read_trainer_state(path: str) -> dict:
             with open(state_file) as f:
                 state = json.load(f)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{state_file}: not a readable megarl trainer state ({e})") from e
+            raise IncompleteCheckpoint(
+                f"{state_file}: not a readable megarl trainer state ({e})"
+            ) from e
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"{state_file}: format {got!r}; expected {STATE_FORMAT!r}")
         try:
             rng = base64.b64decode(state["torch_rng"], validate=True)
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{state_file}: torch_rng is not base64 bytes ({e})") from e
+            raise IncompleteCheckpoint(f"{state_file}: torch_rng is not base64 bytes ({e})") from e
         state["torch_rng"] = torch.frombuffer(bytearray(rng), dtype=torch.uint8)
     elif os.path.exists(os.path.join(path, LEGACY_STATE_FILE)):
         state_file = os.path.join(path, LEGACY_STATE_FILE)
         state = _read_legacy_state(state_file, path)
     else:
-        raise CheckpointError(f"{path} is not a complete megarl checkpoint (no {STATE_FILE})")
+        raise IncompleteCheckpoint(f"{path} is not a complete megarl checkpoint (no {STATE_FILE})")
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
-        raise CheckpointError(f"{state_file}: keys {missing} are missing")
+        raise IncompleteCheckpoint(f"{state_file}: keys {missing} are missing")
     return state
 
 
@@ -187,7 +252,7 @@ def _read_legacy_state(state_file: str, path: str) -> dict:
             "(--out) or set trainer.resume=false"
         ) from None
     except (OSError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{state_file}: not a readable trainer state ({e})") from e
+        raise IncompleteCheckpoint(f"{state_file}: not a readable trainer state ({e})") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{state_file}: expected a dict, got {type(state).__name__}")
     log.warning(

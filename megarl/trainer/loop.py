@@ -5,6 +5,10 @@ logprobs and values (megatron forward) -> advantages (gathered across DP) -> pol
 critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a few
 samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
 (its own metrics record, step 0).
+
+Around it, `megarl.trainer.faults.RunGuard` turns stop requests (SIGTERM, SIGUSR1, the stop
+file, the time limit) into a checkpoint and `RunStopped` at the step boundary, writes the
+time-based checkpoints, and watches each step for hangs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from megarl.models.forward import sequence_multiple
 from megarl.models.routing import moe_metrics
 from megarl.trainer import experience as xp
 from megarl.trainer.evaluate import evaluate
+from megarl.trainer.faults import RunGuard
 from megarl.trainer.run import Run
 from megarl.trainer.samples import step_samples
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
@@ -40,6 +45,7 @@ class TrainingDiverged(RuntimeError):
 
 
 def train(cfg: RunConfig, out_dir: str) -> Run:
+    guard = RunGuard.start(cfg.trainer, out_dir)  # stop requests, timed saves, hang watchdog
     run = Run.create(cfg, out_dir)
     timer = StageTimer()
     if run.step == 0 and (baseline := evaluate(run)):  # the policy before any update
@@ -48,6 +54,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         cfg.trainer.steps, rank=dist.get_rank(), initial=run.step, progress=cfg.logging.progress
     )
     while run.step < cfg.trainer.steps:
+        guard.begin_step(run, timer)
         t0 = time.perf_counter()
         with timer("rollout"):
             prompts, rollout = generate(run)
@@ -98,9 +105,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
                 f"loss (trainer.max_bad_steps={cfg.trainer.max_bad_steps}); the newest checkpoint "
                 f"in {run.out_dir}/checkpoints is from before the divergence"
             )
-        every = cfg.trainer.save_every
-        if (every and run.step % every == 0) or run.step == cfg.trainer.steps:
-            run.save()
+        guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
     bar.close()
     finish(run)
     return run
@@ -326,9 +331,11 @@ def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> d
 
 
 def _bad_step(run: Run, metrics: dict) -> bool:
-    """Count consecutive steps whose loss was non-finite (their updates were dropped)."""
-    loss = metrics.get("loss", 0.0)
-    if metrics.get("skipped_steps", 0) or not math.isfinite(loss):
+    """Count consecutive steps whose policy or critic loss was non-finite (their updates were
+    dropped)."""
+    skipped = metrics.get("skipped_steps", 0) + metrics.get("value_skipped_steps", 0)
+    losses = (metrics.get("loss", 0.0), metrics.get("value_loss", 0.0))
+    if skipped or not all(math.isfinite(x) for x in losses):
         run.bad_steps += 1
         log.warning(
             "step %d: non-finite loss, update skipped (%d in a row)", run.step, run.bad_steps

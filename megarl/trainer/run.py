@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -27,11 +28,13 @@ from megarl.config import ConfigError, RunConfig, to_dict
 from megarl.convert.sharded import copy_weights
 from megarl.distributed import Topology, device
 from megarl.distributed.topology import Groups, TopologyError
+from megarl.metrics.sinks import set_aside_previous_run
 from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
 from megarl.trainer.evaluate import Evaluator, check_eval
+from megarl.trainer.faults import attempt_store, collective_timeout
 from megarl.trainer.model_source import keep_tokenizer, resolve_model
 
 if TYPE_CHECKING:
@@ -49,8 +52,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("megarl")
 
 
-def init_distributed() -> tuple[int, int]:
-    """torch.distributed from torchrun's environment, or a one-process group when run plainly."""
+def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, int]:
+    """torch.distributed from torchrun's environment, or a one-process group when run plainly.
+    `timeout`: of every collective on the default group (None: torch's default;
+    `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             from megarl.distributed.launch import free_port
@@ -63,7 +68,7 @@ def init_distributed() -> tuple[int, int]:
                 MASTER_PORT=str(free_port()),
             )
         device.setup()
-        dist.init_process_group(device.backend())
+        dist.init_process_group(device.backend(), timeout=timeout, **attempt_store(timeout))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -209,6 +214,8 @@ class Run:
         reward_fns = _reward_functions(cfg)
         _check_model_files(cfg, arch)
         resume = _resume_state(cfg, out_dir, arch, data.sampler)
+        if resume is None and rank == 0:  # starting at step 0: an earlier attempt's logs go aside
+            set_aside_previous_run(out_dir)
         write_config(dataclasses.replace(cfg, model=user_model), out_dir)
         a = cfg.algorithm
         models = build_models(
@@ -313,7 +320,7 @@ def build_topology(
         log.warning(slow)
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-    return topo, topo.initialize(seed=cfg.model.init_seed)
+    return topo, topo.initialize(seed=cfg.model.init_seed, timeout=collective_timeout(cfg.trainer))
 
 
 def write_config(cfg: RunConfig, out_dir: str) -> None:
@@ -443,13 +450,18 @@ def _check_model_files(cfg: RunConfig, arch: ModelArch) -> None:
 
 
 def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
-    """(newest checkpoint of `out_dir`, its trainer state), or None when there is none or
-    `trainer.resume` is off. Its small files are read and checked now, before the models exist:
-    the model config, the data order, and that its metadata is safe to unpickle."""
-    path = checkpoint.latest_checkpoint(out_dir) if cfg.trainer.resume else None
-    if path is None:
+    """(newest complete checkpoint of `out_dir`, its trainer state), or None when there is none
+    or `trainer.resume` is off (damaged ones are skipped: `checkpoint.resumable`). Its small
+    files are read and checked now, before the models exist: the model config, the data order,
+    that its metadata is safe to unpickle and that its tensor files are whole."""
+    if not cfg.trainer.resume:
         return None
-    state = checkpoint.read_trainer_state(path)
+    return checkpoint.resumable(
+        out_dir, lambda path, state: _check_resumable(cfg, path, state, arch, sampler)
+    )
+
+
+def _check_resumable(cfg: RunConfig, path: str, state: dict, arch: ModelArch, sampler) -> None:
     if state["arch"] != arch.hf_config:
         changed = sorted(
             k
@@ -473,8 +485,6 @@ def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
             f"checkpoint {path} cannot continue this run's prompt order: {e}; keep data.* as it "
             "was, or use a new run directory (--out) or trainer.resume=false"
         ) from e
-    checkpoint.check_dcp_metadata(path)
-    return path, state
 
 
 def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:

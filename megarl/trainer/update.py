@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megarl.algorithms.losses import global_denominators, policy_loss, value_loss
+from megarl.algorithms.losses import get_policy_loss, global_denominators, value_loss
 from megarl.data.batch import split_micro_batches
 from megarl.metrics.reduce import LocalMetrics
 from megarl.models import forward
@@ -112,6 +112,7 @@ def _has_loss_scaler(optimizer) -> bool:
 def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: float):
     """loss_fn(micro_batch, logits) -> (share of the mini-batch policy loss, metrics)."""
     use_ref = alg.kl_coef > 0 and alg.kl_in == "loss"
+    loss_of = get_policy_loss(alg.policy_loss)  # the registry: a name it lacks raises here
 
     def loss_fn(micro, logits):
         lp = forward.vocab_parallel_logprobs(
@@ -125,12 +126,11 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
         if alg.entropy_coef > 0:
             ent = forward.vocab_parallel_entropy(logits, vocab_size=vocab_size, tp_group=groups.tp)
         old = micro["old_logprobs"]
-        loss, m = policy_loss(
+        loss, m = loss_of(
             lp,
             lp.detach() if old is None else old,  # see recompute_old_logprobs
             micro["advantages"],
             micro["loss_mask"],
-            ratio_level="sequence" if alg.policy_loss == "gspo" else "token",
             clip_low=alg.clip_low,
             clip_high=alg.clip_high,
             dual_clip=alg.dual_clip,
@@ -189,7 +189,7 @@ def train_policy(
     groups,
     seed: int,
     pad_to: int = 1,
-) -> dict:
+) -> LocalMetrics:
     """PPO/GRPO-family policy update on this rank's batch; returns this rank's metrics (shares
     on the last stage; optimizer figures on every rank). Without `old_logprobs` in the batch
     (`recompute_old_logprobs` false: one epoch, one mini-batch) the update's own detached
@@ -197,6 +197,51 @@ def train_policy(
     reuse = batch.get("old_logprobs") is None and groups.is_last_stage
     if reuse and (alg.ppo_epochs > 1 or alg.mini_batches > 1):
         raise ValueError("train_policy: old_logprobs are required with several epochs/mini-batches")
+
+    def keep_old_logprobs(out: list[dict], rows: torch.Tensor) -> None:
+        if reuse:
+            batch["old_logprobs"] = _assemble_rows(out, rows, batch["tokens"].shape)
+
+    return _optimizer_steps(
+        actor,
+        optimizer,
+        scheduler,
+        batch,
+        alg=alg,
+        groups=groups,
+        seed=seed,
+        pad_to=pad_to,
+        make_loss_fn=lambda tokens, seqs: _policy_loss_fn(
+            alg, rollout, vocab_size, groups, tokens, seqs
+        ),
+        loss_key="loss",
+        prefix="",
+        on_output=keep_old_logprobs,
+    )
+
+
+def _optimizer_steps(
+    model,
+    optimizer,
+    scheduler,
+    batch: dict,
+    *,
+    alg,
+    groups,
+    seed: int,
+    pad_to: int,
+    make_loss_fn,
+    loss_key: str,
+    prefix: str,
+    on_output=None,
+) -> LocalMetrics:
+    """`alg.ppo_epochs` x `alg.mini_batches` optimizer steps of `model` on `batch`.
+
+    make_loss_fn(global tokens, global sequences) -> loss_fn for one mini-batch; `loss_key` is
+    the metric holding a micro-batch's share of the mini-batch loss (a non-finite sum on any
+    rank drops that step's gradients). Besides the loss metrics, every rank gets the step
+    results under `prefix`: grad_norm (mean over steps), skipped_steps (dropped for a non-finite
+    loss), overflow_steps (fp16 loss-scale back-offs, when any) and lr."""
     metrics = LocalMetrics()
     steps = []
     total = alg.ppo_epochs * alg.mini_batches
@@ -204,29 +249,30 @@ def train_policy(
         for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + epoch):
             mb = _select(batch, rows)
             tokens, seqs = global_denominators([mb["loss_mask"]], group=groups.dp)
-            loss_fn = _policy_loss_fn(alg, rollout, vocab_size, groups, tokens, seqs)
-            zero_grads(actor, optimizer)
+            loss_fn = make_loss_fn(tokens, seqs)
+            zero_grads(model, optimizer)
             micro = split_micro_batches(
                 mb,
                 alg.micro_batch_size,
                 pad_to_multiple=pad_to,
                 max_tokens=alg.max_tokens_per_micro_batch,
             )
-            out = forward.run(actor, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
+            out = forward.run(model, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
             # the mini-batch loss is the sum of the micro-batch shares
-            loss = sum(float(m["loss"]) for m in out) if out else 0.0
-            ok, grad_norm, overflow = _step(optimizer, scheduler, math.isfinite(loss), groups)
-            steps.append((ok, grad_norm, overflow))
+            loss = sum(float(m[loss_key]) for m in out) if out else 0.0
+            steps.append(_step(optimizer, scheduler, math.isfinite(loss), groups))
             metrics.update(_step_metrics(out, total))
-            if reuse:
-                batch["old_logprobs"] = _assemble_rows(out, rows, batch["tokens"].shape)
+            if on_output is not None:
+                on_output(out, rows)
     # the grad norm is global (megatron reduces it over the model), so equal on every rank
-    metrics.add_same("grad_norm", sum(g for _, g, _ in steps) / len(steps))
-    metrics.add_same("skipped_steps", sum(1 for ok, _, over in steps if not ok and not over))
+    metrics.add_same(f"{prefix}grad_norm", sum(g for _, g, _ in steps) / len(steps))
+    metrics.add_same(
+        f"{prefix}skipped_steps", sum(1 for ok, _, over in steps if not ok and not over)
+    )
     overflows = sum(1 for _, _, over in steps if over)
     if overflows:  # fp16 loss-scale back-offs (the same on every rank: found_inf is reduced)
-        metrics.add_same("overflow_steps", overflows)
-    metrics.add_same("lr", optimizer.param_groups[0]["lr"])
+        metrics.add_same(f"{prefix}overflow_steps", overflows)
+    metrics.add_same(f"{prefix}lr", optimizer.param_groups[0]["lr"])
     return metrics
 
 
@@ -243,25 +289,19 @@ def _assemble_rows(outputs: list[dict], rows: torch.Tensor, shape) -> torch.Tens
 
 def train_value(
     critic, optimizer, scheduler, batch: dict, *, alg, groups, seed: int, pad_to: int = 1
-) -> dict:
-    """Critic regression to the GAE returns; returns this rank's metric shares (last stage)."""
-    metrics = LocalMetrics()
-    total = alg.ppo_epochs * alg.mini_batches
-    for epoch in range(alg.ppo_epochs):
-        for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + 7919 + epoch):
-            mb = _select(batch, rows)
-            tokens, seqs = global_denominators([mb["loss_mask"]], group=groups.dp)
-
-            loss_fn = _value_loss_fn(alg, tokens, seqs)
-            zero_grads(critic, optimizer)
-            micro = split_micro_batches(
-                mb,
-                alg.micro_batch_size,
-                pad_to_multiple=pad_to,
-                max_tokens=alg.max_tokens_per_micro_batch,
-            )
-            out = forward.run(critic, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
-            loss = sum(float(m["value_loss"]) for m in out) if out else 0.0
-            _step(optimizer, scheduler, math.isfinite(loss), groups)
-            metrics.update(_step_metrics(out, total))
-    return metrics
+) -> LocalMetrics:
+    """Critic regression to the GAE returns; returns this rank's metric shares (last stage) and
+    the critic's step results as value_grad_norm, value_skipped_steps, value_lr (every rank)."""
+    return _optimizer_steps(
+        critic,
+        optimizer,
+        scheduler,
+        batch,
+        alg=alg,
+        groups=groups,
+        seed=seed + 7919,  # the critic's own mini-batch order
+        pad_to=pad_to,
+        make_loss_fn=lambda tokens, seqs: _value_loss_fn(alg, tokens, seqs),
+        loss_key="value_loss",
+        prefix="value_",
+    )
