@@ -468,6 +468,7 @@ def _ppo_run(cfg):
     from megarl.models.optim import build_optimizer
     from megarl.trainer import experience as xp
     from megarl.trainer import loop
+    from megarl.trainer.run import Models, Trained
     from tests.test_metrics_global import LENGTHS, PROMPTS, REWARDS, _state
     from tests.tiny import TINY_LLAMA
 
@@ -489,9 +490,12 @@ def _ppo_run(cfg):
     responses = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
     batch = xp.build_batch([PROMPTS[i // 4] for i in range(len(LENGTHS))], responses,
                            [[-1.0] * n for n in LENGTHS], pad_id=0, pad_to=1)
-    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, actor=actor,
-                          actor_opt=opt, actor_sched=sched, reference=make("reference", state),
-                          critic=critic, critic_opt=critic_opt, critic_sched=critic_sched)
+    models = Models(
+        actor=Trained(actor, opt, sched),
+        reference=make("reference", state),
+        critic=Trained(critic, critic_opt, critic_sched),
+    )
+    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models)
     loop.forward_passes(run, batch)
     loop.advantages(run, batch, torch.tensor(REWARDS), torch.tensor([i // 4 for i in
                                                                      range(len(LENGTHS))]))
