@@ -22,11 +22,12 @@ $(STAMP): setup.py
 
 # the CI tier: every feature once, tiny shapes; the cost of each test is printed
 test: install
-	$(PY) -m pytest -q tests -m "not learning" --durations=25
+	$(PY) -m pytest -q tests -m "not learning and not extended" --durations=25
 
-# learning quality: multi-seed runs and learning bars (tens of minutes)
+# learning quality (multi-seed runs, learning bars) and the further layouts / variants of
+# features the CI tier checks once (tens of minutes)
 test-slow: install
-	$(PY) -m pytest -q tests -m learning --durations=25
+	$(PY) -m pytest -q tests -m "learning or extended" --durations=25
 
 # a non-editable install, as a user of the wheel gets it: built here, installed into a fresh
 # virtualenv outside the checkout, run from another directory (so nothing is read from here)

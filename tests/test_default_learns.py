@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAR = 0.85
 
 
-@pytest.mark.slow
+@pytest.mark.learning
 def test_default_config_learns(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megarl", "train", "--out", str(out),

@@ -64,6 +64,7 @@ MIXTRAL = dict(
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the Qwen3-MoE run above; Mixtral's sync in tests/test_sync_moe.py
 def test_mixtral_grpo_learns_at_ep2_with_routing_replay(tmp_path):
     """The same run with a Mixtral-architecture policy (4 experts, top-2, no shared expert):
     megatron's experts synced into vLLM's MixtralForCausalLM fused experts every step."""
@@ -102,6 +103,7 @@ def _r3_off_and_on(tmp_path, *overrides: str) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_routing_replay_is_no_worse_than_without(tmp_path):
     runs = _r3_off_and_on(tmp_path)
     stats = {
@@ -120,6 +122,7 @@ def test_routing_replay_is_no_worse_than_without(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # bf16 on CPU: fast only with AVX512-BF16 / AMX
 def test_routing_replay_closes_the_bf16_gap(tmp_path):
     """In bf16 the trainer's router and vLLM's disagree on near-ties (~0.1% of token-layer
     choices), which shows up as a per-token logprob gap; replaying vLLM's routes removes that

@@ -29,6 +29,9 @@ from megarl.models.routing import (
 # ----------------------------------------------------------------------------- pure
 
 
+EXTENDED = pytest.mark.extended  # CI replays at EP2; the other layouts in make test-slow
+
+
 def test_collate_routes_aligns_with_tokens_and_fills_the_rest():
     r0 = np.array([[[1, 3]], [[0, 2]]], dtype=np.uint8)  # 2 tokens, 1 layer, top-2
     r1 = np.array([[[2, 1]], [[3, 0]], [[1, 2]]], dtype=np.uint8)
@@ -124,9 +127,11 @@ def reference():
     "layout",
     [
         pytest.param({"expert_parallel": 2}, id="ep2"),
-        pytest.param({"tensor_parallel": 2, "sequence_parallel": True}, id="tp2-sp"),
-        pytest.param({"pipeline_parallel": 2}, id="pp2"),
-        pytest.param({}, id="dp2"),
+        pytest.param(
+            {"tensor_parallel": 2, "sequence_parallel": True}, id="tp2-sp", marks=EXTENDED
+        ),
+        pytest.param({"pipeline_parallel": 2}, id="pp2", marks=EXTENDED),
+        pytest.param({}, id="dp2", marks=EXTENDED),
     ],
 )
 def test_replayed_routes_reproduce_the_reference_at_every_layout(reference, layout):

@@ -43,6 +43,7 @@ def cases(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # four ranks; CI loads at TP2 (below) and at DP2 / PP2 x VPP2 / EP2
 def test_tp2_pp2(cases):
     root, dirs = cases
     layouts = {"tp2xpp2": (TP2PP2, list(dirs))}

@@ -61,11 +61,13 @@ def test_moe_sync_bitwise_equals_naive_path(two_ranks, key):
     _check_layout(two_ranks, key)
 
 
+@pytest.mark.extended  # four ranks on the CI's two cores: make test-slow
 @pytest.mark.parametrize("key", KEYS[4])
 def test_moe_sync_tp2_ep2_on_four_ranks(four_ranks, key):
     _check_layout(four_ranks, key)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arch", list(m.ARCHS))
 def test_every_layout_gives_the_same_vllm_weights(two_ranks, four_ranks, arch):
     digests = {
@@ -114,6 +116,7 @@ def test_routing_replay_with_vllms_routes(two_ranks, key):
     _check_replay(two_ranks, key)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("key", KEYS[4])
 def test_routing_replay_with_vllms_routes_tp2_ep2(four_ranks, key):
     _check_replay(four_ranks, key)

@@ -97,7 +97,8 @@ def _check_learning(rows, label: str) -> None:
 @pytest.mark.parametrize("layout", [
     pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], id="tp2-sp"),
     pytest.param(["parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2",
-                  "model.config.num_hidden_layers=4"], id="pp2-vpp2"),
+                  "model.config.num_hidden_layers=4"], id="pp2-vpp2",
+                 marks=pytest.mark.extended),  # CI: PP2 in the resume-at-another-layout test
 ])
 def test_grpo_learns_sequences_at_layout(tmp_path, layout):
     _train(tmp_path, *SEQ, *layout, nproc=2)
@@ -133,6 +134,7 @@ def _same_metrics(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: tests/test_faults.py resumes bit for bit after kills and signals
 def test_resume_is_exact_and_survives_a_crash_mid_save(tmp_path):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     # the LR schedule must not depend on trainer.steps, which differs between the two halves
