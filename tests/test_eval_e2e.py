@@ -207,6 +207,7 @@ def test_megarl_eval_of_the_exported_model_is_the_last_eval_of_the_run(run, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: truncation unit-tested (test_eval.py), resume in test_faults.py
 def test_resume_truncates_the_samples_files_and_repeats_the_step(run, tmp_path):
     out, _ = run
     again = tmp_path / "again"
@@ -225,6 +226,7 @@ def test_resume_truncates_the_samples_files_and_repeats_the_step(run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: pass@k unit-tested, DP2 == DP1 above
 def test_pass_at_k_of_sampled_evaluation_at_dp2(run, tmp_path):
     from megarl.trainer.evaluate import pass_at_k
 
