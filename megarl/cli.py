@@ -144,8 +144,11 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from megarl.trainer.loop import TrainingDiverged, train
+    from megarl.trainer import loop, offline
+    from megarl.trainer.loop import TrainingDiverged
     from megarl.trainer.run import init_distributed
+
+    train = offline.train if cfg.algorithm.offline else loop.train
 
     init_distributed()
     out = [args.out]
@@ -163,7 +166,8 @@ def _train(args: argparse.Namespace) -> int:
         wandb = cfg.logging.wandb and cfg.logging.wandb_mode != "disabled"
         print(
             f"megarl: run directory {os.path.abspath(run_.out_dir)} "
-            f"(metrics.jsonl, reward.png, checkpoints/{', wandb/' if wandb else ''})"
+            f"(metrics.jsonl, {'loss.png' if cfg.algorithm.offline else 'reward.png'}, "
+            f"checkpoints/{', wandb/' if wandb else ''})"
         )
     dist.destroy_process_group()
     return 0

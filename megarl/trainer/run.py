@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megarl.data.dataset import PromptDataset
+    from megarl.data.offline import PreferenceDataset, SFTDataset
     from megarl.data.sampler import PromptSampler
     from megarl.metrics.sinks import MetricsLogger
     from megarl.rollout.dispatch import RolloutDispatcher
@@ -148,8 +149,10 @@ class RolloutParts:
 class Data:
     """The training rows and the resumable order this DP rank reads them in."""
 
-    dataset: PromptDataset
+    dataset: PromptDataset | SFTDataset | PreferenceDataset
     sampler: PromptSampler
+    held_out: SFTDataset | PreferenceDataset | None = None
+    """Offline stages: the rows of the `eval` section (evaluated by forward passes)."""
 
 
 @dataclass
