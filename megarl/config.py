@@ -177,6 +177,16 @@ class AlgorithmConfig:
             )
 
     @property
+    def needs_reference(self) -> bool:
+        """Whether the run builds the frozen reference model: for the KL term of an RL run
+        (kl_coef > 0), or for a reference-based preference loss (dpo, all but simpo)."""
+        from megarl.algorithms.preference import get_preference_loss
+
+        if self.name == "dpo":
+            return get_preference_loss(self.dpo_loss).reference
+        return self.name in ("grpo", "ppo") and self.kl_coef > 0
+
+    @property
     def offline(self) -> bool:
         """Trained on a fixed dataset (no rollout engine): `OFFLINE_ALGORITHMS`."""
         return self.name in OFFLINE_ALGORITHMS

@@ -175,9 +175,9 @@ def hf_reference(dirs: dict, variant: str) -> dict:
     return {"loss": float(loss), "metrics": metrics, "grads": grads}
 
 
-def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], micro_batch_size: int):
-    """Per variant: the step's global loss and metrics (on every rank) and the full gradients
-    in HF names (rank 0) from megarl's offline stage at `layout`."""
+def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], sizes: list[int]):
+    """Per (variant, micro-batch size): the step's global loss and metrics (on every rank) and
+    the full gradients in HF names (rank 0) from megarl's offline stage at `layout`."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megarl.config import load_config
@@ -208,7 +208,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], micr
     reference = build_model(arch, base.parallel, base.precision, role="reference")
     load_hf_sharded(reference, arch, dirs["reference"])
     results = {}
-    for variant in variants:
+    for variant, micro_batch_size in [(v, m) for v in variants for m in sizes]:
         over = {
             **VARIANTS[variant],
             "algorithm.dpo_beta": BETA,
@@ -252,5 +252,5 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], micr
         metrics = offline.collect_metrics(run, stage, batch, _step_metrics(out, 1))
         full = gather_full_state(actor, grads=True)
         grads = dict(canonical_to_hf(arch, full.items())) if rank == 0 else {}
-        results[variant] = {"metrics": metrics, "grads": grads}
+        results[variant, micro_batch_size] = {"metrics": metrics, "grads": grads}
     return results

@@ -41,24 +41,24 @@ def _errors(ref: dict, got: dict) -> dict[str, float]:
     return errs
 
 
+# micro_batch_size 64: the whole step in one micro-batch; 2: one pair (two rows) per micro-batch
 LAYOUTS = [
-    pytest.param({}, 1, 64, id="1rank"),
-    pytest.param({}, 1, 2, id="1rank-mb2"),
-    pytest.param({"tensor_parallel": 2}, 2, 2, id="tp2"),
-    pytest.param({"pipeline_parallel": 2}, 2, 2, id="pp2"),
-    pytest.param({}, 2, 64, id="dp2"),
+    pytest.param({}, 1, [64, 2], id="1rank"),
+    pytest.param({"tensor_parallel": 2}, 2, [2], id="tp2"),
+    pytest.param({"pipeline_parallel": 2}, 2, [2], id="pp2"),
+    pytest.param({}, 2, [64], id="dp2"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,world,mbs", LAYOUTS)
-def test_offline_losses_match_transformers(reference, layout, world, mbs):
+@pytest.mark.parametrize("layout,world,sizes", LAYOUTS)
+def test_offline_losses_match_transformers(reference, layout, world, sizes):
     dirs, refs = reference
-    results = spawn(ow.megarl_step, world, dirs, layout, VARIANTS, mbs, timeout=900)
-    for v in VARIANTS:
-        got = {"metrics": results[0][v]["metrics"], "grads": results[0][v]["grads"]}
+    results = spawn(ow.megarl_step, world, dirs, layout, VARIANTS, sizes, timeout=900)
+    for v, mbs in [(v, m) for v in VARIANTS for m in sizes]:
+        got = {"metrics": results[0][v, mbs]["metrics"], "grads": results[0][v, mbs]["grads"]}
         for r in results[1:]:  # every rank logs the same step
-            assert r[v]["metrics"]["loss"] == got["metrics"]["loss"]
+            assert r[v, mbs]["metrics"]["loss"] == got["metrics"]["loss"]
         errs = _errors(refs[v], got)
         print(f"{v} {layout or '1 rank'} micro_batch_size={mbs}: {errs}")
         assert errs["loss"] <= LOSS_TOL, (v, errs)

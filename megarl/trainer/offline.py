@@ -119,7 +119,7 @@ def create(cfg: RunConfig, out_dir: str, stage) -> Run:
         arch,
         gpu=device.use_gpu(),
         updates=cfg.trainer.steps,
-        reference=stage.reference,
+        reference=cfg.algorithm.needs_reference,
         critic=False,
     )
     run = Run(

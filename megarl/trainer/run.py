@@ -199,7 +199,7 @@ class Run:
             arch,
             gpu=gpu,
             updates=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
-            reference=a.kl_coef > 0,
+            reference=a.needs_reference,
             critic=a.name == "ppo",
         )
         rollout = build_rollout(cfg, arch, models.actor.chunks, groups, out_dir)

@@ -107,7 +107,7 @@ class DPO:
     def __init__(self, alg):
         self.alg = alg
         self.spec = get_preference_loss(alg.dpo_loss)
-        self.reference = self.spec.reference
+        self.reference = alg.needs_reference
         self.mean = alg.dpo_length_norm or self.spec.length_normalized
 
     read = staticmethod(read_preferences)
