@@ -106,7 +106,7 @@ def test_a_template_that_cannot_place_a_turn_is_refused_naming_the_row(tok):
         ("dpo", {"prompt": "a", "chosen": "b"}, "column 'rejected' is missing"),
         ("dpo", {"prompt": "a", "chosen": "", "rejected": "b"}, "column 'chosen' is empty"),
         ("dpo", {"prompt": "a", "chosen": "b", "rejected": "b"}, "'chosen' equals 'rejected'"),
-        ("dpo", {"chosen": "ab", "rejected": "ac"}, "must be a non-empty list of chat messages"),
+        ("dpo", {"chosen": "ab", "rejected": "ac"}, "no 'prompt' column, so 'chosen' and"),
         ("dpo", {"prompt": "a", "chosen": "b", "rejected": "c", "margin": "x"}, "must be a number"),
     ],
 )

@@ -313,6 +313,12 @@ def read_preferences(
             c = _response(enc, prompt, c_val, where, CHOSEN, cfg)
             r = _response(enc, prompt, r_val, where, REJECTED, cfg)
         else:
+            if not (isinstance(c_val, list) and isinstance(r_val, list)):
+                raise DataError(
+                    f"{where}: no {key!r} column, so {CHOSEN!r} and {REJECTED!r} must be whole "
+                    f"conversations (lists of chat messages) sharing their prompt; got "
+                    f"{_describe(c_val)}; {accepted}"
+                )
             c_msgs = _check_messages(c_val, where, CHOSEN)
             r_msgs = _check_messages(r_val, where, REJECTED)
             k = 0

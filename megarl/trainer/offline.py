@@ -100,7 +100,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
 def create(cfg: RunConfig, out_dir: str, stage) -> Run:
     """The offline run: every check a user's input can fail (config, layout, every data row),
     then the models (the reference only when the stage needs it) and logging; no engine."""
-    rank, world = init_distributed()
+    _, world = init_distributed()
     check_paths(cfg)
     if cfg.eval.path is not None and not cfg.eval.path.startswith("hf:"):
         if not os.path.exists(cfg.eval.path):
@@ -219,21 +219,21 @@ def next_batch(run: Run) -> dict:
 
 def update(run: Run, stage, batch: dict) -> LocalMetrics:
     """One optimizer step on the step's rows (gradient accumulation over micro-batches)."""
-    actor, g = run.models.actor, run.groups
+    model, g = getattr(run.models, stage.trains), run.groups
     denominator = stage.denominator(run.data.dataset, batch["global_indices"])
-    zero_grads(actor.chunks, actor.opt)
+    zero_grads(model.chunks, model.opt)
     micro = _micro_batches(run, stage, batch)
     out = forward.run(
-        actor.chunks, micro, stage.loss_fn(run, denominator), forward_only=False, dp_size=g.dp_size
+        model.chunks, micro, stage.loss_fn(run, denominator), forward_only=False, dp_size=g.dp_size
     )
     loss = sum(float(m["loss"]) for m in out) if out else 0.0
-    ok, grad_norm, overflow = optimizer_step(actor.opt, actor.sched, math.isfinite(loss), g)
+    ok, grad_norm, overflow = optimizer_step(model.opt, model.sched, math.isfinite(loss), g)
     metrics = step_metrics(out, 1)
     metrics.add_same("grad_norm", grad_norm)
     metrics.add_same("skipped_steps", 0 if ok or overflow else 1)
     if overflow:
         metrics.add_same("overflow_steps", 1)
-    metrics.add_same("lr", actor.opt.param_groups[0]["lr"])
+    metrics.add_same("lr", model.opt.param_groups[0]["lr"])
     return metrics
 
 
@@ -272,7 +272,7 @@ def evaluate(run: Run, stage) -> dict:
         stage.prepare(run, batch)
         with torch.no_grad():
             out = forward.run(
-                run.models.actor.chunks,
+                getattr(run.models, stage.trains).chunks,
                 _micro_batches(run, stage, batch),
                 stage.loss_fn(run, denominator),
                 forward_only=True,

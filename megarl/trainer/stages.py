@@ -2,6 +2,7 @@
 its loss at the one forward seam. The loop that drives them is `megarl.trainer.offline`.
 
 A stage is a small object with
+- `trains`: the role (`megarl.trainer.run.Models` field) it trains and exports: "actor";
 - `reference`: whether the run builds the frozen reference model;
 - `read(rows, tokenizer, data_cfg, max_length=, source=)`: its dataset (`megarl.data.offline`);
 - `toy_rows()`: the rows of the embedded copy task, used when `data.path` is null;
@@ -12,6 +13,7 @@ A stage is a small object with
   sequence logprobs, once per batch);
 - `loss_fn(run, denominator)`: `loss_fn(micro_batch, logits) -> (share, metric shares)`, the
   contract of `megarl.models.forward`;
+- `together_key`: the batch field whose equal values must share a micro-batch (pairs), or None;
 - `finalize(metrics)`: metrics computed from the reduced ones (SFT: perplexity).
 Register a new stage with `register_stage` (a duplicate or unknown name raises).
 """
@@ -58,6 +60,7 @@ def _logprobs(run, micro: dict, logits: torch.Tensor) -> torch.Tensor:
 class SFT:
     """Token-mean NLL of the trained tokens (`megarl.algorithms.sft`)."""
 
+    trains = "actor"
     reference = False
     together_key = None
 
@@ -102,6 +105,7 @@ class DPO:
     """A pairwise preference loss (`algorithm.dpo_loss`, `megarl.algorithms.preference`) on the
     sequence logprobs of each pair's chosen and rejected response."""
 
+    trains = "actor"
     together_key = "pair"
 
     def __init__(self, alg):
