@@ -1,12 +1,13 @@
 """The three-stage CPU pipeline learns (learning tier: `make test-slow`, tens of minutes).
 
 Per seed s: SFT from random init (examples/sft_copy_cpu.yaml, model.init_seed 1234 + s,
-data.seed s) -> DPO from its export (examples/dpo_copy_cpu.yaml, data.seed s) -> GRPO (the
-embedded default, trainer.seed s) from the DPO export, beside the default GRPO from random init
-at the same seed and step budget. SFT must lower the held-out loss and raise its token accuracy,
-DPO must raise the held-out preference accuracy, and the GRPO run from the DPO model must reach
-the default's 0.9 reward in fewer steps than the one from random init. docs/offline.md lists
-the figures these runs printed.
+data.seed s) -> DPO from its export (examples/dpo_copy_cpu.yaml, data.seed s) -> GRPO from the
+DPO export (examples/grpo_copy_from_dpo_cpu.yaml: the embedded default at lr 3e-4,
+trainer.seed s), beside the embedded default GRPO from random init at the same seed and the same
+60 steps. SFT must lower the held-out loss and raise its token accuracy, DPO must raise the
+held-out preference accuracy, and the GRPO run from the DPO model must reach the default's 0.9
+reward in fewer steps than the one from random init. docs/offline.md lists the figures these
+runs printed.
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ def test_sft_dpo_grpo_pipeline_beats_random_init(tmp_path, seed):
     assert after["eval/rewards/accuracies"] > 0.6 and after["eval/rewards/margins"] > 0
 
     steps = {}
-    for name, start in (
-        ("dpo", ["model.config=null", f"model.hf={dpo / 'hf'}"]),
-        ("random init", []),
+    for name, start, config in (
+        ("dpo", [f"model.hf={dpo / 'hf'}"], "examples/grpo_copy_from_dpo_cpu.yaml"),
+        ("random init", [], None),
     ):
         out = tmp_path / f"grpo-{name.replace(' ', '-')}"
-        _train(out, *start, f"trainer.seed={seed}", f"trainer.steps={GRPO_STEPS}")
+        _train(out, *start, f"trainer.seed={seed}", f"trainer.steps={GRPO_STEPS}", config=config)
         rows = _metrics(out)
         steps[name] = _first(rows, "reward_mean", 0.9)
         print(
