@@ -60,7 +60,7 @@ def test_offline_losses_match_transformers(reference, layout, world, sizes):
         for r in results[1:]:  # every rank logs the same step
             assert r[v, mbs]["metrics"]["loss"] == got["metrics"]["loss"]
         errs = _errors(refs[v], got)
-        print(f"{v} {layout or '1 rank'} micro_batch_size={mbs}: {errs}")
+        print(f"{v} {layout} world={world} micro_batch_size={mbs}: {errs}")
         assert errs["loss"] <= LOSS_TOL, (v, errs)
         assert errs["metrics"] <= LOSS_TOL, (v, errs)
         assert errs["grads_rel"] <= GRAD_TOL, (v, errs)
