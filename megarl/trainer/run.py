@@ -179,7 +179,7 @@ class Run:
     @staticmethod
     def create(cfg: RunConfig, out_dir: str) -> Run:
         """The RL run: every check a user's input can fail, then models, engine and logging."""
-        rank, world = init_distributed()
+        _, world = init_distributed()
         check_paths(cfg)
         arch = load_arch(cfg)
         _check_rollout_length(cfg, arch)
