@@ -216,8 +216,11 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from megarl.trainer.loop import TrainingDiverged, train
+    from megarl.trainer import loop, offline
+    from megarl.trainer.loop import TrainingDiverged
     from megarl.trainer.run import init_distributed
+
+    train = offline.train if cfg.algorithm.offline else loop.train
 
     init_distributed(faults.collective_timeout(cfg.trainer))
     stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
@@ -237,7 +240,8 @@ def _train(args: argparse.Namespace) -> int:
         wandb = cfg.logging.wandb and cfg.logging.wandb_mode != "disabled"
         print(
             f"megarl: run directory {os.path.abspath(run_.out_dir)} "
-            f"(metrics.jsonl, reward.png, checkpoints/{', wandb/' if wandb else ''})"
+            f"(metrics.jsonl, {'loss.png' if cfg.algorithm.offline else 'reward.png'}, "
+            f"checkpoints/{', wandb/' if wandb else ''})"
         )
     dist.destroy_process_group()
     return 0

@@ -57,14 +57,18 @@ class ModelConfig:
             )
 
 
-ALGORITHMS = ("grpo", "ppo")
+ALGORITHMS = ("grpo", "ppo", "sft", "dpo")
+OFFLINE_ALGORITHMS = ("sft", "dpo")
+"""Trained on a fixed dataset by `megarl.trainer.offline`: no rollout engine, no rewards."""
 KL_PLACEMENT = ("loss", "reward")
 
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """grpo (no critic; group-relative advantages) or ppo (critic + GAE)."""
+    """grpo (no critic; group-relative advantages), ppo (critic + GAE), or an offline stage on
+    a fixed dataset: sft (supervised fine-tuning) or dpo (preference pairs; variants in
+    algorithm.dpo_loss)."""
     advantage: str = "grpo"
     """Advantage estimator for grpo-style runs: grpo, rloo, dr_grpo, reinforce++."""
     scale: str = "group"
@@ -97,7 +101,8 @@ class AlgorithmConfig:
     """Optimizer steps per epoch (the rollout batch is split into this many mini-batches)."""
     micro_batch_size: int = 8
     """Most sequences per forward/backward micro-batch (gradient accumulation inside a
-    mini-batch). Sequences are grouped by length, longest first."""
+    mini-batch). Sequences are grouped by length, longest first; the two sequences of a
+    preference pair always share a micro-batch."""
     max_tokens_per_micro_batch: int | None = None
     """Also close a micro-batch before its padded size (sequences x longest) would exceed this
     many tokens; null = no token budget. Changes no loss or gradient, only the grouping."""
@@ -112,10 +117,24 @@ class AlgorithmConfig:
     """PPO value-loss clip; null = off."""
     value_coef: float = 1.0
     """Weight of the critic's loss (the critic has its own optimizer)."""
+    dpo_loss: str = "sigmoid"
+    """Preference loss of algorithm.name=dpo: sigmoid (DPO), ipo, hinge (SLiC), or simpo
+    (reference-free, length-normalised); formulas in megarl.algorithms.preference."""
+    dpo_beta: float = 0.1
+    """DPO's beta: the strength of the implicit KL to the reference (SimPO: the reward scale)."""
+    dpo_label_smoothing: float = 0.0
+    """cDPO: the assumed fraction of flipped preference labels, 0 <= eps < 0.5 (sigmoid and
+    simpo only)."""
+    dpo_length_norm: bool = False
+    """Compare mean token logprobs of the responses instead of their sums (always on for
+    simpo)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (dpo_loss=simpo)."""
 
     def __post_init__(self):
         if self.name not in ALGORITHMS:
             raise ConfigError(f"algorithm.name={self.name!r}; accepted: {ALGORITHMS}")
+        self._check_preference()
         if self.kl_in not in KL_PLACEMENT:
             raise ConfigError(f"algorithm.kl_in={self.kl_in!r}; accepted: {KL_PLACEMENT}")
         if self.kl_in == "reward" and self.kl_coef > 0 and self.name != "ppo":
@@ -152,6 +171,42 @@ class AlgorithmConfig:
         if self.kl_kind not in ("k1", "k2", "k3", "abs"):
             raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")
 
+    def _check_preference(self) -> None:
+        from megarl.algorithms.preference import available_preference_losses, get_preference_loss
+
+        if self.dpo_loss not in available_preference_losses():
+            raise ConfigError(
+                f"algorithm.dpo_loss={self.dpo_loss!r}; accepted: {available_preference_losses()}"
+            )
+        if self.dpo_beta <= 0:
+            raise ConfigError(f"algorithm.dpo_beta={self.dpo_beta}; accepted: > 0")
+        if not 0.0 <= self.dpo_label_smoothing < 0.5:
+            raise ConfigError(
+                f"algorithm.dpo_label_smoothing={self.dpo_label_smoothing}; accepted: "
+                "0 <= eps < 0.5"
+            )
+        if self.dpo_label_smoothing and not get_preference_loss(self.dpo_loss).label_smoothing:
+            raise ConfigError(
+                f"algorithm.dpo_label_smoothing={self.dpo_label_smoothing} with "
+                f"algorithm.dpo_loss={self.dpo_loss!r}; label smoothing applies to sigmoid and "
+                "simpo only: set it to 0"
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run builds the frozen reference model: for the KL term of an RL run
+        (kl_coef > 0), or for a reference-based preference loss (dpo, all but simpo)."""
+        from megarl.algorithms.preference import get_preference_loss
+
+        if self.name == "dpo":
+            return get_preference_loss(self.dpo_loss).reference
+        return self.name in ("grpo", "ppo") and self.kl_coef > 0
+
+    @property
+    def offline(self) -> bool:
+        """Trained on a fixed dataset (no rollout engine): `OFFLINE_ALGORITHMS`."""
+        return self.name in OFFLINE_ALGORITHMS
+
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
@@ -178,7 +233,10 @@ class RewardConfig:
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     steps: int = 60
-    """RL steps (rollout + update) to run."""
+    """Steps to run: RL steps (rollout + update), or optimizer steps of an offline stage."""
+    epochs: float | None = None
+    """Offline stages (sft, dpo): passes over the training rows instead of trainer.steps (the
+    steps become ceil(epochs x rows / data.prompts_per_step)); null = trainer.steps."""
     seed: int = 0
     """Global seed (data order, sampling, init)."""
     save_every: int = 0
@@ -215,6 +273,8 @@ class TrainerConfig:
             v = getattr(self, k)
             if not v >= 0 or v == float("inf"):
                 raise ConfigError(f"trainer.{k}={v}; accepted: a number of minutes >= 0 (0 = off)")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ConfigError(f"trainer.epochs={self.epochs}; accepted: null or > 0")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -131,7 +131,7 @@ def test_convert_tp3(tmp_path):
         (["--set", "trainer.steps"], ["'trainer.steps'", "expected key=value"]),
         (["--set", "reward.functions=[toy"], ["not valid YAML", "line 1, column 5"]),
         (["--set", "rollout.temperature=hot"], ["rollout.temperature='hot'", "a number"]),
-        (["--set", "algorithm.name=dpo"], ["algorithm.name='dpo'", "'grpo', 'ppo'"]),
+        (["--set", "algorithm.name=kto"], ["algorithm.name='kto'", "'grpo', 'ppo', 'sft'"]),
         (["/no/such/config.yaml"], ["/no/such/config.yaml does not exist"]),
         (["--set", "model.tokenizer=/no/tok"], ["model.tokenizer='/no/tok' does not exist"]),
         (["--set", "data.prompts_per_step=2000"], ["data.prompts_per_step=2000 > 1080 prompts"]),

@@ -67,12 +67,56 @@ def collate(
     }
 
 
+def collate_sequences(
+    ids: list[list[int]],
+    trained: list[list[bool]],
+    pad_id: int,
+    *,
+    pad_to_multiple: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch of whole sequences whose trained tokens may lie anywhere (offline
+    training: SFT on several assistant turns, preference pairs).
+
+    `trained[b][t]` says whether token t of sequence b is a training target (it must be
+    predicted from the tokens before it, so `trained[b][0]` is ignored). Returns the fields of
+    `collate`: `tokens`, `targets`, `loss_mask` [B, S] with `loss_mask[b, i] = trained[b][i + 1]`,
+    and `seq_len`, `response_len` (trained tokens) [B] long, `prompt_len` [B] (tokens before the
+    first trained one)."""
+    if len(ids) != len(trained):
+        raise ValueError(f"collate_sequences: {len(ids)} sequences but {len(trained)} masks")
+    if not ids:
+        raise ValueError("collate_sequences: empty batch")
+    for b, (seq, m) in enumerate(zip(ids, trained, strict=True)):
+        if len(seq) != len(m):
+            raise ValueError(f"collate_sequences: sequence {b} has {len(seq)} ids, {len(m)} flags")
+    seq_len = torch.tensor([len(x) for x in ids], dtype=torch.long)
+    width = -(-int(seq_len.max()) // pad_to_multiple) * pad_to_multiple
+    tokens = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(ids), width, dtype=torch.float32)
+    for b, (seq, m) in enumerate(zip(ids, trained, strict=True)):
+        tokens[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        if len(m) > 1:
+            loss_mask[b, : len(m) - 1] = torch.tensor(m[1:], dtype=torch.float32)
+    targets = torch.full_like(tokens, pad_id)
+    targets[:, :-1] = tokens[:, 1:]
+    first = [next((t for t, x in enumerate(m) if x and t > 0), len(m)) for m in trained]
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "loss_mask": loss_mask,
+        "prompt_len": torch.tensor(first, dtype=torch.long),
+        "response_len": loss_mask.sum(1).long(),
+        "seq_len": seq_len,
+    }
+
+
 def split_micro_batches(
     batch: dict,
     micro_batch_size: int,
     *,
     pad_to_multiple: int = 1,
     max_tokens: int | None = None,
+    together: torch.Tensor | None = None,
 ) -> list[dict]:
     """Rows grouped into micro-batches of similar length, each trimmed to its longest sequence.
 
@@ -81,6 +125,11 @@ def split_micro_batches(
     `seq_len`, rounded up to `pad_to_multiple`) exceed `max_tokens` (a row longer than the budget
     gets a micro-batch of its own). Grouping by length keeps padding low; the losses use global
     denominators, so the grouping changes no loss or gradient (tests/test_losses_invariance.py).
+
+    `together` [B] long: rows with the same id always share a micro-batch (the chosen and
+    rejected sequence of a preference pair, whose loss needs both); they are placed as one unit
+    (by its longest row), counted by their rows against `micro_batch_size` and `max_tokens`; a
+    unit larger than either gets a micro-batch of its own.
 
     Every tensor whose first dim is B is indexed by the micro-batch's rows; those that also have
     dim 1 equal to the batch width S (`tokens`, `targets`, `loss_mask`, and any per-token field
@@ -105,18 +154,22 @@ def split_micro_batches(
         return min(width, -(-n // pad_to_multiple) * pad_to_multiple)
 
     lengths = batch["seq_len"].tolist()
-    order = sorted(range(rows), key=lambda r: (-lengths[r], r))
+    units: dict[int, list[int]] = {}
+    for r in range(rows):
+        units.setdefault(int(together[r]) if together is not None else r, []).append(r)
+    order = sorted(units.values(), key=lambda u: (-max(lengths[r] for r in u), u[0]))
     groups: list[list[int]] = []
-    for r in order:  # longest first: a group's first row fixes its width
+    for unit in order:  # longest first: a group's first unit fixes its width
         g = groups[-1] if groups else None
+        n = len(g) + len(unit) if g is not None else 0
         if (
             g is not None
-            and len(g) < micro_batch_size
-            and (max_tokens is None or (len(g) + 1) * padded(lengths[g[0]]) <= max_tokens)
+            and n <= micro_batch_size
+            and (max_tokens is None or n * padded(max(lengths[r] for r in g)) <= max_tokens)
         ):
-            g.append(r)
+            g.extend(unit)
         else:
-            groups.append([r])
+            groups.append(list(unit))
     out = []
     for g in groups:
         idx = torch.tensor(sorted(g), dtype=torch.long)

@@ -60,7 +60,8 @@ class DataConfig:
     """Longest prompt in tokens (after the chat template); see `overlong`."""
 
     overlong: str = "error"
-    """What to do with a longer prompt: `error`, `drop` it, or `truncate-left` (keep its end)."""
+    """What to do with a longer prompt (offline stages: a longer prompt + response, see
+    `max_length`): `error`, `drop` it, or `truncate-left` (keep its end)."""
 
     shuffle: bool = True
     """Visit prompts in a seeded random order each epoch (else in file order)."""
@@ -69,7 +70,12 @@ class DataConfig:
     """Seed of the per-epoch permutation (epoch e uses seed + e)."""
 
     prompts_per_step: int = 8
-    """Prompts per optimizer step, global across data-parallel ranks."""
+    """Prompts per optimizer step, global across data-parallel ranks (offline stages: rows,
+    or preference pairs, per optimizer step)."""
+
+    max_length: int | None = None
+    """Offline stages (sft, dpo): longest prompt + response in tokens (see `overlong`, where
+    truncate-left keeps a sequence's end); null = the model's max_position_embeddings."""
 
     def __post_init__(self) -> None:
         if not self.prompt_key:
@@ -82,6 +88,8 @@ class DataConfig:
             raise ValueError(f"data.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.seed < 0:
             raise ValueError(f"data.seed must be >= 0, got {self.seed}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"data.max_length must be null or >= 2, got {self.max_length}")
         if self.path is not None and not self.path:
             raise ValueError("data.path must be a file, a directory, 'hf:NAME[:SPLIT]' or None")
 
@@ -360,32 +368,38 @@ def _messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict]:
     return messages
 
 
+def prompt_text(
+    prompt: Any, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, where: str
+) -> tuple[str, bool]:
+    """(the text a prompt is tokenized from, whether the tokenizer adds its special tokens):
+    the chat template with the generation prompt when there is one (it owns the special
+    tokens), else the string itself after `system_prompt`."""
+    use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
+    if use_template:
+        messages = _messages(prompt, cfg.system_prompt, where)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, False
+    if isinstance(prompt, str):
+        return (cfg.system_prompt or "") + prompt, True
+    why = (
+        "data.apply_chat_template is off"
+        if not cfg.apply_chat_template
+        else "the tokenizer has no chat template"
+    )
+    raise DataError(
+        f"{where}: prompt is a {type(prompt).__name__} (chat messages?) but {why}; "
+        "only string prompts can be tokenized without a template"
+    )
+
+
 def _tokenize(
     prompts: list[Any], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, source: str
 ) -> list[list[int]]:
-    use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
     texts = []
+    add_special = True
     for i, prompt in enumerate(prompts):
-        where = f"row {i} of {source}"
-        if use_template:
-            messages = _messages(prompt, cfg.system_prompt, where)
-            texts.append(
-                tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            )
-        elif isinstance(prompt, str):
-            texts.append((cfg.system_prompt or "") + prompt)
-        else:
-            why = (
-                "data.apply_chat_template is off"
-                if not cfg.apply_chat_template
-                else "the tokenizer has no chat template"
-            )
-            raise DataError(
-                f"{where}: prompt is a {type(prompt).__name__} (chat messages?) but {why}; "
-                "only string prompts can be tokenized without a template"
-            )
-    # A chat template already contains the model's special tokens (e.g. BOS).
-    add_special = not use_template
+        text, add_special = prompt_text(prompt, tokenizer, cfg, f"row {i} of {source}")
+        texts.append(text)
     try:
         return [list(x) for x in tokenizer(texts, add_special_tokens=add_special)["input_ids"]]
     except Exception:

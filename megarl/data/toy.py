@@ -55,6 +55,50 @@ def toy_rows(seed: int = 0) -> list[dict]:
     return [{"prompt": f"{TOY_PREFIX}{s}=", "answer": s} for s in strings]
 
 
+def toy_sft_rows(seed: int = 0) -> list[dict]:
+    """SFT rows of the copy task: `{"prompt": "copy 371=", "response": "371"}` for every row of
+    `toy_rows(seed)` (the SFT reader appends the EOS)."""
+    return [{"prompt": r["prompt"], "response": r["answer"]} for r in toy_rows(seed)]
+
+
+def corrupt(answer: str, rng: random.Random) -> str:
+    """A wrong answer near `answer`: one digit changed, the last digit dropped, a digit
+    appended, or two neighbours swapped (never `answer` itself)."""
+    while True:
+        kind = rng.randrange(4)
+        i = rng.randrange(len(answer))
+        d = rng.choice("0123456789")
+        if kind == 0:
+            out = answer[:i] + d + answer[i + 1 :]
+        elif kind == 1:
+            out = answer[:-1]
+        elif kind == 2:
+            out = answer + d
+        else:
+            j = min(i + 1, len(answer) - 1)
+            chars = list(answer)
+            chars[i], chars[j] = chars[j], chars[i]
+            out = "".join(chars)
+        if out and out != answer:
+            return out
+
+
+def toy_preference_rows(seed: int = 0) -> list[dict]:
+    """Preference pairs of the copy task, one per row of `toy_rows(seed)`:
+    `{"prompt": "copy 371=", "chosen": "371", "rejected": <corrupt("371")>, "answer": "371"}`,
+    the corruptions drawn with Random(seed + 1)."""
+    rng = random.Random(seed + 1)
+    return [
+        {
+            "prompt": r["prompt"],
+            "chosen": r["answer"],
+            "rejected": corrupt(r["answer"], rng),
+            "answer": r["answer"],
+        }
+        for r in toy_rows(seed)
+    ]
+
+
 def toy_tokenizer(out_dir: str | os.PathLike | None = None):
     """The character tokenizer over `TOY_CHARS` (saved to `out_dir` when given)."""
     return build_char_tokenizer(TOY_CHARS, out_dir)

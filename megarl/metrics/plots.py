@@ -1,10 +1,12 @@
-"""The reward curve of a run (`reward.png`) from its metrics.jsonl.
+"""The curves of a run from its metrics.jsonl: rewards (`reward.png`) or offline losses.
 
 Panels: `reward_mean` per step with a moving average, and beside it (moving averages, dashed)
 the per-function rewards `reward/<name>` that differ from it, e.g. the toy task's
 `reward/exact_match`, and the held-out evaluation's curves (points joined by lines, from step 0
 on): `eval/pass@k`, `eval/reward_mean` and each `eval/<function>`, a series that only repeats an
 earlier one left out; then, when logged, the mean response length and the KL to the reference.
+An offline run (sft, dpo) has no reward: `plot_offline` draws its loss, accuracies and reward
+margin (`loss.png`), training steps beside the held-out `eval/...` values.
 Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch, safe off the main
 thread) and writes through a temporary file renamed into place, so a reader never sees a
 half-written PNG.
@@ -132,6 +134,64 @@ def plot_rewards(
             for name, es, ev in eval_series(records):
                 ax.plot(es, ev, lw=1.2, marker="o", ms=3, label=f"{name} (held-out)")
             ax.legend(loc="best", fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    axes[0].set_title(Path(metrics_jsonl_path).parent.name or "run")
+    fig.tight_layout()
+
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, out)
+    return out
+
+
+# panels of an offline run (sft, dpo): each training series with its held-out `eval/` twin
+OFFLINE_PANELS = (
+    ("loss", ("loss",)),
+    ("accuracy", ("token_accuracy", "rewards/accuracies", "preference_accuracy")),
+    ("reward margin", ("rewards/margins",)),
+)
+
+
+def plot_offline(
+    metrics_jsonl_path: str | os.PathLike, out_png: str | os.PathLike, *, window: int | None = None
+) -> Path:
+    """The losses and accuracies of an offline run (training steps as thin lines with their
+    moving average, held-out `eval/...` values as markers) as a PNG; returns its path. Raises
+    ValueError if no step has a loss."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(metrics_jsonl_path)
+    if not any(_series(records, k)[0] for k in ("loss", "eval/loss")):
+        raise ValueError(f"{metrics_jsonl_path}: no step has a numeric 'loss' to plot")
+    steps = _series(records, "loss")[0]
+    window = window or max(1, len(steps) // 20)
+    panels = []
+    for label, keys in OFFLINE_PANELS:
+        lines = []
+        for key in keys:
+            for name in (key, f"eval/{key}"):
+                s, v = _series(records, name)
+                if s:
+                    lines.append((name, s, v))
+        if lines:
+            panels.append((label, lines))
+
+    fig = Figure(figsize=(7, 2.6 * len(panels)), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (label, lines) in zip(axes, panels, strict=True):
+        for name, s, v in lines:
+            if name.startswith("eval/"):
+                ax.plot(s, v, marker="o", ms=3, lw=1.2, label=name)
+            else:
+                ax.plot(s, v, lw=0.8, alpha=0.4, label=name)
+                ax.plot(s, moving_average(v, window), lw=1.6, label=f"{name} (avg {window})")
+        ax.legend(loc="best", fontsize=7)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")

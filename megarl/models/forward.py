@@ -213,6 +213,32 @@ def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_size: int, tp_group) -
     return z.log() - ez / z
 
 
+@torch.no_grad()
+def vocab_parallel_top1(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_group
+) -> torch.Tensor:
+    """Whether each target is the argmax of its TP-sharded logits (teacher-forced token
+    accuracy; a tie with another token counts as correct). [b, s, V/tp], [b, s] -> [b, s] bool."""
+    import torch.distributed as dist
+
+    logits = mask_padded_vocab(logits.float(), vocab_size, tp_group)
+    shard = logits.shape[-1]
+    start = dist.get_rank(tp_group) * shard
+    local = targets - start
+    here = (local >= 0) & (local < shard)
+    # [2, b, s]: the best logit, and the target's logit (-inf on the ranks without it)
+    both = torch.stack(
+        [
+            logits.max(dim=-1).values,
+            logits.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1))
+            .squeeze(-1)
+            .masked_fill(~here, float("-inf")),
+        ]
+    )
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
+    return both[1] >= both[0]
+
+
 def gather_vocab(logits: torch.Tensor, *, vocab_size: int, tp_group) -> torch.Tensor:
     """Full-vocabulary logits [b, s, vocab_size] from TP shards (tests and debugging only)."""
     import torch.distributed as dist

@@ -219,7 +219,7 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
     opt = dense * per / dp_shard + experts * per / edp_shard
     shard = f"/ DP x CP {dp_shard}" + (f", experts / expert-DP {edp_shard}" if experts else "")
     rows.append(Row("actor Adam", opt, f"{per_text} {shard}"))
-    if alg.kl_coef > 0:
+    if alg.needs_reference:
         rows.append(Row("reference weights", total * e, f"{total:,} x {e} B (frozen)"))
     if shape.critic is not None:
         c = shape.critic[r]
@@ -394,7 +394,7 @@ def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
 
     n, e = num_params(arch), fm.ELEM[cfg.precision.dtype]
     per, _ = fm.optimizer_bytes_per_param(cfg.precision.dtype)
-    states = e + 4 + per + (e if cfg.algorithm.kl_coef > 0 else 0)
+    states = e + 4 + per + (e if cfg.algorithm.needs_reference else 0)
     if cfg.algorithm.name == "ppo":
         states += e + 4 + per
     total = n * states
@@ -402,7 +402,7 @@ def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
     fits = "" if total / gpus <= HEADROOM * gpu_mem else " (does not fit)"
     return [
         f"model states alone: {n:,} params x {states} B (weights, fp32 grads, Adam"
-        f"{', reference' if cfg.algorithm.kl_coef > 0 else ''}"
+        f"{', reference' if cfg.algorithm.needs_reference else ''}"
         f"{', critic' if cfg.algorithm.name == 'ppo' else ''}) = {_gib(total)}; spread over "
         f"all {gpus} GPUs that is {_gib(total / gpus)} per GPU{fits}",
         f"at least {need} GPUs of {_gib(gpu_mem)} are needed for those alone; then set "

@@ -272,10 +272,15 @@ def _notes(cfg: RunConfig) -> list[str]:
     p = cfg.precision
     notes = []
     models = ["actor (trainable)"]
-    if cfg.algorithm.kl_coef > 0:
-        models.append(
-            f"reference (frozen, actor's shape; algorithm.kl_coef={cfg.algorithm.kl_coef})"
+    if cfg.algorithm.needs_reference:
+        why = (
+            f"algorithm.dpo_loss={cfg.algorithm.dpo_loss}"
+            if cfg.algorithm.offline
+            else f"algorithm.kl_coef={cfg.algorithm.kl_coef}"
         )
+        models.append(f"reference (frozen, actor's shape; {why})")
+    if cfg.algorithm.offline:
+        models.append(f"no rollout engine (offline stage algorithm.name={cfg.algorithm.name})")
     if cfg.algorithm.name == "ppo":
         models.append("critic (trainable)")
     notes.append("models on every rank: " + " + ".join(models))

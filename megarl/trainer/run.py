@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megarl.data.dataset import PromptDataset
+    from megarl.data.offline import PreferenceDataset, SFTDataset
     from megarl.data.sampler import PromptSampler
     from megarl.metrics.sinks import MetricsLogger
     from megarl.rollout.dispatch import RolloutDispatcher
@@ -165,10 +166,11 @@ class RolloutParts:
 class Data:
     """The training rows and the resumable order this DP rank reads them in."""
 
-    dataset: PromptDataset
+    dataset: PromptDataset | SFTDataset | PreferenceDataset
     sampler: PromptSampler
-    held_out: PromptDataset | None = None
-    """The held-out prompts of `eval` (removed from `dataset`); None without eval.path /
+    held_out: PromptDataset | SFTDataset | PreferenceDataset | None = None
+    """The held-out rows of `eval` (removed from `dataset`; RL: prompts evaluated through the
+    engine, offline stages: rows evaluated by forward passes); None without eval.path /
     eval.fraction (`megarl.data.split`)."""
 
 
@@ -223,7 +225,7 @@ class Run:
             arch,
             gpu=gpu,
             updates=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
-            reference=a.kl_coef > 0,
+            reference=a.needs_reference,
             critic=a.name == "ppo",
         )
         rollout = build_rollout(cfg, arch, models.actor.chunks, groups, out_dir)
