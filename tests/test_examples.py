@@ -11,9 +11,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# example -> (ranks of the run it is written for, shipped model shape or None for its own model)
+# example -> (ranks of the run it is written for, shipped model shape, None for its own model, or
+# DEFAULT for a stage that starts from an earlier stage's run: the embedded default's model)
+DEFAULT = "the embedded default's model"
 EXAMPLES = {
     "grpo_tiny_cpu.yaml": (1, None),
+    "sft_copy_cpu.yaml": (1, None),
+    "dpo_copy_cpu.yaml": (1, DEFAULT),
+    "grpo_copy_from_dpo_cpu.yaml": (1, DEFAULT),
     "ppo_tiny_cpu.yaml": (1, None),
     "grpo_moe_tiny_cpu.yaml": (2, None),
     "grpo_qwen2.5_7b_gsm8k.yaml": (8, "qwen2.5-7b-instruct"),
@@ -26,14 +31,22 @@ def test_every_example_is_covered():
     shipped = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
     assert shipped == sorted(EXAMPLES), "add the new example to EXAMPLES with its world size"
     for _, model in EXAMPLES.values():
-        assert model is None or (ROOT / "examples" / "models" / model / "config.json").is_file()
+        assert model in (None, DEFAULT) or (ROOT / "examples" / "models" / model / "config.json").is_file()
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_dry_run_at_its_world_size(name):
     world, model = EXAMPLES[name]
     args = [f"examples/{name}", "--dry-run", f"--world-size={world}", f"--rank={world - 1}"]
-    if model is not None:
+    if model == DEFAULT:
+        import json
+
+        from megarl.config import load_config, to_dict
+
+        shape = json.dumps(to_dict(load_config(None).model)["config"])
+        args += ["--set", "model.mcore_ckpt=null", "--set", "model.hf=null"]
+        args += ["--set", f"model.config={shape}"]
+    elif model is not None:
         args += ["--set", "model.mcore_ckpt=null", "--set", f"model.hf=examples/models/{model}"]
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "train", *args],

@@ -1,6 +1,7 @@
 """The offline stages end to end through `torchrun -m megarl train` on CPU: SFT at TP2 (+SP) from
-random init, DPO at PP2 from its export, resumed at one rank from a PP2 checkpoint, and a GRPO
-run (real vLLM) started from the DPO export. No rollout engine is built for SFT / DPO."""
+random init, DPO at PP2 from its checkpoint (`model.mcore_ckpt` = the SFT run directory),
+resumed at one rank from a PP2 checkpoint, and a GRPO run (real vLLM) started from the SFT
+export. No rollout engine is built for SFT / DPO."""
 
 from __future__ import annotations
 
@@ -63,9 +64,9 @@ def test_sft_at_tp2_learns_evaluates_saves_and_exports(sft):
 
 
 @pytest.mark.slow
-def test_dpo_at_pp2_from_the_sft_export_resumes_at_one_rank(sft, tmp_path):
+def test_dpo_at_pp2_from_the_sft_checkpoint_resumes_at_one_rank(sft, tmp_path):
     start = [
-        f"model.hf={sft / 'hf'}",
+        f"model.mcore_ckpt={sft}",  # the run directory: its newest checkpoint's actor
         "trainer.steps=4",
         "trainer.save_every=2",
         *SMALL,

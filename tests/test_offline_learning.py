@@ -1,8 +1,8 @@
 """The three-stage CPU pipeline learns (learning tier: `make test-slow`, tens of minutes).
 
 Per seed s: SFT from random init (examples/sft_copy_cpu.yaml, model.init_seed 1234 + s,
-data.seed s) -> DPO from its export (examples/dpo_copy_cpu.yaml, data.seed s) -> GRPO from the
-DPO export (examples/grpo_copy_from_dpo_cpu.yaml: the embedded default at lr 3e-4,
+data.seed s) -> DPO from its checkpoint (examples/dpo_copy_cpu.yaml, data.seed s) -> GRPO from the
+DPO checkpoint (examples/grpo_copy_from_dpo_cpu.yaml: the embedded default at lr 3e-4,
 trainer.seed s), beside the embedded default GRPO from random init at the same seed and the same
 60 steps. SFT must lower the held-out loss and raise its token accuracy, DPO must raise the
 held-out preference accuracy, and the GRPO run from the DPO model must reach the default's 0.9
@@ -43,7 +43,7 @@ def test_sft_dpo_grpo_pipeline_beats_random_init(tmp_path, seed):
     assert after["eval/loss"] < before["eval/loss"] - 1.0
     assert after["eval/token_accuracy"] > before["eval/token_accuracy"] + 0.4
 
-    _train(dpo, f"model.hf={sft / 'hf'}", f"data.seed={seed}", config="examples/dpo_copy_cpu.yaml")
+    _train(dpo, f"model.mcore_ckpt={sft}", f"data.seed={seed}", config="examples/dpo_copy_cpu.yaml")
     rows = _metrics(dpo)
     before, after = rows[0], rows[-1]
     print(
@@ -57,7 +57,7 @@ def test_sft_dpo_grpo_pipeline_beats_random_init(tmp_path, seed):
 
     steps = {}
     for name, start, config in (
-        ("dpo", [f"model.hf={dpo / 'hf'}"], "examples/grpo_copy_from_dpo_cpu.yaml"),
+        ("dpo", [f"model.mcore_ckpt={dpo}"], "examples/grpo_copy_from_dpo_cpu.yaml"),
         ("random init", [], None),
     ):
         out = tmp_path / f"grpo-{name.replace(' ', '-')}"
