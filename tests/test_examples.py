@@ -31,7 +31,8 @@ def test_every_example_is_covered():
     shipped = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
     assert shipped == sorted(EXAMPLES), "add the new example to EXAMPLES with its world size"
     for _, model in EXAMPLES.values():
-        assert model in (None, DEFAULT) or (ROOT / "examples" / "models" / model / "config.json").is_file()
+        shipped_shape = ROOT / "examples" / "models" / str(model) / "config.json"
+        assert model in (None, DEFAULT) or shipped_shape.is_file()
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
