@@ -50,7 +50,8 @@ def balance_over_dp(
     rollout: Rollout, rewards: torch.Tensor, group_ids: torch.Tensor, group
 ) -> tuple[Rollout, torch.Tensor, torch.Tensor, dict]:
     """This rank's share of the step's samples after re-dealing them over `group` (the DP group)
-    by tokens. Returns (rollout, rewards [b], group_ids [b], metrics): `rollout.prompt_index` is
+    by tokens. `rewards`: [b] or [b, k] (e.g. the total beside each reward function's value).
+    Returns (rollout, rewards [b] or [b, k], group_ids [b], metrics): `rollout.prompt_index` is
     then the sample's global prompt id (it no longer indexes this rank's prompts); metrics are
     the largest rank's tokens over the mean, before and after."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -62,7 +63,7 @@ def balance_over_dp(
             rollout.response_logprobs[i],
             rollout.finish_reason[i],
             None if rollout.routed_experts is None else rollout.routed_experts[i],
-            float(rewards[i]),
+            rewards[i].tolist(),
             int(group_ids[i]),
         )
         for i in range(n)

@@ -59,12 +59,12 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         with timer("rollout"):
             prompts, rollout = generate(run)
         with timer("reward"):
-            rewards, reward_metrics = score(run, prompts, rollout)
+            rewards, reward_metrics, reward_parts = score(run, prompts, rollout)
         group_ids = torch.tensor([prompts.indices[i] for i in rollout.prompt_index])
         if cfg.algorithm.balance_dp_tokens and run.groups.dp_size > 1:
             with timer("balance"):
-                rollout, rewards, group_ids = balance(
-                    run, rollout, rewards, group_ids, reward_metrics
+                rollout, rewards, group_ids, reward_parts = balance(
+                    run, rollout, rewards, group_ids, reward_parts, reward_metrics
                 )
         batch = xp.build_batch(
             rollout.prompt_ids,
@@ -94,7 +94,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         )
         timer.reset()
         metrics.update(evaluate(run))  # every eval.every steps and after the last
-        samples = step_samples(run, rollout, rewards, group_ids, batch)
+        samples = step_samples(run, rollout, rewards, reward_parts, group_ids, batch)
         run.logger.log_samples(run.step, samples, file=SAMPLES_FILE)
         run.logger.log(run.step, metrics)
         bar.update(run.step, metrics, samples if cfg.logging.show_samples else ())
@@ -125,9 +125,10 @@ def generate(run: Run):
     return prompts, rollout
 
 
-def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics]:
-    """Rewards [B] for this rank's samples (TRL protocol; dataset columns passed through), and
-    each function's mean over the samples it applies to (None = not applicable)."""
+def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics, dict]:
+    """Rewards [B] for this rank's samples (TRL protocol; dataset columns passed through), each
+    function's mean over the samples it applies to (None = not applicable) as metrics, and each
+    function's value per sample ({name: [B]}, NaN where it does not apply: `samples.jsonl`)."""
     from megarl.rewards import score as score_fn
 
     tok = run.tokenizer
@@ -148,7 +149,7 @@ def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics]:
         ok = ~torch.isnan(v)
         metrics.add_ratio(f"reward/{k}", v[ok].double().sum(), ok.sum())
     metrics.add_sum("reward_errors", errors)
-    return total, metrics
+    return total, metrics, per_fn
 
 
 def forward_passes(run: Run, batch: dict) -> None:
@@ -171,14 +172,17 @@ def forward_passes(run: Run, batch: dict) -> None:
         batch["old_values"] = xp.forward_values(m.critic.chunks, batch, **split)
 
 
-def balance(run: Run, rollout, rewards, group_ids, metrics: LocalMetrics):
-    """Equal tokens per DP rank (`megarl.trainer.balance`); logs the imbalance before/after."""
+def balance(run: Run, rollout, rewards, group_ids, parts: dict, metrics: LocalMetrics):
+    """Equal tokens per DP rank (`megarl.trainer.balance`), each sample's reward and per-function
+    values travelling with it; logs the imbalance before/after."""
     from megarl.trainer.balance import balance_over_dp
 
-    rollout, rewards, group_ids, m = balance_over_dp(rollout, rewards, group_ids, run.groups.dp)
+    stacked = torch.stack([rewards, *(v.to(rewards.dtype) for v in parts.values())], 1)
+    rollout, stacked, group_ids, m = balance_over_dp(rollout, stacked, group_ids, run.groups.dp)
     for k, v in m.items():
         metrics.add_same(k, v)
-    return rollout, rewards, group_ids
+    parts = {k: stacked[:, j + 1] for j, k in enumerate(parts)}
+    return rollout, stacked[:, 0], group_ids, parts
 
 
 def advantages(run: Run, batch: dict, rewards: torch.Tensor, group_ids: torch.Tensor) -> None:

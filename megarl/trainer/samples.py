@@ -10,9 +10,8 @@ How, cheaply: on every DP rank one rank of the last pipeline stage (it holds the
 makes its own best, worst and m lowest-priority samples into rows (the global choice lies within
 the union of these), and only those rows travel to global rank 0 (`gather_rows`, one object
 gather of at most m + 2 small dicts per DP rank), which makes the final pick. The per-function
-reward values of the picked samples are computed again by the run's reward functions on those
-few samples alone (the step's per-function values are not kept per sample); the total reward and
-the advantage are the ones the update used.
+reward values, the total reward and the advantage are the ones the step computed and the update
+used (no reward function is called again: it may be costly, random, or have side effects).
 
 A row: step, pick (best / worst / random), prompt_id (row of the training prompts), prompt (the
 prompt column's value), completion (decoded, special tokens skipped), rewards {function: value},
@@ -23,6 +22,7 @@ mean GAE), length (response tokens) and finish_reason (stop / length).
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -78,11 +78,11 @@ def pick(rows: list[dict], m: int) -> list[dict]:
     return out
 
 
-def step_samples(run, rollout, rewards: torch.Tensor, group_ids: torch.Tensor, batch) -> list:
+def step_samples(
+    run, rollout, rewards: torch.Tensor, parts: dict, group_ids: torch.Tensor, batch
+) -> list:
     """This step's picked rows on global rank 0 ([] elsewhere, and when
     `logging.samples_per_step` is 0). Collective over the world."""
-    from megarl.rewards import score
-
     m = run.cfg.logging.samples_per_step
     if m == 0:
         return []
@@ -102,15 +102,6 @@ def step_samples(run, rollout, rewards: torch.Tensor, group_ids: torch.Tensor, b
         prompts = run.data.dataset.batch([ids[i] for i in chosen])
         responses = [rollout.response_ids[i] for i in chosen]
         texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        _, per_fn, _ = score(
-            run.reward_fns,
-            run.cfg.reward.weights,
-            prompts.prompts,
-            texts,
-            responses,
-            prompts.columns,
-            on_error="zero",
-        )
         rows = []
         for j, i in enumerate(chosen):
             rows.append(
@@ -119,7 +110,7 @@ def step_samples(run, rollout, rewards: torch.Tensor, group_ids: torch.Tensor, b
                     "prompt_id": ids[i],
                     "prompt": prompts.prompts[j],
                     "completion": texts[j],
-                    "rewards": {k: float(v[j]) for k, v in per_fn.items()},
+                    "rewards": {k: _value(v[i]) for k, v in parts.items()},
                     "reward": totals[i],
                     "advantage": float(adv[j]),
                     "length": len(responses[j]),
@@ -127,3 +118,9 @@ def step_samples(run, rollout, rewards: torch.Tensor, group_ids: torch.Tensor, b
                 }
             )
     return pick(gather_rows(rows), m)
+
+
+def _value(x) -> float | None:
+    """A reward function's value of one sample; None where it does not apply (NaN)."""
+    x = float(x)
+    return None if math.isnan(x) else x
