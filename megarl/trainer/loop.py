@@ -349,16 +349,18 @@ def _bad_step(run: Run, metrics: dict) -> bool:
     return False
 
 
-def finish(run: Run) -> None:
-    """Plot the reward curve; optionally export the policy as an HF directory."""
+def finish(run: Run, *, offline: bool = False) -> None:
+    """Plot the run's curves (`reward.png`; an offline run's losses and accuracies: `loss.png`);
+    optionally export the policy as an HF directory."""
     metrics = os.path.join(run.out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(metrics):
-        from megarl.metrics.plots import plot_rewards
+        from megarl.metrics.plots import plot_offline, plot_rewards
 
+        plot, name = (plot_offline, "loss.png") if offline else (plot_rewards, "reward.png")
         try:
-            plot_rewards(metrics, os.path.join(run.out_dir, "reward.png"))
+            plot(metrics, os.path.join(run.out_dir, name))
         except ValueError as e:  # e.g. a resumed run that had no step left to do
-            log.warning("no reward plot: %s", e)
+            log.warning("no plot %s: %s", name, e)
     if run.cfg.trainer.export_hf:
         export_hf(run, os.path.join(run.out_dir, "hf"))
     run.close()

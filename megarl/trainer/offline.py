@@ -35,7 +35,7 @@ from megarl.metrics.timer import StageTimer
 from megarl.models import forward
 from megarl.models.optim import zero_grads
 from megarl.trainer.faults import RunGuard
-from megarl.trainer.loop import TrainingDiverged, _bad_step, _pad_id, _pad_to, export_hf
+from megarl.trainer.loop import TrainingDiverged, _bad_step, _pad_id, _pad_to, finish
 from megarl.trainer.model_source import resolve_model
 from megarl.trainer.run import (
     Data,
@@ -97,7 +97,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             )
         guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
     bar.close()
-    finish(run)
+    finish(run, offline=True)
     return run
 
 
@@ -307,19 +307,3 @@ def _to_rank0(merged: dict, run: Run) -> dict:
     pp = ps.get_pipeline_model_parallel_group()
     dist.broadcast_object_list(box, src=dist.get_global_rank(pp, run.groups.pp_size - 1), group=pp)
     return box[0]
-
-
-def finish(run: Run) -> None:
-    """Plot the losses and accuracies (`loss.png`); optionally export the policy to HF."""
-    metrics = os.path.join(run.out_dir, "metrics.jsonl")
-    if dist.get_rank() == 0 and os.path.exists(metrics):
-        from megarl.metrics.plots import plot_offline
-
-        try:
-            plot_offline(metrics, os.path.join(run.out_dir, "loss.png"))
-        except ValueError as e:  # e.g. a resumed run that had no step left to do
-            log.warning("no loss plot: %s", e)
-    if run.cfg.trainer.export_hf:
-        export_hf(run, os.path.join(run.out_dir, "hf"))
-    run.close()
-    dist.barrier()
