@@ -55,7 +55,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PENDING_FILES = {
     "docs/offline.md",
     "docs/reward-models.md",
-    "examples/grpo_smollm2_arith_cpu.yaml",
 }
 PENDING_SUBCOMMANDS: set[str] = set()
 

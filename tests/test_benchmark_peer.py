@@ -71,7 +71,7 @@ def _patch(monkeypatch, trl_reason, bf16_reason=None):
         monkeypatch.setitem(
             peer.RUNNERS,
             system,
-            lambda model_dir, precision, steps, threads, s=system: _fake_run(
+            lambda model_dir, precision, steps, threads, s=system, **kw: _fake_run(
                 times[(s, precision)], 60.0, steps
             ),
         )
@@ -134,3 +134,79 @@ def test_ceiling_puts_the_train_stage_at_the_gemm_floor(monkeypatch):
         trl_best = 60 * 64 / 8.0
         assert math.isclose(ratio["params"]["train_at_floor"][precision], rate / trl_best)
     assert "the GEMM floor (the ceiling): fp32 0.92x, bf16 1.19x" in peer.markdown_table(records)
+
+
+def test_smollm2_workload_config_and_trl_spec_match(tmp_path):
+    """`--model smollm2`: the megarl side is a valid config of the example's workload with the
+    reference pass and held-out evaluation; the TRL side gets the same settings."""
+    from megarl.benchmarks import peer_smollm2 as s
+
+    path = tmp_path / "peer.yaml"
+    path.write_text(yaml.safe_dump(s.megarl_config("/models/x", "bf16", 6, str(tmp_path))))
+    cfg = load_config(str(path))
+    alg = cfg.algorithm
+    assert (alg.kl_coef, alg.kl_kind, alg.kl_in) == (s.BETA, "k3", "loss")
+    assert (cfg.rollout.n, cfg.data.prompts_per_step, cfg.rollout.max_tokens) == (8, 8, 48)
+    assert cfg.eval.every == s.EVAL_EVERY and cfg.eval.path.endswith("eval.jsonl")
+    assert cfg.reward.functions == ("math_verify",) and cfg.optim.lr == s.LR
+    spec = s.trl_spec(str(tmp_path))
+    assert (spec["beta"], spec["lr"], spec["max_tokens"]) == (s.BETA, s.LR, 48)
+    assert spec["batch"] == 64 and spec["num_generations"] == 8 and spec["chat"]
+
+
+def test_time_to_target_counts_the_step_seconds_up_to_the_first_eval_above_it():
+    from megarl.benchmarks.peer_smollm2 import TARGET, time_to_target
+
+    evals = [(0, 0.3), (4, TARGET - 0.01), (8, TARGET), (12, 0.9)]
+    t = time_to_target(evals, [10.0] * 12)
+    assert (t["seconds"], t["step"], t["start"], t["best"]) == (80.0, 8, 0.3, 0.9)
+    never = time_to_target([(0, 0.3), (4, 0.4)], [10.0] * 4)
+    assert math.isnan(never["seconds"]) and never["step"] is None and never["best"] == 0.4
+
+
+def test_smollm2_suite_reports_time_to_target_and_a_ceiling_with_the_reference(monkeypatch):
+    from megarl.benchmarks import peer_smollm2 as s
+
+    monkeypatch.setattr(s, "prepare", lambda tmp: ("/models/smollm2", s.PARAMS))
+    monkeypatch.setattr(peer, "gemm_flops", lambda dtype: 1e11)
+    monkeypatch.setattr(peer, "trl_missing", lambda: None)
+    from megarl.distributed import device
+
+    monkeypatch.setattr(device, "cpu_half_precision_note", lambda dtype: None)
+    step = {("megarl", "fp32"): 40.0, ("megarl", "bf16"): 20.0}
+    step.update({("trl", "fp32"): 80.0, ("trl", "bf16"): 50.0})
+    # megarl bf16 needs more steps (12) than fp32 (8); TRL bf16 never gets there
+    reach = {("megarl", "fp32"): 8, ("megarl", "bf16"): 12, ("trl", "fp32"): 8}
+    calls = []
+
+    def fake(system):
+        def run(model_dir, precision, steps, threads, workload, data_dir):
+            calls.append((system, precision, workload.name))
+            out = _fake_run(step[(system, precision)], 20.0, steps)
+            out["step_s"] = [step[(system, precision)]] * steps
+            out["stages"]["logprobs"] = [5.0] * steps
+            at = reach.get((system, precision), 99)
+            out["evals"] = [(k, s.TARGET if k >= at else 0.3) for k in range(0, steps + 1, 4)]
+            return out
+
+        return run
+
+    for system in ("megarl", "trl"):
+        monkeypatch.setitem(peer.RUNNERS, system, fake(system))
+    records = peer.suite(argparse.Namespace(quick=False, rounds=1, threads=1, model="smollm2"))
+    assert [c[:2] for c in calls] == list(s.PLAN) and {c[2] for c in calls} == {"smollm2"}
+    by = {r["name"]: r for r in records}
+    assert by["megarl_fp32_time_to_target_seconds"]["value"] == 8 * 40.0
+    assert by["megarl_bf16_time_to_target_seconds"]["value"] == 12 * 20.0
+    assert math.isnan(by["trl_bf16_time_to_target_seconds"]["value"])
+    ratio = by["megarl_over_trl_time_to_target"]
+    assert math.isclose(ratio["value"], 8 * 80.0 / (12 * 20.0))
+    assert (ratio["params"]["megarl_config"], ratio["params"]["trl_config"]) == ("bf16", "fp32")
+    # the ceiling: megarl's train AND reference passes at the GEMM floor
+    best = by["megarl_over_trl_best"]["params"]
+    assert best["ceiling_stages"] == ["train", "logprobs"]
+    p = by["megarl_fp32_completion_tokens_per_s"]["params"]
+    assert set(p["stage_floors"]) == {"train", "logprobs"}
+    table = peer.markdown_table(records)
+    assert "time to the held-out target: TRL best (fp32) / megarl best (bf16) = 2.67x" in table
+    assert "train and logprobs passes at the GEMM floor" in table and "not reached" in table

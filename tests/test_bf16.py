@@ -1,10 +1,18 @@
 """bf16 on CPU as a first-class precision: bf16 parameters and compute, fp32 master
 weights and Adam state (megatron's DistributedOptimizer keeps an fp32 shard of every bf16
 parameter), fp32 logits / log-softmax for logprobs and losses, and an update that moves the bf16
-parameters by what the fp32 master weights moved (rounded to bf16)."""
+parameters by what the fp32 master weights moved (rounded to bf16).
+
+The defects that would make bf16 learn slower than its rounding explains, each checked so that a
+broken version fails: bf16 weights not refreshed from the fp32 masters after a step (they must
+equal the masters rounded to bf16, bit for bit, after every step), a weight sync that sends stale
+or re-rounded values (vLLM must hold the trainer's current bf16 weights, bit for bit), a bf16
+log-softmax (logprobs of bf16 logits must equal fp32 log_softmax of the upcast logits), and a
+reference model that differs from the initial actor (same bf16 weights, identical logprobs)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.distributed.launch import spawn
@@ -49,6 +57,7 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
     metrics = update.train_policy(actor, opt, sched, batch, alg=cfg.algorithm,
                                   rollout=cfg.rollout, vocab_size=arch.vocab_size,
                                   groups=groups, seed=1).reduce(groups.dp)
+    refreshed = dtype == "fp32" or _bf16_copies_equal_masters(inner)
     state_dtypes = {v.dtype for o in inner for s in o.optimizer.state.values()
                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
     return {
@@ -66,7 +75,22 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
         "overflow_steps": metrics.get("overflow_steps", 0.0),
         "grad_norm": metrics["grad_norm"],
         "params": len(before),
+        "refreshed": refreshed,
     }
+
+
+def _bf16_copies_equal_masters(inner) -> bool:
+    """Every 16-bit model parameter equals its fp32 master (at DP=1 the master shard is the
+    whole tensor) rounded to that dtype, bit for bit (megatron's
+    `_copy_main_params_to_model_params`)."""
+    pairs = [
+        (model.detach().view(-1), master)
+        for o in inner
+        for mg, fg in zip(o.model_float16_groups, o.shard_fp32_from_float16_groups, strict=True)
+        for model, master in zip(mg, fg, strict=True)
+    ]
+    assert pairs and all(m.numel() == f.numel() for m, f in pairs)
+    return all(torch.equal(m, f.to(m.dtype)) for m, f in pairs)
 
 
 def _median_move(before: dict, model) -> float:
@@ -86,6 +110,7 @@ def test_bf16_compute_with_fp32_master_weights_and_optimizer_state():
     assert torch.isfinite(torch.tensor(r["loss"]))
     assert r["changed"] == r["params"]
     assert 0.9 < r["move_over_lr"] < 1.1
+    assert r["refreshed"]  # the bf16 copies are the stepped masters, rounded
 
 
 def test_fp16_scales_the_loss_so_the_first_step_moves_the_weights():
@@ -101,6 +126,7 @@ def test_fp16_scales_the_loss_so_the_first_step_moves_the_weights():
     assert r["overflow_steps"] == 0
     assert torch.isfinite(torch.tensor(r["loss"]))
     assert 0.9 < r["move_over_lr"] < 1.1
+    assert r["refreshed"]
 
 
 def test_half_precision_note_names_the_missing_instructions(monkeypatch):
@@ -120,3 +146,96 @@ def test_half_precision_note_names_the_missing_instructions(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert device.cpu_half_precision_note("bf16") is None
+
+
+def sync_job(rank: int, world: int) -> dict:
+    """A bf16 actor and reference, one bf16 vLLM engine: the sync after an optimizer step, the
+    reference at step 0, and the logprob reduction (one process)."""
+    from megarl.config import RunConfig, build
+    from megarl.convert.layout import load_full_state
+    from megarl.convert.sharded import copy_weights
+    from megarl.distributed import Topology
+    from megarl.models.builder import build_model
+    from megarl.models.forward import vocab_parallel_logprobs
+    from megarl.models.hf_config import arch_from_hf
+    from megarl.models.optim import build_optimizer
+    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.weight_sync import WeightSync, naive_sync
+    from megarl.trainer import experience as xp
+    from megarl.trainer import update
+    from tests.test_sync_workers import LLAMA, canonical_state, model_dir
+    from tests.vllm_targets import compare_bitwise, dense_state, digest, install_capture
+
+    torch.set_num_threads(1)
+    cfg = build(RunConfig, {
+        "model": {"config": LLAMA},
+        "precision": {"dtype": "bf16"},
+        "optim": {"lr": 1e-3},
+        "rollout": {"n": 4, "max_tokens": 12},
+        "algorithm": {"micro_batch_size": 4},
+    })
+    arch = arch_from_hf(LLAMA)
+    groups = Topology.for_model(cfg.parallel, world, arch).initialize(seed=0)
+    actor = build_model(arch, cfg.parallel, cfg.precision, role="actor")
+    load_full_state(actor, canonical_state(arch, seed=1))
+    reference = build_model(arch, cfg.parallel, cfg.precision, role="reference")
+    copy_weights(actor, reference)
+    opt, sched = build_optimizer(actor, cfg.optim, dtype="bf16", total_steps=2)
+    engine = RolloutEngine(model_dir(LLAMA), arch, RolloutConfig(
+        n=4, max_tokens=12, kv_cache_memory_bytes=64 * 2**20, seed=7), dtype="bf16")
+    engine.call(install_capture)
+    ws = WeightSync(actor, arch, engine, groups)
+    ws.sync()
+    before = engine.call(dense_state)
+    rollout = engine.generate([PROMPTS[0], PROMPTS[1]], seed=3)
+    batch = xp.build_batch([PROMPTS[i] for i in rollout.prompt_index], rollout.response_ids,
+                           rollout.response_logprobs, pad_id=0, pad_to=1)
+    kw = dict(micro_batch_size=4, vocab_size=arch.vocab_size, groups=groups, temperature=1.0)
+    actor_lp = xp.forward_logprobs(actor, batch, **kw)
+    ref_lp = xp.forward_logprobs(reference, batch, **kw)
+    mask = batch["loss_mask"].bool()
+    gap_before = (actor_lp - batch["sampler_logprobs"]).abs()[mask]
+    batch["advantages"] = torch.linspace(-1, 1, len(rollout.response_ids))[:, None] * batch[
+        "loss_mask"]
+    batch["old_logprobs"] = None
+    update.train_policy(actor, opt, sched, batch, alg=cfg.algorithm, rollout=cfg.rollout,
+                        vocab_size=arch.vocab_size, groups=groups, seed=1)
+    ws.sync()
+    ours = engine.call(dense_state)
+    naive_sync(actor, arch, engine)  # full gather of the trainer's current weights -> loader
+    ref = engine.call(dense_state)
+    # logprobs of bf16 logits: megatron's vocab-parallel path against fp32 log_softmax
+    g = torch.Generator().manual_seed(0)
+    logits = (8 * torch.randn(2, 5, 256, generator=g)).to(torch.bfloat16)
+    targets = torch.randint(0, 250, (2, 5), generator=g)
+    got = vocab_parallel_logprobs(logits, targets, vocab_size=250, tp_group=groups.tp)
+    want = torch.log_softmax(logits.float()[..., :250], -1).gather(-1, targets[..., None])[..., 0]
+    in_bf16 = torch.log_softmax(logits[..., :250], -1).gather(-1, targets[..., None])[..., 0]
+    engine.close()
+    return {
+        "dtypes": {str(t.dtype) for t in ours.values()},
+        "bitwise": compare_bitwise(ours, ref),
+        "moved": digest(ours) != digest(before),
+        "ref_equals_actor": torch.equal(actor_lp[mask], ref_lp[mask]),
+        "gap_before": (float(gap_before.mean()), float(gap_before.max())),
+        "logprob_dtype": str(got.dtype),
+        "logprob_err": float((got - want).abs().max()),
+        "bf16_logprob_err": float((in_bf16.float() - want).abs().max()),
+    }
+
+
+@pytest.mark.slow
+def test_bf16_sync_reference_and_logprob_reduction():
+    """vLLM holds the trainer's current bf16 weights after a step (bitwise equal to a full
+    gather of them through vLLM's own loader, and different from before the step); the
+    reference's logprobs equal the initial actor's; logprobs of bf16 logits are fp32 log_softmax
+    of the upcast logits (a bf16 log_softmax is off by ~1e-2 here)."""
+    r = spawn(sync_job, 1, timeout=600)[0]
+    print("bf16 megatron vs vLLM bf16 before the step (mean, max):", r["gap_before"])
+    assert r["dtypes"] == {"torch.bfloat16"}
+    assert r["moved"]
+    assert r["bitwise"]["different"] == [] and r["bitwise"]["sentinel_left"] == []
+    assert r["ref_equals_actor"]
+    assert r["logprob_dtype"] == "torch.float32"
+    assert r["logprob_err"] < 1e-5 < 1e-3 < r["bf16_logprob_err"]
+    assert r["gap_before"][0] < 0.05

@@ -21,6 +21,7 @@ EXAMPLES = {
     "grpo_copy_from_dpo_cpu.yaml": (1, DEFAULT),
     "ppo_tiny_cpu.yaml": (1, None),
     "grpo_moe_tiny_cpu.yaml": (2, None),
+    "grpo_smollm2_arith_cpu.yaml": (1, "smollm2-135m-instruct"),
     "grpo_qwen2.5_7b_gsm8k.yaml": (8, "qwen2.5-7b-instruct"),
     "grpo_qwen3_30b_a3b_ep8.yaml": (8, "qwen3-30b-a3b"),
     "grpo_llama3_70b_fp8.yaml": (32, "llama3-70b-instruct"),

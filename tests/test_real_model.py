@@ -7,7 +7,12 @@ the index cannot be reached; set MEGARL_CACHE to keep the download between sessi
   (`fetch-model --verify`);
 - `megarl convert hf-to-mcore --verify` on >= 256 tokens of real text (rope at far positions);
 - the round trip back (`mcore-to-hf`) is a complete HF directory on which vLLM (loading it as it
-  is, with its own tokenizer) and transformers give the same greedy answers to chat prompts.
+  is, with its own tokenizer) and transformers give the same greedy answers to chat prompts;
+- `megarl train examples/grpo_smollm2_arith_cpu.yaml`, cut to 2 GRPO steps of 2 prompts x 4
+  samples of <= 16 tokens (fp32): held-out evaluation at step 0 and after step 2, trainer-vs-vLLM
+  logprob mismatch mean <= 1e-4 and max <= 1e-3 at every step, `samples.jsonl` rows for every
+  step, and the run's export (`trainer.export_hf`) in transformers giving exactly the greedy
+  answers the run's colocated vLLM gave in its last evaluation (`eval_samples.jsonl`).
 """
 
 from __future__ import annotations
@@ -150,3 +155,88 @@ def test_exported_hf_greedy_answers_transformers_equal_vllm(smol, mcore):
     for prompt, w, g in zip(PROMPTS, want, got, strict=True):
         print(f"{prompt!r} -> {g['text']!r}")
         assert g["ids"] == w, (prompt, w, g)
+
+
+STEPS, EVAL_PROMPTS, EVAL_TOKENS = 2, 4, 16
+
+
+@pytest.fixture(scope="module")
+def short_run(smol):
+    root, hf, _, _ = smol
+    out = root / "run"
+    sets = {
+        "model.hf": str(hf),
+        "trainer.steps": STEPS,
+        "trainer.export_hf": "true",
+        "precision.dtype": "fp32",
+        "data.prompts_per_step": 2,
+        "rollout.n": 4,
+        "rollout.max_tokens": EVAL_TOKENS,
+        "algorithm.micro_batch_size": 8,
+        "eval.every": STEPS,
+        "eval.max_prompts": EVAL_PROMPTS,
+        "eval.max_tokens": EVAL_TOKENS,
+        "logging.samples_per_step": 3,
+        "logging.progress": "false",
+    }
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    proc = _run(
+        "-m", "megarl", "train", "examples/grpo_smollm2_arith_cpu.yaml", "--out", str(out), *args,
+        env={"OMP_NUM_THREADS": "2"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
+    return out, read("metrics.jsonl"), read("samples.jsonl"), read("eval_samples.jsonl")
+
+
+def test_short_grpo_run_mismatch_samples_and_evals(short_run):
+    _, metrics, samples, evals = short_run
+    assert [m["step"] for m in metrics] == [0, *range(1, STEPS + 1)]
+    assert "eval/pass@1" in metrics[0] and "eval/pass@1" in metrics[-1]
+    assert metrics[0]["eval/prompts"] == metrics[-1]["eval/prompts"] == EVAL_PROMPTS
+    for m in metrics[1:]:
+        print(f"step {m['step']}: mismatch {m['logprob_mismatch']:.2e} mean, "
+              f"{m['logprob_mismatch_max']:.2e} max; reward {m['reward_mean']:.3f}")  # fmt: skip
+        assert m["logprob_mismatch"] <= 1e-4 and m["logprob_mismatch_max"] <= 1e-3, m
+        assert m["kl"] >= 0 and "reward/math_verify" in m
+    assert {r["step"] for r in samples} == set(range(1, STEPS + 1))
+    for r in samples:
+        assert r["prompt"].startswith(("What is", "Calculate", "How much"))
+        assert set(r["rewards"]) == {"math_verify"} and r["finish_reason"] in ("stop", "length")
+        assert 0 < r["length"] <= EVAL_TOKENS and isinstance(r["completion"], str)
+    assert {r["step"] for r in evals} == {0, STEPS}
+    assert sum(r["step"] == STEPS for r in evals) == EVAL_PROMPTS
+
+
+def test_run_export_greedy_in_transformers_equals_the_runs_vllm(short_run):
+    """The export is the policy vLLM evaluated last: transformers' greedy answers on it are the
+    completions of the run's final evaluation (greedy, through the colocated vLLM engine)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _, _, evals = short_run
+    export = out / "hf"
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        assert (export / name).is_file(), name
+    tok = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    last = sorted((r for r in evals if r["step"] == STEPS), key=lambda r: r["index"])
+    with torch.no_grad():
+        for r in last:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}],
+                add_generation_prompt=True,
+                return_dict=True,
+            )["input_ids"]
+            gen = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=EVAL_TOKENS,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(ids) :]
+            text = tok.decode(gen, skip_special_tokens=True)
+            print(f"{r['prompt']!r} -> {text!r}")
+            assert text == r["completion"], (r["prompt"], text, r["completion"])
+            # both count the stop token; a shorter answer than the budget stopped at EOS
+            assert len(gen) == r["length"]
+            assert (r["finish_reason"] == "stop") == (int(gen[-1]) == tok.eos_token_id)

@@ -1,8 +1,9 @@
 """Work the trainer skips or regroups changes no loss, metric or gradient.
 
 1. One epoch over one mini-batch: the update's own detached logprobs are the old ones. A
-   separate old-logprob forward pass cannot change such an update (ratio = 1 by construction);
-   the trainer skips it (`update.recompute_old_logprobs`).
+   separate old-logprob forward pass cannot change such an update (ratio = 1 by construction),
+   also not with truncated importance sampling (its weights exp(old - sampler) come from the
+   same logprobs); the trainer skips it (`update.recompute_old_logprobs`).
 2. A token budget per micro-batch (`algorithm.max_tokens_per_micro_batch`) only regroups the
    sequences (global loss denominators).
 The update runs each way on a real megatron tiny Llama, from the same weights and batch; the
@@ -43,11 +44,14 @@ def job(rank: int, world: int, layout: dict) -> dict:
         "algorithm": {"entropy_coef": 0.01, "micro_batch_size": 3},
     })
     assert not update.recompute_old_logprobs(cfg.algorithm)
+    assert not update.recompute_old_logprobs(dataclasses.replace(cfg.algorithm, tis_cap=2.0))
     arch = arch_from_hf(TINY_LLAMA)
     groups = Topology.for_model(cfg.parallel, world, arch).initialize(seed=0)
     g = torch.Generator().manual_seed(7)
     responses = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
     prompts = [PROMPTS[i // 4] for i in range(len(LENGTHS))]
+    # sampler logprobs around the tiny model's own (~ -ln 250): TIS weights on both sides of 1
+    sampler = [(-6.0 + torch.rand(n, generator=g)).tolist() for n in LENGTHS]
     grads = {}
     original_step = update._step
 
@@ -57,18 +61,19 @@ def job(rank: int, world: int, layout: dict) -> dict:
 
     update._step = capture
     out = {}
-    for mode in ("recompute", "reuse", "budget"):
+    for mode in ("recompute", "reuse", "budget", "recompute_tis", "reuse_tis"):
         alg = cfg.algorithm
         if mode == "budget":  # 40 tokens: micro-batches of 1 to 4 sequences instead of 3
             alg = dataclasses.replace(alg, max_tokens_per_micro_batch=40)
+        if mode.endswith("_tis"):
+            alg = dataclasses.replace(alg, tis_cap=1.5)
         actor = build_model(arch, cfg.parallel, cfg.precision, role="actor")
         load_full_state(actor, _state(arch))
         opt, sched = build_optimizer(actor, cfg.optim, dtype="fp32", total_steps=2)
-        batch = xp.build_batch(prompts, responses, [[-1.0] * n for n in LENGTHS], pad_id=0,
-                               pad_to=1)
+        batch = xp.build_batch(prompts, responses, sampler, pad_id=0, pad_to=1)
         batch["advantages"] = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch["loss_mask"]
         batch["old_logprobs"] = None
-        if mode == "recompute":
+        if mode.startswith("recompute"):
             batch["old_logprobs"] = xp.forward_logprobs(
                 actor, batch, micro_batch_size=3, vocab_size=arch.vocab_size, groups=groups,
                 temperature=0.9,
@@ -89,7 +94,9 @@ def _results(layout: tuple) -> dict:
 
 
 @pytest.mark.parametrize("layout", [{}, {"pipeline_parallel": 2}], ids=["1rank", "pp2"])
-@pytest.mark.parametrize("pair", [("recompute", "reuse"), ("reuse", "budget")])
+@pytest.mark.parametrize(
+    "pair", [("recompute", "reuse"), ("reuse", "budget"), ("recompute_tis", "reuse_tis")]
+)
 def test_skipped_or_regrouped_work_changes_nothing(layout, pair):
     res = _results(tuple(sorted(layout.items())))
     a, b = res[pair[0]], res[pair[1]]
@@ -97,6 +104,9 @@ def test_skipped_or_regrouped_work_changes_nothing(layout, pair):
     for k in a["metrics"]:
         assert a["metrics"][k] == pytest.approx(b["metrics"][k], rel=1e-5, abs=1e-6), k
     assert b["metrics"]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    if pair[0].endswith("_tis"):  # the weights were applied, some of them capped
+        assert 0.5 < b["metrics"]["tis_weight_mean"] < 1.5
+        assert b["metrics"]["loss"] != pytest.approx(res["reuse"]["metrics"]["loss"], rel=1e-3)
     m = a["mask"].bool()
     assert torch.allclose(a["old"][m], b["old"][m], atol=1e-6)
     assert a["grads"].keys() == b["grads"].keys()

@@ -35,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         help="peer: runs of each system, interleaved (A, B, A, B, ...)",
     )
     p.add_argument(
+        "--model",
+        choices=("random", "smollm2"),
+        default="random",
+        help="peer: the workload's model: a random 18.9M Llama on a toy task (default), or "
+        "SmolLM2-135M-Instruct (fetched like `megarl fetch-model`) on the small-addition example "
+        "with a reference pass and the time to a held-out accuracy",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,

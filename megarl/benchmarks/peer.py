@@ -36,6 +36,11 @@ Floors: the dense GEMM rate of each precision (a 4352x512 @ 512x1024 `torch.mm`,
 count; each train stage's model FLOP/s (`flops_per_token(..., training=True)` x trained
 tokens / train seconds; TRL's train = step - generate-and-score) is reported against it.
 `markdown_table` renders the records; `megarl bench` prints it after them.
+
+`--model smollm2` runs a real pretrained model instead (`megarl.benchmarks.peer_smollm2`): the
+GRPO workload of `examples/grpo_smollm2_arith_cpu.yaml` with a reference / KL pass on both sides,
+a held-out evaluation on both sides, and beside tokens/s each system's time to a fixed held-out
+accuracy. Its ceiling puts megarl's train and reference passes at the GEMM floor.
 """
 
 from __future__ import annotations
@@ -48,12 +53,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import yaml
 
 from megarl.benchmarks import record, register_suite
-from megarl.metrics.throughput import flops_per_token
+from megarl.benchmarks.peer_figures import markdown_table, summarize, time_to_target_ratio
+from megarl.metrics.throughput import flops_per_token  # noqa: F401  (tests read it here)
 
 MODEL = dict(
     architectures=["LlamaForCausalLM"],
@@ -159,56 +167,130 @@ def gemm_flops(dtype: torch.dtype, repeats: int = 20) -> float:
     return 2 * m * k * n / statistics.median(times)
 
 
-def run_megarl(model_dir: str, precision: str, steps: int, threads: int) -> dict:
+@dataclass(frozen=True)
+class Workload:
+    """What differs between the suite's workloads (`--model`): `prepare(tmp)` -> (the model's
+    HF directory, its parameter count), with the prompt files written into `tmp`; the megarl
+    config; the TRL side's spec (None: the random model's built-in one); the shape for model
+    FLOPs; the run plan (None: `PLAN`)."""
+
+    name: str
+    model: dict
+    plan: tuple
+    steps: int
+    quick_steps: int
+    prepare: Callable[[str], tuple[str, int]]
+    megarl_config: Callable[[str, str, int, str], dict]
+    trl_spec: Callable[[str], dict] | None = None
+    reference: bool = False  # a reference (KL) forward pass every step, on both sides
+    evals: bool = False  # held-out evaluations (time to a target accuracy)
+    prompt_tokens: float = PROMPT_TOKENS  # mean tokens per prompt, for TRL's token count
+
+
+def _random_prepare(tmp: str) -> tuple[str, int]:
+    return tmp, write_model(tmp)
+
+
+RANDOM = Workload(
+    name="random",
+    model=MODEL,
+    plan=None,  # PLAN, read when the suite runs
+    steps=12,
+    quick_steps=4,
+    prepare=_random_prepare,
+    megarl_config=lambda model_dir, precision, steps, data_dir: megarl_config(
+        model_dir, precision, steps
+    ),
+)
+
+
+def _smollm2() -> Workload:
+    from megarl.benchmarks import peer_smollm2 as s
+
+    return Workload(
+        name="smollm2",
+        model=s.MODEL,
+        plan=s.PLAN,
+        steps=s.STEPS,
+        quick_steps=s.QUICK_STEPS,
+        prepare=s.prepare,
+        megarl_config=s.megarl_config,
+        trl_spec=s.trl_spec,
+        reference=True,
+        evals=True,
+        prompt_tokens=s.PROMPT_TOKENS,
+    )
+
+
+WORKLOADS = {"random": lambda: RANDOM, "smollm2": _smollm2}
+"""`--model` choices of the suite."""
+
+
+def run_megarl(
+    model_dir: str, precision: str, steps: int, threads: int, workload: Workload = RANDOM,
+    data_dir: str | None = None,
+) -> dict:  # fmt: skip
     """One `megarl train` subprocess; per-step figures from its metrics.jsonl."""
     with tempfile.TemporaryDirectory(prefix="megarl_peer_") as tmp:
         cfg_path, out = os.path.join(tmp, "peer.yaml"), os.path.join(tmp, "run")
+        config = workload.megarl_config(model_dir, precision, steps, data_dir or model_dir)
         with open(cfg_path, "w") as f:
-            yaml.safe_dump(megarl_config(model_dir, precision, steps), f)
+            yaml.safe_dump(config, f)
         metrics = os.path.join(out, "metrics.jsonl")
         cmd = [sys.executable, "-m", "megarl", "train", cfg_path, "--out", out]
-        hung = _run(cmd, threads, tmp, done=lambda: _count_lines(metrics) >= steps)
+        lines = steps + (1 if workload.evals else 0)  # step 0's evaluation has its own line
+        hung = _run(cmd, threads, tmp, done=lambda: _count_lines(metrics) >= lines)
         with open(metrics) as f:
-            rows = [json.loads(line) for line in f]
+            records = [json.loads(line) for line in f]
+    rows = [r for r in records if "time_s" in r]
     samples = PROMPTS * N
     return {
         "step_s": [r["time_s"]["step"] for r in rows],
         "completion_tokens": [r["response_len"] * samples for r in rows],
         "tokens": [r["tokens_per_s"] * r["time_s"]["step"] for r in rows],
         "stages": {k: [r["time_s"].get(k, 0.0) for r in rows] for k in STAGES},
+        "evals": [(r["step"], r["eval/pass@1"]) for r in records if "eval/pass@1" in r],
+        "mismatch": [r.get("logprob_mismatch", float("nan")) for r in rows],
         "exit_hung": hung,
     }
 
 
-def run_trl(model_dir: str, precision: str, steps: int, threads: int) -> dict:
-    """One TRL subprocess (this module's `__main__`); per-step figures from its JSON result."""
+def run_trl(
+    model_dir: str, precision: str, steps: int, threads: int, workload: Workload = RANDOM,
+    data_dir: str | None = None,
+) -> dict:  # fmt: skip
+    """One TRL subprocess (`megarl.benchmarks.peer_trl`); per-step figures from its JSON
+    result."""
     with tempfile.TemporaryDirectory(prefix="megarl_peer_trl_") as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "megarl.benchmarks.peer_trl",
-            model_dir,
-            precision,
-            str(steps),
-            out,
-        ]
+        cmd = [sys.executable, "-m", "megarl.benchmarks.peer_trl"]
+        cmd += [model_dir, precision, str(steps), out]
+        if workload.trl_spec is not None:
+            spec = os.path.join(tmp, "workload.json")
+            with open(spec, "w") as f:
+                json.dump(workload.trl_spec(data_dir or model_dir), f)
+            cmd.append(spec)
         _run(cmd, threads, tmp, done=lambda: False)
         with open(out) as f:
             res = json.load(f)
     samples = PROMPTS * N
     completion = [length * samples for length in res["mean_length"]]
-    prompt_tokens = samples * PROMPT_TOKENS
+    prompt_tokens = samples * workload.prompt_tokens
+    gen, gen_score = res["generate_s"], res["gen_score_s"]
+    stages = {
+        "rollout": gen,
+        # TRL has no stage timer: generation is its `_generate_single_turn`; everything else
+        # in the step after generate-and-score (loss forward, backward, optimizer) is "train"
+        "train": [s - g for s, g in zip(res["step_s"], gen_score, strict=True)],
+    }
+    if workload.reference:  # scoring and the reference forward, inside generate-and-score
+        stages["logprobs"] = [gs - g for gs, g in zip(gen_score, gen, strict=True)]
     return {
         "step_s": res["step_s"],
         "completion_tokens": completion,
         "tokens": [c + prompt_tokens for c in completion],
-        # TRL has no stage timer: generation is its `_generate_single_turn`; everything else
-        # in the step after generate-and-score (loss forward, backward, optimizer) is "train"
-        "stages": {
-            "rollout": res["generate_s"],
-            "train": [s - g for s, g in zip(res["step_s"], res["gen_score_s"], strict=True)],
-        },
+        "stages": stages,
+        "evals": [tuple(e) for e in res.get("evals", [])],
         "exit_hung": False,
         "dtype": res["dtype"],
         "trl": res["trl"],
@@ -267,14 +349,14 @@ def _dtype(precision: str) -> str:
     return "bf16" if precision.startswith("bf16") else "fp32"
 
 
-def planned_skips() -> dict[tuple[str, str], str]:
+def planned_skips(plan: tuple | None = None) -> dict[tuple[str, str], str]:
     """(system, precision) of `PLAN` that cannot run here, with the reason: TRL not installed;
     bf16 on a CPU that only emulates it (hours per run, and no figure worth comparing)."""
     from megarl.distributed.device import cpu_half_precision_note
 
     skips = {}
     no_trl, no_bf16 = trl_missing(), cpu_half_precision_note("bf16")
-    for system, precision in PLAN:
+    for system, precision in plan or PLAN:
         if system == "trl" and no_trl:
             skips[(system, precision)] = no_trl
         elif _dtype(precision) == "bf16" and no_bf16:
@@ -293,31 +375,39 @@ def trl_missing() -> str | None:
 
 @register_suite("peer", summary=lambda records: markdown_table(records))
 def suite(args) -> list[dict]:
-    steps = 4 if getattr(args, "quick", False) else 12
+    name = getattr(args, "model", None) or "random"
+    if name not in WORKLOADS:
+        raise ValueError(f"--model {name!r}; accepted: {sorted(WORKLOADS)}")
+    workload = WORKLOADS[name]()
+    plan = workload.plan or PLAN
+    steps = workload.quick_steps if getattr(args, "quick", False) else workload.steps
     rounds = max(1, getattr(args, "rounds", 1) or 1)
     threads = getattr(args, "threads", None) or torch.get_num_threads()
-    skips = planned_skips()
+    skips = planned_skips(plan)
     runs: dict[tuple[str, str], list[dict]] = {}
-    dtypes = {_dtype(p) for s, p in PLAN if (s, p) not in skips}
+    dtypes = {_dtype(p) for s, p in plan if (s, p) not in skips}
     gemm: dict[str, list[float]] = {d: [] for d in ("fp32", "bf16") if d in dtypes}
     parent_threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # the floor at the runs' thread count
-    with tempfile.TemporaryDirectory(prefix="megarl_peer_model_") as model_dir:
-        n_params = write_model(model_dir)
+    with tempfile.TemporaryDirectory(prefix="megarl_peer_model_") as tmp:
+        model_dir, n_params = workload.prepare(tmp)
         for _ in range(rounds):
-            for system, precision in PLAN:
+            for system, precision in plan:
                 if (system, precision) in skips:
                     continue
-                for name in gemm:
-                    gemm[name].append(gemm_flops(DTYPES[name]))
+                for dtype in gemm:
+                    gemm[dtype].append(gemm_flops(DTYPES[dtype]))
                 load = os.getloadavg()
                 t0 = time.strftime("%Y-%m-%d %H:%M:%S")
-                res = RUNNERS[system](model_dir, precision, steps, threads)
+                res = RUNNERS[system](
+                    model_dir, precision, steps, threads, workload=workload, data_dir=tmp
+                )
                 res.update(load_before=load, load_after=os.getloadavg(), started=t0)
                 runs.setdefault((system, precision), []).append(res)
     torch.set_num_threads(parent_threads)
     floors = {k: statistics.median(v) for k, v in gemm.items()}
     common = dict(
+        model=workload.name,
         model_params=n_params,
         steps=steps,
         measured=f"steps {SKIP_STEPS + 1}-{steps}",
@@ -337,7 +427,10 @@ def suite(args) -> list[dict]:
     rates, best, figs_at_floor = {}, {}, {}
     for (system, precision), results in runs.items():
         dtype = _dtype(precision)
-        figs = summarize(results, floors[dtype], dtype)
+        figs = summarize(
+            results, floors[dtype], dtype, model=workload.model, samples=PROMPTS * N,
+            skip=SKIP_STEPS, reference=workload.reference, evals=workload.evals,
+        )  # fmt: skip
         rates[(system, precision)] = figs["tokens_per_s"]
         best[(system, precision)] = figs["best_tokens_per_s"]
         figs_at_floor[(system, precision)] = figs["train_at_floor_tokens_per_s"]
@@ -352,7 +445,30 @@ def suite(args) -> list[dict]:
             )
         )
         for stage, seconds in figs["stages"].items():
-            out.append(record(f"{name}_stage_{stage}_seconds", seconds, "s", **params))
+            floor = figs["stage_floors"].get(stage)
+            extra = {} if floor is None else dict(floor=floor, floor_unit="s", floor_name=(
+                f"model FLOPs at the {figs['gemm_dtype']} GEMM rate"))  # fmt: skip
+            out.append(
+                record(
+                    f"{name}_stage_{stage}_seconds",
+                    seconds,
+                    "s",
+                    higher_is_better=False,
+                    **extra,
+                    **params,
+                )
+            )
+        if workload.evals:
+            ttt = figs["time_to_target"]
+            out.append(
+                record(
+                    f"{name}_time_to_target_seconds",
+                    ttt["seconds"],
+                    "s",
+                    higher_is_better=False,
+                    **params,
+                )
+            )
         out.append(
             record(
                 f"{name}_train_model_flops",
@@ -388,6 +504,8 @@ def suite(args) -> list[dict]:
         k: figs_at_floor[k] / rates[best_t] for k in figs_at_floor if k[0] == "megarl"
     }
     fastest = lambda system: max(v for k, v in best.items() if k[0] == system)  # noqa: E731
+    if workload.evals:
+        out.append(time_to_target_ratio(out, common))
     out.append(
         record(
             "megarl_over_trl_best",
@@ -398,88 +516,11 @@ def suite(args) -> list[dict]:
             trl_config=best_t[1],
             same_precision=same,
             fastest_steps=fastest("megarl") / fastest("trl"),
-            # megarl's ratio if its train stage ran at the GEMM floor, rollout as measured
+            # megarl's ratio if its train (and reference) passes ran at the GEMM floor, rollout
+            # as measured
             train_at_floor={p: v for (_, p), v in ceiling.items()},
+            ceiling_stages=["train", "logprobs"] if workload.reference else ["train"],
             **common,
         )
     )
     return out
-
-
-def summarize(results: list[dict], gemm_floor: float, gemm_dtype: str) -> dict:
-    """Medians over the measured steps of every run of one system x precision."""
-    pick = lambda key: [v for r in results for v in r[key][SKIP_STEPS:]]  # noqa: E731
-    step_s, completion, tokens = pick("step_s"), pick("completion_tokens"), pick("tokens")
-    rate = [c / s for c, s in zip(completion, step_s, strict=True)]
-    stages = {
-        k: [v for r in results for v in r["stages"][k][SKIP_STEPS:]] for k in results[0]["stages"]
-    }
-    samples = PROMPTS * N
-    seq = statistics.mean(tokens) / samples
-    fpt = flops_per_token(MODEL, seq_len=round(seq), training=True, causal=True)
-    train_flops = [fpt * t / s for t, s in zip(tokens, stages["train"], strict=True)]
-    # the same steps with the train stage at the GEMM floor (model FLOPs / floor rate): what
-    # no implementation of the update can beat on this machine
-    at_floor = [
-        c / (s - tr + fpt * t / gemm_floor)
-        for c, s, tr, t in zip(completion, step_s, stages["train"], tokens, strict=True)
-    ]
-    return {
-        "step_s": statistics.median(step_s),
-        # per-step rate, then the median: a step's tokens and its seconds belong together
-        "tokens_per_s": statistics.median(rate),
-        # the fastest step: on a shared machine the least disturbed estimate of each system
-        "best_tokens_per_s": max(rate),
-        "mean_completion_len": statistics.mean(completion) / samples,
-        "stages": {k: statistics.median(v) for k, v in stages.items()},
-        "train_flops": statistics.median(train_flops),
-        "train_at_floor_tokens_per_s": statistics.median(at_floor),
-        "gemm_floor": gemm_floor,
-        "gemm_dtype": gemm_dtype,
-        "all_step_s": step_s,
-        "load_avg": [(r["load_before"], r["load_after"]) for r in results],
-        "started": [r["started"] for r in results],
-        "exit_hung": [r["exit_hung"] for r in results],
-    }
-
-
-def markdown_table(records: list[dict]) -> str:
-    """The comparison as a markdown table (one row per system x precision) and the ratio."""
-    rows = [r for r in records if r["name"].endswith("_completion_tokens_per_s")]
-    lines = [
-        "| system | precision | s/step | rollout / train s | mean completion tokens "
-        "| completion tokens/s (fastest step) | train FLOP/s (% of GEMM) | load avg (1 min) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        p = r["params"]
-        if p.get("status") == "SKIP":
-            lines.append(
-                f"| {r['name'].split('_')[0]} | {r['name'].split('_')[1]} | SKIP: "
-                f"{p['reason']} | | | | | |"
-            )
-            continue
-        st = p["stages"]
-        load = ", ".join(f"{a[0]:.1f}-{b[0]:.1f}" for a, b in p["load_avg"])
-        lines.append(
-            f"| {p['system']} | {p['precision']} | {p['step_s']:.2f} | {st['rollout']:.2f} / "
-            f"{st['train']:.2f} | {p['mean_completion_len']:.1f} | {r['value']:.0f} "
-            f"({p['best_tokens_per_s']:.0f}) | "
-            f"{p['train_flops'] / 1e9:.1f} G ({100 * p['train_flops'] / p['gemm_floor']:.0f}%) "
-            f"| {load} |"
-        )
-    for r in records:
-        if r["name"] == "megarl_over_trl_best":
-            p = r["params"]
-            same = ", ".join(f"{k} {v:.2f}x" for k, v in p["same_precision"].items())
-            at_floor = ", ".join(f"{k} {v:.2f}x" for k, v in p["train_at_floor"].items())
-            lines.append(
-                f"\nmegarl ({p['megarl_config']}) / TRL best ({p['trl_config']}): "
-                f"{r['value']:.2f}x completion tokens/s (target 2x); same precision: "
-                f"{same}; fastest step against fastest step: {p['fastest_steps']:.2f}x; "
-                f"with megarl's train stage at the GEMM floor (the ceiling): {at_floor}. "
-                f"{p['threads']} threads, {p['rounds']} round(s), {p['date']}."
-            )
-        elif r["name"].startswith("gemm_"):
-            lines.append(f"{r['name']}: {r['value'] / 1e9:.0f} GFLOP/s")
-    return "\n".join(lines)

@@ -37,15 +37,12 @@ def recompute_old_logprobs(alg) -> bool:
 
     With one epoch over one mini-batch the update's forward runs on exactly the weights that
     generated the advantages' data, so its detached logprobs *are* the old ones (ratio = 1 by
-    construction, as TRL does); a separate pass would change nothing. It is kept when something
-    reads the old logprobs before the update or across optimizer steps: several epochs or
-    mini-batches, the KL penalty in the reward, truncated importance sampling."""
-    return (
-        alg.ppo_epochs > 1
-        or alg.mini_batches > 1
-        or alg.tis_cap is not None
-        or (alg.kl_coef > 0 and alg.kl_in == "reward")
-    )
+    construction, as TRL does); a separate pass would change nothing. Truncated importance
+    sampling then weighs each token by exp(those logprobs - the sampler's), which the update's
+    forward provides as well. The pass is kept when something reads the old logprobs before the
+    update or across optimizer steps: several epochs or mini-batches, the KL penalty in the
+    reward."""
+    return alg.ppo_epochs > 1 or alg.mini_batches > 1 or (alg.kl_coef > 0 and alg.kl_in == "reward")
 
 
 def mini_batches(num_rows: int, count: int, seed: int) -> list[torch.Tensor]:
