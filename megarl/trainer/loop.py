@@ -1,9 +1,9 @@
 """The RL loop. One step:
 
-prompts -> generate (vLLM, n samples each) -> score (reward functions) -> old / reference
-logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy (and
-critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a few
-samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
+prompts -> generate (vLLM, n samples each) -> score (reward functions, reward model) -> old /
+reference logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy
+(and critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a
+few samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
 (its own metrics record, step 0).
 
 Around it, `megarl.trainer.faults.RunGuard` turns stop requests (SIGTERM, SIGUSR1, the stop
@@ -126,28 +126,42 @@ def generate(run: Run):
 
 
 def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics]:
-    """Rewards [B] for this rank's samples (TRL protocol; dataset columns passed through), and
-    each function's mean over the samples it applies to (None = not applicable)."""
+    """Rewards [B] for this rank's samples: the weighted reward functions (TRL protocol;
+    dataset columns passed through) plus the weighted reward model's score (`reward.model`),
+    less `reward.truncated_penalty` for responses cut without EOS; and each function's mean
+    over the samples it applies to (None = not applicable), the reward model's as `reward/rm`."""
     from megarl.rewards import score as score_fn
 
-    tok = run.tokenizer
+    tok, rc = run.tokenizer, run.cfg.reward
     idx = rollout.prompt_index
     completions = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
     columns = {k: [v[i] for i in idx] for k, v in prompts.columns.items()}
     total, per_fn, errors = score_fn(
         run.reward_fns,
-        run.cfg.reward.weights,
+        rc.weights,
         [prompts.prompts[i] for i in idx],
         completions,
         rollout.response_ids,
         columns,
-        on_error=run.cfg.reward.on_error,
+        on_error=rc.on_error,
     )
     metrics = LocalMetrics()
     for k, v in per_fn.items():
         ok = ~torch.isnan(v)
         metrics.add_ratio(f"reward/{k}", v[ok].double().sum(), ok.sum())
     metrics.add_sum("reward_errors", errors)
+    if run.reward_model is not None:  # collective over the model-parallel group and DP
+        rm = run.reward_model
+        raw = rm.score(rm.sequences(prompts, rollout, tok))
+        used = rm.reward(raw)
+        metrics.add_ratio("reward/rm", raw.double().sum(), len(raw))
+        if used is not raw:
+            metrics.add_ratio("reward/rm_normalized", used.double().sum(), len(used))
+        total = total + rc.model_weight * used
+    if rc.truncated_penalty:
+        cut = torch.tensor([r == "length" for r in rollout.finish_reason], dtype=total.dtype)
+        total = total - rc.truncated_penalty * cut
+        metrics.add_ratio("reward/truncated", cut.double().sum(), len(cut))
     return total, metrics
 
 
@@ -361,14 +375,15 @@ def finish(run: Run) -> None:
     dist.barrier()
 
 
-def export_hf(run: Run, out: str) -> None:
-    """The actor as an HF directory written by rank 0, streamed one tensor at a time
-    (collective; no rank holds the whole model)."""
+def export_hf(run: Run, out: str, role: str = "actor") -> None:
+    """The trained model of `role` (the actor; a reward model: a sequence classifier) as an HF
+    directory written by rank 0, streamed one tensor at a time (collective; no rank holds the
+    whole model)."""
     from megarl.convert.stream import save_hf_streaming
 
     tok_dir = os.path.join(run.out_dir, "tokenizer")  # only rank 0 reads it
     save_hf_streaming(
-        run.models.actor.chunks,
+        getattr(run.models, role).chunks,
         run.arch,
         out,
         tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
