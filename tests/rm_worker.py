@@ -152,34 +152,42 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
             pad = arch.hf_config["pad_token_id"]
             base = load_config(None, [*par, "algorithm.micro_batch_size=3"])
             groups = Topology.for_model(base.parallel, world, arch).initialize(seed=0)
-            pad_to = forward.sequence_multiple(groups.tp_size, base.parallel.sequence_parallel, None)
+            sp = base.parallel.sequence_parallel
+            pad_to = forward.sequence_multiple(groups.tp_size, sp, None)
             seqs = sequences(pad)
             # the frozen reward model of an RL run: every DP rank scores all rows here
             frozen = build_model(arch, base.parallel, base.precision, role="reward", frozen=True)
             load_hf_sharded(frozen, arch, hf_dir)
-            rm = RewardModel(frozen, arch, None, reuse_ids=True, cfg=base, groups=groups,
-                             pad_to=pad_to)
+            rm = RewardModel(
+                frozen, arch, None, reuse_ids=True, cfg=base, groups=groups, pad_to=pad_to
+            )
             results[li, name, "scores"] = rm.score(seqs)
             # the rm stage: one step's loss, metrics and gradients
             ddp = DistributedDataParallelConfig(
                 use_distributed_optimizer=False, grad_reduce_in_fp32=True
             )
-            model = build_model(arch, base.parallel, base.precision, role="reward",
-                                ddp_config=ddp)
+            model = build_model(arch, base.parallel, base.precision, role="reward", ddp_config=ddp)
             load_hf_sharded(model, arch, hf_dir)
             wire_grad_finalization(model)
             toks = [Tokens(s, [False] * 2 + [True] * (len(s) - 2)) for s in seqs]
             for margin in (False, True):
                 dataset = PreferenceDataset(
-                    toks[0::2], toks[1::2], MARGINS if margin else [None] * 4, list(range(4)),
-                    "<test>", (0, 0),
+                    toks[0::2],
+                    toks[1::2],
+                    MARGINS if margin else [None] * 4,
+                    list(range(4)),
+                    "<test>",
+                    (0, 0),
                 )
                 for mbs in sizes:
-                    cfg = load_config(None, [*par, "algorithm.name=rm",
-                                             f"algorithm.micro_batch_size={mbs}"])
+                    cfg = load_config(
+                        None, [*par, "algorithm.name=rm", f"algorithm.micro_batch_size={mbs}"]
+                    )
                     stage = get_stage(cfg.algorithm)
                     run = SimpleNamespace(
-                        cfg=cfg, arch=arch, groups=groups,
+                        cfg=cfg,
+                        arch=arch,
+                        groups=groups,
                         tokenizer=SimpleNamespace(pad_token_id=pad, eos_token_id=EOS),
                         models=Models(reward=Trained(model, None, None)),
                         data=SimpleNamespace(dataset=dataset),

@@ -10,8 +10,9 @@ they are (architecture, tokenizer, weight files, the rollout engine's model dire
   `~/.cache/megarl`) must be visible to every node of a multi-node run; otherwise convert ahead
   (`megarl convert gguf-to-hf`) and set `model.hf` to the directory.
 - `model.mcore_ckpt` naming a trainer checkpoint or a run directory (its newest complete
-  checkpoint): the checkpoint's `actor` weights start the run; its optimizer state, schedule and
-  step do not (a fresh run, unlike `trainer.resume`). Its kept tokenizer is the default
+  checkpoint): the checkpoint's `actor` weights (a reward-model stage: its `reward` ones, else
+  `actor`) start the run; its optimizer state, schedule and step do not (a fresh run, unlike
+  `trainer.resume`). Its kept tokenizer is the default
   `model.tokenizer`.
 
 `keep_tokenizer` (rank 0) copies the run's tokenizer files (chat template and generation config
@@ -59,8 +60,9 @@ def resolve_model(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> RunCon
             )
         if source.kind == TRAINER and _rank() == 0:
             log.info(
-                "model.mcore_ckpt: the weights of %s; its optimizer state, schedule and step "
-                "are not used (a new run starts at step 0)",
+                "model.mcore_ckpt: the %s weights of %s; its optimizer state, schedule and "
+                "step are not used (a new run starts at step 0)",
+                source.role,
                 source.describe(),
             )
         m = dataclasses.replace(
