@@ -17,16 +17,14 @@ from typing import Any
 
 import yaml
 
+from megarl.algorithms.config import AlgorithmConfig
 from megarl.distributed.topology import ParallelConfig
-from megarl.errors import UserError
+from megarl.errors import ConfigError
 from megarl.models.hf_config import PrecisionConfig
 from megarl.models.optim import OptimConfig
+from megarl.rewards.config import RewardConfig
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.yaml")
-
-
-class ConfigError(UserError, ValueError):
-    """A config key or value that cannot be used; names the dotted key."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +45,10 @@ class ModelConfig:
     """Embedding rows are padded to a multiple of this x TP."""
     init_seed: int = 1234
     """Seed of the random init (when neither hf nor mcore_ckpt is given)."""
+    critic_init: str = "actor"
+    """Where the PPO critic starts: actor (the policy's trunk, a zero value head), reward_model
+    (the trunk and score head of reward.model), or a reward model directory (the forms of
+    reward.model). It must use the policy's tokenizer."""
 
     def __post_init__(self):
         given = [k for k in ("hf", "mcore_ckpt", "config") if getattr(self, k)]
@@ -55,178 +57,10 @@ class ModelConfig:
                 f"model: exactly one of model.hf, model.mcore_ckpt, model.config must be set; "
                 f"got {given or 'none'}"
             )
-
-
-ALGORITHMS = ("grpo", "ppo", "sft", "dpo")
-OFFLINE_ALGORITHMS = ("sft", "dpo")
-"""Trained on a fixed dataset by `megarl.trainer.offline`: no rollout engine, no rewards."""
-KL_PLACEMENT = ("loss", "reward")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AlgorithmConfig:
-    name: str = "grpo"
-    """grpo (no critic; group-relative advantages), ppo (critic + GAE), or an offline stage on
-    a fixed dataset: sft (supervised fine-tuning) or dpo (preference pairs; variants in
-    algorithm.dpo_loss)."""
-    advantage: str = "grpo"
-    """Advantage estimator for grpo-style runs: grpo, rloo, dr_grpo, reinforce++."""
-    scale: str = "group"
-    """Advantage scaling: group, batch or none (see megarl.advantage)."""
-    policy_loss: str = "ppo"
-    """A registered policy loss (megarl.algorithms.losses): ppo (token-level ratio) or gspo
-    (sequence-level ratio)."""
-    clip_low: float = 0.2
-    """PPO clip range below 1 (ratio >= 1 - clip_low)."""
-    clip_high: float = 0.2
-    """PPO clip range above 1; > clip_low is DAPO's clip-higher."""
-    dual_clip: float | None = None
-    """Dual-clip constant c (> 1) for negative advantages; null = off."""
-    agg_mode: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean or
-    seq-mean-token-sum-norm (see megarl.algorithms.losses)."""
-    kl_coef: float = 0.0
-    """KL-to-reference coefficient; 0 disables the reference model."""
-    kl_kind: str = "k3"
-    """KL estimator: k1, k2, k3, abs."""
-    kl_in: str = "loss"
-    """Where the KL goes: loss (a loss term) or reward (a per-token reward penalty)."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
-    tis_cap: float | None = None
-    """Truncated importance sampling cap against the sampler's logprobs; null = off."""
-    ppo_epochs: int = 1
-    """Passes over each rollout batch."""
-    mini_batches: int = 1
-    """Optimizer steps per epoch (the rollout batch is split into this many mini-batches)."""
-    micro_batch_size: int = 8
-    """Most sequences per forward/backward micro-batch (gradient accumulation inside a
-    mini-batch). Sequences are grouped by length, longest first; the two sequences of a
-    preference pair always share a micro-batch."""
-    max_tokens_per_micro_batch: int | None = None
-    """Also close a micro-batch before its padded size (sequences x longest) would exceed this
-    many tokens; null = no token budget. Changes no loss or gradient, only the grouping."""
-    balance_dp_tokens: bool = False
-    """Re-deal each step's samples over the DP ranks after scoring so every rank holds the same
-    number of samples and near-equal tokens (`megarl.trainer.balance`); no effect at DP 1."""
-    gamma: float = 1.0
-    """PPO discount."""
-    lam: float = 0.95
-    """PPO GAE lambda."""
-    value_clip: float | None = 0.2
-    """PPO value-loss clip; null = off."""
-    value_coef: float = 1.0
-    """Weight of the critic's loss (the critic has its own optimizer)."""
-    dpo_loss: str = "sigmoid"
-    """Preference loss of algorithm.name=dpo: sigmoid (DPO), ipo, hinge (SLiC), or simpo
-    (reference-free, length-normalised); formulas in megarl.algorithms.preference."""
-    dpo_beta: float = 0.1
-    """DPO's beta: the strength of the implicit KL to the reference (SimPO: the reward scale)."""
-    dpo_label_smoothing: float = 0.0
-    """cDPO: the assumed fraction of flipped preference labels, 0 <= eps < 0.5 (sigmoid and
-    simpo only)."""
-    dpo_length_norm: bool = False
-    """Compare mean token logprobs of the responses instead of their sums (always on for
-    simpo)."""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin gamma (dpo_loss=simpo)."""
-
-    def __post_init__(self):
-        if self.name not in ALGORITHMS:
-            raise ConfigError(f"algorithm.name={self.name!r}; accepted: {ALGORITHMS}")
-        self._check_preference()
-        if self.kl_in not in KL_PLACEMENT:
-            raise ConfigError(f"algorithm.kl_in={self.kl_in!r}; accepted: {KL_PLACEMENT}")
-        if self.kl_in == "reward" and self.kl_coef > 0 and self.name != "ppo":
-            # group-relative advantages take one reward per sample: a per-token penalty has no
-            # place in them (PPO's GAE takes per-token rewards)
+        if not self.critic_init.strip():
             raise ConfigError(
-                f"algorithm.kl_in=reward needs algorithm.name=ppo (per-token rewards into GAE); "
-                f"with algorithm.name={self.name} accepted: algorithm.kl_in=loss"
-            )
-        for k in ("ppo_epochs", "mini_batches", "micro_batch_size"):
-            if getattr(self, k) < 1:
-                raise ConfigError(f"algorithm.{k}={getattr(self, k)} must be >= 1")
-        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
-            raise ConfigError(
-                f"algorithm.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}; "
-                "accepted: null or >= 1"
-            )
-        from megarl.algorithms.advantages import available_advantages
-        from megarl.algorithms.kl import kl_penalty  # noqa: F401 - validated at use
-        from megarl.algorithms.losses import AGG_MODES, available_policy_losses
-
-        if self.advantage not in available_advantages():
-            raise ConfigError(
-                f"algorithm.advantage={self.advantage!r}; accepted: {available_advantages()}"
-            )
-        if self.policy_loss not in available_policy_losses():
-            raise ConfigError(
-                f"algorithm.policy_loss={self.policy_loss!r}; accepted: {available_policy_losses()}"
-            )
-        if self.scale not in ("group", "batch", "none"):
-            raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
-        if self.agg_mode not in AGG_MODES:
-            raise ConfigError(f"algorithm.agg_mode={self.agg_mode!r}; accepted: {AGG_MODES}")
-        if self.kl_kind not in ("k1", "k2", "k3", "abs"):
-            raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")
-
-    def _check_preference(self) -> None:
-        from megarl.algorithms.preference import available_preference_losses, get_preference_loss
-
-        if self.dpo_loss not in available_preference_losses():
-            raise ConfigError(
-                f"algorithm.dpo_loss={self.dpo_loss!r}; accepted: {available_preference_losses()}"
-            )
-        if self.dpo_beta <= 0:
-            raise ConfigError(f"algorithm.dpo_beta={self.dpo_beta}; accepted: > 0")
-        if not 0.0 <= self.dpo_label_smoothing < 0.5:
-            raise ConfigError(
-                f"algorithm.dpo_label_smoothing={self.dpo_label_smoothing}; accepted: "
-                "0 <= eps < 0.5"
-            )
-        if self.dpo_label_smoothing and not get_preference_loss(self.dpo_loss).label_smoothing:
-            raise ConfigError(
-                f"algorithm.dpo_label_smoothing={self.dpo_label_smoothing} with "
-                f"algorithm.dpo_loss={self.dpo_loss!r}; label smoothing applies to sigmoid and "
-                "simpo only: set it to 0"
-            )
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the run builds the frozen reference model: for the KL term of an RL run
-        (kl_coef > 0), or for a reference-based preference loss (dpo, all but simpo)."""
-        from megarl.algorithms.preference import get_preference_loss
-
-        if self.name == "dpo":
-            return get_preference_loss(self.dpo_loss).reference
-        return self.name in ("grpo", "ppo") and self.kl_coef > 0
-
-    @property
-    def offline(self) -> bool:
-        """Trained on a fixed dataset (no rollout engine): `OFFLINE_ALGORITHMS`."""
-        return self.name in OFFLINE_ALGORITHMS
-
-
-@dataclass(frozen=True, kw_only=True)
-class RewardConfig:
-    functions: tuple[str, ...] = ("toy",)
-    """Reward functions: built-in names or dotted paths 'pkg.module:function'."""
-    weights: tuple[float, ...] | None = None
-    """One weight per function; null = all 1."""
-    on_error: str = "raise"
-    """A reward function that raises: raise (stop the run) or zero (score 0, count it)."""
-    kwargs: dict = field(default_factory=dict)
-    """Per-function keyword arguments, keyed by the entry as written in reward.functions (a
-    built-in name or 'pkg.module:function'): {entry: {arg: value}}."""
-
-    def __post_init__(self):
-        if self.on_error not in ("raise", "zero"):
-            raise ConfigError(f"reward.on_error={self.on_error!r}; accepted: raise, zero")
-        if self.weights is not None and len(self.weights) != len(self.functions):
-            raise ConfigError(
-                f"reward.weights has {len(self.weights)} entries for "
-                f"{len(self.functions)} reward.functions"
+                "model.critic_init is empty; accepted: actor, reward_model, or a reward model "
+                "directory"
             )
 
 
@@ -414,7 +248,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm: advantages, policy loss and clipping, KL, PPO epochs and batching."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """Reward functions and their weights."""
+    """Reward functions and their weights, and a reward model."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, seeds, checkpoints, resume and export."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -423,7 +257,23 @@ class RunConfig:
     """Where metrics go besides metrics.jsonl (wandb, tensorboard) and the console progress."""
 
     def __post_init__(self):
-        fns = self.reward.functions
+        fns, rl = self.reward.functions, not self.algorithm.offline
+        if rl and not fns and self.reward.model is None:
+            raise ConfigError(
+                "reward: no reward.functions and no reward.model; accepted: at least one "
+                "function or a reward model"
+            )
+        init = self.model.critic_init
+        if init != "actor" and self.algorithm.name != "ppo":
+            raise ConfigError(
+                f"model.critic_init={init!r} with algorithm.name={self.algorithm.name}: only "
+                "ppo has a critic; accepted: model.critic_init=actor"
+            )
+        if init == "reward_model" and self.reward.model is None:
+            raise ConfigError(
+                "model.critic_init=reward_model needs reward.model; accepted: set reward.model, "
+                "or model.critic_init=actor or a reward model directory"
+            )
         if self.eval.pass_reward is not None and self.eval.pass_reward not in fns:
             raise ConfigError(
                 f"eval.pass_reward={self.eval.pass_reward!r} is not one of reward.functions; "
@@ -546,6 +396,18 @@ def apply_override(tree: dict, override: str) -> None:
         ) from None
 
 
+def _reward_model_alone(tree: dict, overrides) -> None:
+    """The embedded default with `--set reward.model=...`: its toy reward functions go unless an
+    override names reward.functions (a reward model is never mixed with the toy reward
+    silently)."""
+    reward = tree.get("reward")
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
+    if isinstance(reward, dict) and reward.get("model") and "reward.functions" not in keys:
+        reward.pop("functions", None)
+        if "reward.weights" not in keys:
+            reward.pop("weights", None)
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """One line: what is wrong and where (YAML's own message spans several lines)."""
     mark = getattr(e, "problem_mark", None)
@@ -571,6 +433,8 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         )
     for o in overrides:
         apply_override(tree, o)
+    if path is None:
+        _reward_model_alone(tree, overrides)
     try:
         return build(RunConfig, tree)
     except ConfigError as e:

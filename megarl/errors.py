@@ -28,3 +28,7 @@ class MissingDependencyError(UserError, ImportError):
 
 class OutputExistsError(UserError, FileExistsError):
     """An output path that already holds files; names the option that replaces it."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config key or value that cannot be used; names the dotted key (`megarl.config`)."""

@@ -197,7 +197,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import wire_grad_finalization, zero_grads
     from megarl.trainer import offline
-    from megarl.trainer.run import Models, Trained
+    from megarl.trainer.models import Models, Trained
     from megarl.trainer.stages import get_stage
     from megarl.trainer.update import _step_metrics
 

@@ -468,7 +468,7 @@ def _ppo_run(cfg):
     from megarl.models.optim import build_optimizer
     from megarl.trainer import experience as xp
     from megarl.trainer import loop
-    from megarl.trainer.run import Models, Trained
+    from megarl.trainer.models import Models, Trained
     from tests.test_metrics_global import LENGTHS, PROMPTS, REWARDS, _state
     from tests.tiny import TINY_LLAMA
 

@@ -66,7 +66,7 @@ def job(rank: int, world: int, algo: str) -> dict:
     from megarl.models.optim import build_optimizer
     from megarl.trainer import experience as xp
     from megarl.trainer import loop
-    from megarl.trainer.run import Models, Trained
+    from megarl.trainer.models import Models, Trained
 
     torch.set_num_threads(1)
     cfg = _config(algo)

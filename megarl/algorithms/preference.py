@@ -20,6 +20,11 @@ are shares in the same sense (pair means), named as TRL logs them: `rewards/chos
 `rewards/margins`, `rewards/accuracies` (chosen reward > rejected), `logps/chosen`,
 `logps/rejected`; and `preference_accuracy`, the fraction of pairs where the policy itself
 gives y_w the higher (normalised as in the loss) log-probability.
+
+A reward model r (`bradley_terry_loss`) is trained on the same pairs with the Bradley-Terry loss
+`-log s(r(x, y_w) - r(x, y_l) - m)`, m a pair's margin (Llama 2's margin term; 0 without one),
+with shares `rm/accuracy` (r(x, y_w) > r(x, y_l)), `rm/margin` (their difference),
+`rm/chosen`, `rm/rejected`.
 """
 
 from __future__ import annotations
@@ -152,5 +157,35 @@ def preference_loss(
         "logps/chosen": share(chosen),
         "logps/rejected": share(rejected),
         "preference_accuracy": share(chosen.detach() > rejected.detach()),
+    }
+    return loss, metrics
+
+
+def bradley_terry_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    *,
+    global_pairs: Number,
+    margin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro-batch's share of the step's mean Bradley-Terry loss of a reward model.
+
+    chosen, rejected: `[P]` scores r(x, y_w), r(x, y_l) (differentiated); margin: `[P]` or None.
+    Per pair `-log sigmoid(chosen - rejected - margin)`. Returns `(loss, metrics)`, both shares
+    over `global_pairs` (> 0): `rm/accuracy`, `rm/margin`, `rm/chosen`, `rm/rejected`."""
+    if not isinstance(global_pairs, torch.Tensor) and global_pairs <= 0:
+        raise ValueError(f"bradley_terry_loss: global_pairs must be > 0; got {global_pairs!r}")
+    diff = chosen - rejected
+    target = diff if margin is None else diff - margin.to(diff.dtype)
+    loss = -F.logsigmoid(target).sum() / global_pairs
+
+    def share(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().to(diff.dtype).sum() / global_pairs
+
+    metrics = {
+        "rm/accuracy": share(diff > 0),
+        "rm/margin": share(diff),
+        "rm/chosen": share(chosen),
+        "rm/rejected": share(rejected),
     }
     return loss, metrics

@@ -197,7 +197,13 @@ def _dtype_name(chunks) -> str:
 
 
 def _has_value_head(model) -> bool:
+    """Whether `model` (one chunk) belongs to a model with a scalar head (a critic, a reward
+    model), also on a pipeline stage that holds no output layer."""
+    from megarl.models.builder import SCALAR_ROLES
+
     head = getattr(model, "output_layer", None)
+    if getattr(model, "megarl_role", None) in SCALAR_ROLES:
+        return True
     return head is not None and type(head).__name__ == "ValueHead"
 
 

@@ -6,7 +6,9 @@ Every HF directory megarl writes (`megarl convert mcore-to-hf`, `trainer.export_
   dtype of the written tensors and `architectures` filled in; a critic (scalar value head) is
   written as `<Family>ForSequenceClassification` with `num_labels: 1` and its head as
   `score.weight`, the layout of TRL's value and reward models (transformers computes the value
-  of every position with `model.score(model.model(ids).last_hidden_state)`);
+  of every position with `model.score(model.model(ids).last_hidden_state)`); a reward model's
+  config, already a classifier's, keeps its `pad_token_id`, which decides where transformers
+  reads the score;
 - the tokenizer files, chat template included, copied from the tokenizer directory kept with the
   checkpoint (`hf_io.TOKENIZER_FILES`);
 - `generation_config.json`: copied with the tokenizer when the source had one, otherwise built
@@ -51,18 +53,10 @@ def export_config(hf_config: dict, family: str, dtype: str, *, value_head: bool 
 def critic_tensors(
     arch: ModelArch, canonical: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors of a critic: the trunk as for the policy, the value head [1, hidden] as
-    `score.weight` (last)."""
-    trunk = dataclasses.replace(arch, tie_word_embeddings=True)  # drops no trunk tensor
-    head = None
-    for name, t in canonical:
-        if name == "output_layer.weight":
-            head = t
-            continue
-        yield from canonical_to_hf(trunk, [(name, t)])
-    if head is None:
-        raise ValueError("critic_tensors: no value head (output_layer.weight) in the stream")
-    yield "score.weight", head
+    """HF tensors of a model with a scalar head (a critic, a reward model): the trunk as for the
+    policy, the head [1, hidden] as `score.weight` (the mapping's score rule)."""
+    classifier = dataclasses.replace(arch, score_head=True, tie_word_embeddings=False)
+    return canonical_to_hf(classifier, canonical)
 
 
 def finish_hf_dir(directory: str, config: dict, tokenizer_dir: str | None) -> list[str]:

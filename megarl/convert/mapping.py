@@ -10,6 +10,10 @@ tensor(s) it is made of, with the HF shapes in symbolic dims and the transform t
   groups concatenated; biases the same way.
 - `gate_up`: gate_proj, up_proj -> `linear_fc1 = [gate; up]` (megatron's gated-linear layout).
 
+A reward model (`arch.score_head`: `<Family>ForSequenceClassification`, one label) holds
+`score.weight` [1, hidden] instead of `lm_head.weight`; it is the canonical `output_layer.weight`
+of megarl's scalar head (`megarl.models.builder.ValueHead`), a plain copy.
+
 Vocab rows: canonical tensors have exactly `vocab_size` rows, like the HF ones (megatron's padding
 to a multiple of make_vocab_size_divisible_by x TP is added and cut in `layout`), so embeddings and
 `lm_head` are plain copies. Tied embeddings: no `lm_head.weight` is produced; one found in HF
@@ -91,7 +95,8 @@ class Rule:
     kind: str = "copy"
     """copy | qkv | gate_up."""
     when: str | None = None
-    """Arch feature the rule needs: qkv_bias, qk_norm, untied; None = always."""
+    """Arch feature the rule needs: qkv_bias, qk_norm, untied (an LM head of its own), score (a
+    scalar score head); None = always."""
 
 
 def _attn(prefix: str = "model.layers.{i}.self_attn.") -> tuple[Rule, ...]:
@@ -136,6 +141,7 @@ _EMBED = Rule(
 _HEAD = (
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), (("hidden",),)),
     Rule("output_layer.weight", ("lm_head.weight",), (("vocab", "hidden"),), when="untied"),
+    Rule("output_layer.weight", ("score.weight",), (("one", "hidden"),), when="score"),
 )
 _DENSE_MLP = (
     Rule(
@@ -215,7 +221,8 @@ def table_for(arch: ModelArch) -> tuple[Rule, ...]:
     feats = {
         "qkv_bias": arch.qkv_bias,
         "qk_norm": arch.qk_norm,
-        "untied": not arch.tie_word_embeddings,
+        "untied": not arch.tie_word_embeddings and not arch.score_head,
+        "score": arch.score_head,
     }
     return tuple(r for r in TABLES[arch.family] if r.when is None or feats[r.when])
 
@@ -230,6 +237,7 @@ def _dims(arch: ModelArch) -> dict[str, int]:
         "ffn": arch.intermediate_size,
         "moe_ffn": arch.moe_intermediate_size or 0,
         "experts": arch.num_experts or 0,
+        "one": 1,
     }
 
 
@@ -395,7 +403,8 @@ def canonical_to_hf(
     """Stream `(hf_name, tensor)` for canonical `(name, tensor)` pairs, in their order.
 
     Nothing is buffered: each canonical tensor yields its HF tensor(s) at once. With tied
-    embeddings an `output_layer.weight` (if given) is dropped. Unknown names and shape mismatches
+    embeddings an `output_layer.weight` (if given) is dropped; with `arch.score_head` it is the
+    score head (`score.weight`). Unknown names and shape mismatches
     raise `MappingError`."""
     index = _canonical_index(arch)
     for name, t in items:

@@ -8,6 +8,7 @@ memory is about one copy of the model plus one layer's tensors.
 
 mcore-to-hf loads the checkpoint into the same model and streams the parameters back through the
 mapping into sharded safetensors; HF tensors that are plain copies stay views of the parameters.
+A sequence classifier with one label (a reward model) converts with its `score` head, both ways.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def build_chunks(
 ) -> list[torch.nn.Module]:
     """This rank's frozen GPTModel chunks with *uninitialised* weights (megatron parallel state
     must exist). Used where every weight is overwritten next: conversion and verification.
-    `role="critic"`: with a value head instead of the LM head."""
+    `role="critic"` / `"reward"`: with a scalar head instead of the LM head."""
     from megatron.core import parallel_state as ps
 
     from megarl.distributed import ParallelConfig
@@ -229,7 +230,10 @@ def hf_to_mcore(
     check_hf_names(arch, lazy.names, shape_of=lazy.shape)  # before the model is built
     init_single_process()
     chunks = build_chunks(
-        arch, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+        arch,
+        dtype=dtype,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        role="reward" if arch.score_head else "reference",  # a classifier: its score head
     )
     bar = _Progress(lazy.total_bytes(), "read HF", progress)
 

@@ -12,6 +12,11 @@ shard's inputs plus the shard. There is no communication (DP replicas read the s
 rank that fails to read raises on its own and nothing waits for it. The result is bit-identical
 to `layout.load_full_state(chunks, dict(hf_to_canonical(...)))`: both only copy and concatenate.
 
+Heads: a model with a scalar head (`ValueHead`: a critic or a reward model) reads the `score`
+head of a sequence classifier's files (`arch.score_head`); from a causal LM's files it reads the
+trunk only, and its head stays as the builder made it. A sequence classifier's files do not load
+into a policy.
+
 `seeded_init(chunks, arch, seed)` is the random init of a run from `model.config` (no weights to
 read): every HF tensor is drawn from its own generator, seeded by (seed, tensor name), and then
 sharded exactly like a file's. The initial model is therefore the same at every TP / PP / EP
@@ -23,7 +28,8 @@ call to a tensor draws it whole (fine for the small models random init is for).
 
 `copy_weights(src, dst)` fills a model built at the same layout on the same rank from another
 (the reference and the critic trunk from the initial actor): a local copy by parameter name, no
-communication. A critic destination's value head is zeroed (the critic starts at value 0).
+communication. A critic destination's value head is zeroed (the critic starts at value 0), unless
+the source has a scalar head too (a reward model: its head is copied).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import zlib
 
 import torch
 
+from megarl.convert.checkpoint import _has_value_head
 from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.layout import _VOCAB, local_params, tp_shard
 from megarl.convert.mapping import (
@@ -49,6 +56,7 @@ from megarl.models.builder import ValueHead, unwrap
 from megarl.models.hf_config import ModelArch
 
 _EMBED = "embedding.word_embeddings.weight"
+_HEAD = "output_layer.weight"
 
 
 @torch.no_grad()
@@ -112,7 +120,15 @@ class SeededHFTensors:
 def _load_sharded(chunks: list[torch.nn.Module], arch: ModelArch, lazy) -> None:
     check_hf_names(arch, lazy.names, shape_of=lazy.shape)
     items = mapped_tensors(arch)
+    scalar = any(_has_value_head(unwrap(c)) for c in chunks)  # also where no head is held
+    if arch.score_head and not scalar:
+        raise MappingError(
+            f"{lazy.dir} is a sequence classifier (a score head, no LM head): it loads into a "
+            "reward model or a critic, not into a policy"
+        )
     for name, local_name, p in local_params(chunks):
+        if scalar and name == _HEAD and not arch.score_head:
+            continue  # a causal LM's trunk into a scalar-head model: its head stays as built
         item = items.get(name)
         if item is None:
             raise MappingError(
@@ -181,15 +197,18 @@ def _fill_tied_output(chunks, lazy: LazyHFTensors, embed: MappedTensor) -> None:
 @torch.no_grad()
 def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
     """Copy `src`'s parameters into `dst`, built at the same layout on this rank (no
-    communication). A critic `dst` (value-head output layer) gets the trunk; its head is zeroed."""
+    communication). A `dst` with a scalar head (`ValueHead`: a critic) gets the trunk of a
+    policy `src` and a zero head, or the trunk and head of a `src` with a scalar head (a reward
+    model)."""
     if len(src) != len(dst):
         raise ValueError(f"copy_weights: {len(src)} source chunk(s) but {len(dst)} destination(s)")
     for k, (s_chunk, d_chunk) in enumerate(zip(src, dst, strict=True)):
         s_model, d_model = unwrap(s_chunk), unwrap(d_chunk)
         have = dict(s_model.named_parameters())
         head = getattr(d_model, "output_layer", None)
+        from_policy = not _has_value_head(s_model)
         for name, p in d_model.named_parameters():
-            if isinstance(head, ValueHead) and name.startswith("output_layer."):
+            if isinstance(head, ValueHead) and from_policy and name.startswith("output_layer."):
                 p.data.zero_()
                 continue
             q = have.get(name)

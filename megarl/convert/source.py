@@ -10,17 +10,21 @@
   and their optimizer states, plus `trainer_state.json`, whose `arch` is the HF config;
 - a run directory `RUN/`: its newest complete checkpoint;
 - a converter checkpoint (`megarl convert hf-to-mcore`, `megarl_model.json`): one model, no
-  prefix.
+  prefix (a sequence classifier converted with its score head is role `reward`, or `critic`).
+
+A trainer checkpoint's `trainer_state.json` holds the run's HF config as `arch` and, for a role
+built from another model (a critic started from a reward model, `model.critic_init`), that
+role's own under `archs`.
 
 The roles of a trainer checkpoint are read from its tensor names (the prefix of each
 `<role>.decoder.final_layernorm.weight`), so a role added later (a reward model) needs no change
-here. A role with a scalar value head (`output_layer.weight` of shape [1, hidden]) loads only into
-a model that has one (a critic); a policy role loads into a policy or, trunk only, into a critic
-(whose head the builder initialised). Only weights are read: optimizer states, schedules and the
-step stay in the file. Tensor names are global (layers stacked, TP shards by offset), so the
-layout the checkpoint was written at does not matter; MoE pre-MLP norms are matched under either
-of their two megatron names (local spec, Transformer-Engine spec). `.metadata` is vetted
-(`check_dcp_metadata`) before megatron reads anything.
+here. A role with a scalar head (`output_layer.weight` of shape [1, hidden]: a critic, a reward
+model) loads only into a model that has one; a policy role loads into a policy or, trunk only,
+into a scalar-head model (whose head the builder initialised). Only weights are read: optimizer
+states, schedules and the step stay in the file. Tensor names are global (layers stacked, TP
+shards by offset), so the layout the checkpoint was written at does not matter; MoE pre-MLP
+norms are matched under either of their two megatron names (local spec, Transformer-Engine
+spec). `.metadata` is vetted (`check_dcp_metadata`) before megatron reads anything.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ class CheckpointSource:
     kind: str
     """`trainer` (RUN/checkpoints/step_N) or `converter` (megarl_model.json)."""
     role: str
-    """The role read: `actor`, `critic`, ... (a converter checkpoint: `actor`, or `critic` when
-    it holds a value head)."""
+    """The role read: `actor`, `critic`, `reward` (a converter checkpoint: `actor`, or with a
+    scalar head `reward` / `critic`, as asked)."""
     roles: tuple[str, ...]
     """Every role the checkpoint holds."""
     prefix: str
@@ -68,7 +72,7 @@ class CheckpointSource:
     dtype: str
     """dtype of the role's weights in the files (fp32, bf16, fp16)."""
     value_head: bool
-    """The role's output layer is a scalar value head (a critic), not an LM head."""
+    """The role's output layer is a scalar head (a critic, a reward model), not an LM head."""
     tokenizer_dir: str | None
     """Where the tokenizer files kept with the checkpoint are; None when there are none."""
     step: int | None = None
@@ -112,27 +116,39 @@ def _is_trainer(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in (STATE_FILE, LEGACY_STATE_FILE))
 
 
-def open_checkpoint(path: str | os.PathLike, role: str | None = None) -> CheckpointSource:
-    """Describe role `role` (None: `actor`, or a converter checkpoint's one model) of the
-    checkpoint `path` names. Reads JSON and tensor metadata only; raises `CheckpointError`
-    naming the directory (an absent role lists the roles present)."""
+def open_checkpoint(
+    path: str | os.PathLike, role: str | tuple[str, ...] | None = None
+) -> CheckpointSource:
+    """Describe role `role` (None: `actor`, or a converter checkpoint's one model; a tuple: the
+    first of those roles the checkpoint holds) of the checkpoint `path` names. Reads JSON and
+    tensor metadata only; raises `CheckpointError` naming the directory (an absent role lists
+    the roles present)."""
     path = checkpoint_dir(path)
     check_dcp_metadata(path)
     if _is_trainer(path):
+        if isinstance(role, tuple):
+            present = _trainer_roles(path)
+            role = next((r for r in role if r in present), role[0])
         return _open_trainer(path, role)
     meta = read_checkpoint_meta(path)
     arch = arch_from_hf(meta["hf_config"], where=os.path.join(path, META))
-    have = "critic" if meta.get("value_head") else "actor"
-    if role not in (None, have):
+    # one model; a scalar head serves as a reward model or as a critic's start
+    if meta.get("value_head"):
+        have = ("reward", "critic") if arch.score_head else ("critic", "reward")
+    else:
+        have = ("actor",)
+    if isinstance(role, tuple):
+        role = next((r for r in role if r in have), role[0])
+    if role not in (None, *have):
         raise CheckpointError(
-            f"{path}: a converter checkpoint holds one model ({have}); role {role!r} is not in "
-            f"it. Accepted: role {have!r} (or none)"
+            f"{path}: a converter checkpoint holds one model ({have[0]}); role {role!r} is not "
+            f"in it. Accepted: role {' or '.join(map(repr, have))} (or none)"
         )
     return CheckpointSource(
         path=path,
         kind=CONVERTER,
-        role=have,
-        roles=(have,),
+        role=role or have[0],
+        roles=have,
         prefix="",
         arch=arch,
         dtype=meta["dtype"],
@@ -147,16 +163,19 @@ def _open_trainer(path: str, role: str | None) -> CheckpointSource:
     from megarl.trainer.checkpoint import read_trainer_state
 
     state = read_trainer_state(path)
-    arch = arch_from_hf(state["arch"], where=os.path.join(path, "trainer_state.json:arch"))
     tensors = dist_checkpointing.load_tensors_metadata(path)
-    # "<role>.decoder.final_layernorm.weight"; optimizer states are "optimizer.state.x.<role>..."
-    found = (k[: -len(_ROLE_KEY) - 1] for k in tensors if k.endswith("." + _ROLE_KEY))
-    roles = tuple(sorted(r for r in found if r and "." not in r))
+    roles = _trainer_roles(path, tensors)
     role = role or "actor"
     if role not in roles:
         raise CheckpointError(
             f"{path} holds no role {role!r}; roles in this checkpoint: {list(roles)}"
         )
+    # a role built from another model than the run's (a critic from a reward model) has its own
+    archs = state.get("archs") or {}
+    where = "archs." + role if role in archs else "arch"
+    arch = arch_from_hf(
+        archs.get(role, state["arch"]), where=os.path.join(path, f"trainer_state.json:{where}")
+    )
     prefix = f"{role}."
     head = tensors.get(prefix + "output_layer.weight")
     value_head = head is not None and tuple(head.global_shape)[0] == 1
@@ -177,6 +196,16 @@ def _open_trainer(path: str, role: str | None) -> CheckpointSource:
     )
 
 
+def _trainer_roles(path: str, tensors: dict | None = None) -> tuple[str, ...]:
+    """The roles of a trainer checkpoint, from its tensor names:
+    "<role>.decoder.final_layernorm.weight" (optimizer states are "optimizer.state.x.<role>...")."""
+    from megatron.core import dist_checkpointing
+
+    tensors = tensors if tensors is not None else dist_checkpointing.load_tensors_metadata(path)
+    found = (k[: -len(_ROLE_KEY) - 1] for k in tensors if k.endswith("." + _ROLE_KEY))
+    return tuple(sorted(r for r in found if r and "." not in r))
+
+
 def _has_tokenizer(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_MARKERS)
 
@@ -194,8 +223,8 @@ def load_into(chunks: list[torch.nn.Module], source: CheckpointSource) -> None:
     into_critic = any(_has_value_head(unwrap(c)) for c in chunks)
     if source.value_head and not into_critic:
         raise CheckpointError(
-            f"{where} holds a value head (a critic), not an LM head: it loads into a critic "
-            f"only. Roles in it: {list(source.roles)}"
+            f"{where} holds a scalar head (a critic or reward model), not an LM head: it loads "
+            f"into a critic or a reward model only. Roles in it: {list(source.roles)}"
         )
     file_keys = set(dist_checkpointing.load_tensors_metadata(source.path))
     sd = {}

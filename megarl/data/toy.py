@@ -99,6 +99,41 @@ def toy_preference_rows(seed: int = 0) -> list[dict]:
     ]
 
 
+def noisy(answer: str, rng: random.Random) -> str:
+    """A candidate answer for `answer` of graded quality: `answer` itself (a quarter of the
+    time), 1-3 `corrupt` edits of it, or (a quarter of the time) a random string of 1-7
+    characters of the task's alphabet (`TOY_CHARS`, digits twice as likely), repeats allowed."""
+    u = rng.random()
+    if u < 0.25:
+        return answer
+    if u < 0.5:
+        chars = "0123456789" * 2 + TOY_CHARS
+        return "".join(rng.choice(chars) for _ in range(rng.randint(1, 7)))
+    out = answer
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        out = corrupt(out, rng)
+    return out
+
+
+def toy_reward_model_rows(seed: int = 0, per_prompt: int = 3) -> list[dict]:
+    """Preference pairs for a reward model of the copy task: for each row of `toy_rows(seed)`,
+    `per_prompt` pairs of the correct answer (chosen) and a wrong `noisy` one (rejected: 1-3
+    edits, or a random digit string), drawn with Random(seed + 2). Wider than
+    `toy_preference_rows` (one edit): the rejected answers cover what a partly trained policy
+    says (near misses, wrong lengths, garbage), which a reward model scoring its samples must
+    rank below the answer."""
+    rng = random.Random(seed + 2)
+    out = []
+    for r in toy_rows(seed):
+        gold = r["answer"]
+        for _ in range(per_prompt):
+            bad = noisy(gold, rng)
+            while bad == gold or not bad.strip():  # a blank answer is no answer
+                bad = noisy(gold, rng)
+            out.append({"prompt": r["prompt"], "chosen": gold, "rejected": bad, "answer": gold})
+    return out
+
+
 def toy_tokenizer(out_dir: str | os.PathLike | None = None):
     """The character tokenizer over `TOY_CHARS` (saved to `out_dir` when given)."""
     return build_char_tokenizer(TOY_CHARS, out_dir)

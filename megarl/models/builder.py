@@ -1,9 +1,11 @@
-"""Build this rank's actor / reference / critic chunks on megatron-core's `GPTModel`.
+"""Build this rank's actor / reference / critic / reward chunks on megatron-core's `GPTModel`.
 
 A "model" here is a list of chunks (one per virtual pipeline stage on this rank), the form
 `get_forward_backward_func` takes. Trainable models are wrapped in megatron's
-`DistributedDataParallel` (bucketed grad reduce; DistributedOptimizer-ready); the frozen reference
-is not. The critic is the same trunk whose output layer is a scalar value head.
+`DistributedDataParallel` (bucketed grad reduce; DistributedOptimizer-ready); frozen ones are
+not. The critic and the reward model are the same kind of trunk whose output layer is a scalar
+head (`ValueHead`, on the last pipeline stage); the reward model is frozen in an RL run
+(`frozen=True`, like the reference) and trained by `algorithm.name: rm`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig, transformer_config
 from megarl.models.specs import block_spec, require_transformer_engine
 
-ROLES = ("actor", "reference", "critic")
+ROLES = ("actor", "reference", "critic", "reward")
+SCALAR_ROLES = ("critic", "reward")
+"""Roles whose output layer is a scalar head (`ValueHead`) instead of the LM head."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,15 +30,18 @@ class BuildConfig:
     """Override of `precision.transformer_engine`; None = decided by `resolve_use_te`."""
     routing_replay: bool = False
     """MoE: build the actor's and the reference's routers able to replay the rollout's routes
-    (`megarl.models.routing`); the critic routes by itself."""
+    (`megarl.models.routing`); the critic and the reward model route by themselves."""
 
 
 class ValueHead(torch.nn.Module):
-    """Scalar value head standing in for `GPTModel.output_layer` in the critic.
+    """Scalar head standing in for `GPTModel.output_layer` in the critic (values) and the reward
+    model (scores; transformers' `score` of a one-label sequence classifier). Starts at zero.
 
     Replicated over TP (1 output column cannot be split). Under sequence parallelism the final
-    hidden states are sequence-sharded, so they are gathered first; the gather's backward is a
-    reduce-scatter, and the head's own grad is then identical on every TP rank.
+    hidden states are sequence-sharded, so they are gathered first. Every TP rank then computes
+    the same values and the same loss, so the gather's backward only splits the gradient back
+    (`tensor_parallel_output_grad=False`); a reduce-scatter would sum TP identical copies and
+    scale the trunk's gradient by TP. The head's own grad is identical on every TP rank.
     """
 
     def __init__(self, config, hidden_size: int, tp_group):
@@ -48,7 +55,7 @@ class ValueHead(torch.nn.Module):
 
         if self.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden, group=self.tp_group
+                hidden, tensor_parallel_output_grad=False, group=self.tp_group
             )
         return torch.nn.functional.linear(hidden, self.weight), None
 
@@ -117,7 +124,7 @@ def build_gpt_chunk(
         pre_process=pre,
         post_process=post,
         parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings and role != "critic",
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and role not in SCALAR_ROLES,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
         seq_len_interpolation_factor=rs.get("factor") if rs.get("rope_type") == "linear" else None,
@@ -126,7 +133,7 @@ def build_gpt_chunk(
     _apply_rope_scaling(model, arch)
     model.megarl_vocab_size = arch.vocab_size  # logits and exports are cut to the real vocab
     model.megarl_role = role  # which model a forward belongs to (MoE router statistics)
-    if role == "critic" and post:
+    if role in SCALAR_ROLES and post:
         model.output_layer = ValueHead(
             config, arch.hidden_size, ps.get_tensor_model_parallel_group()
         )
@@ -142,12 +149,13 @@ def build_model(
     build: BuildConfig = BuildConfig(),
     gpu: bool = False,
     ddp_config=None,
+    frozen: bool | None = None,
 ) -> list[torch.nn.Module]:
-    """Build this rank's chunks of `role` (actor, reference or critic).
+    """Build this rank's chunks of `role` (actor, reference, critic or reward).
 
     Requires megatron's parallel state (see `Topology.initialize`). Trainable roles are wrapped in
     megatron `DistributedDataParallel` with `ddp_config` (default: distributed-optimizer buckets,
-    fp32 grad reduce)."""
+    fp32 grad reduce). `frozen` (default: the reference only) builds no grads and no DDP."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -155,7 +163,7 @@ def build_model(
     if role not in ROLES:
         raise ValueError(f"role={role!r}; accepted: {ROLES}")
     use_te = resolve_use_te(precision, build, gpu=gpu)
-    replay = build.routing_replay and role != "critic"
+    replay = build.routing_replay and role not in SCALAR_ROLES
     config = transformer_config(arch, parallel, precision, gpu=gpu, routing_replay=replay)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
@@ -168,7 +176,9 @@ def build_model(
         if precision.dtype != "fp32":
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
-    if role == "reference":
+    if frozen is None:
+        frozen = role == "reference"
+    if frozen:
         for c in chunks:
             c.requires_grad_(False)
             c.eval()
@@ -195,7 +205,8 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def num_params(arch: ModelArch) -> int:
-    """Parameter count of the HF model (unpadded vocab), for MFU and memory estimates."""
+    """Parameter count of the HF model (unpadded vocab; a reward model's scalar head), for MFU
+    and memory estimates."""
     h, f, L, v = arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.vocab_size
     q = arch.num_attention_heads * arch.head_dim
     kv = arch.num_key_value_heads * arch.head_dim
@@ -204,5 +215,6 @@ def num_params(arch: ModelArch) -> int:
         mlp = arch.num_experts * 3 * h * arch.moe_intermediate_size + h * arch.num_experts
     else:
         mlp = 3 * h * f
-    emb = v * h * (1 if arch.tie_word_embeddings else 2)
+    head = h if arch.score_head else (0 if arch.tie_word_embeddings else v * h)
+    emb = v * h + head
     return L * (attn + mlp + 2 * h) + emb + h + (2 * arch.head_dim * L if arch.qk_norm else 0)

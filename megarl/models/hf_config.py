@@ -5,7 +5,9 @@ biases, MoE); it is derived from an HF config once, validated with errors that n
 is the only input to the model builders and to the HF <-> Megatron parameter mappings.
 
 Supported families: Llama 2/3/3.1 (rope scaling `llama3` and `linear`), Mistral, Qwen2/2.5 (QKV
-bias), Qwen3 (q/k norm, head_dim != hidden/heads), Qwen3-MoE and Mixtral.
+bias), Qwen3 (q/k norm, head_dim != hidden/heads), Qwen3-MoE and Mixtral; each as a causal LM
+(`<Family>ForCausalLM`) or as a reward model (`<Family>ForSequenceClassification` with one label:
+the same trunk, a scalar `score` head instead of the LM head; `ModelArch.score_head`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
+CLASSIFIER_ARCHITECTURES = {
+    cls.replace("ForCausalLM", "ForSequenceClassification"): family
+    for cls, family in ARCHITECTURES.items()
+}
+"""Sequence classifiers of the same families: megarl reads those with `num_labels: 1` (reward
+models; transformers' `GenericForSequenceClassification`)."""
 MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -59,11 +67,32 @@ class ModelArch:
     moe_topk: int = 2
     moe_intermediate_size: int | None = None
     moe_norm_topk_prob: bool = True
+    score_head: bool = False
+    """The model's files hold a scalar `score` head [1, hidden] (a sequence classifier with one
+    label: a reward model) instead of the LM head."""
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    def same_trunk(self, other: ModelArch) -> bool:
+        """Whether `other` has this model's transformer trunk (everything but the output head)."""
+        head = dict(tie_word_embeddings=False, score_head=False)
+        return dataclasses.replace(self, **head) == dataclasses.replace(other, **head)
+
+    def as_classifier(self, pad_token_id: int | None) -> ModelArch:
+        """This trunk as a reward model: `<Family>ForSequenceClassification`, one label, a
+        score head; `pad_token_id` (where the config has none) decides where it reads its score
+        (`megarl.rewards.model.score_positions`)."""
+        cfg = dict(self.hf_config)
+        causal = (cfg.get("architectures") or [_CAUSAL[self.family]])[0]
+        cfg["architectures"] = [causal.replace("ForCausalLM", "ForSequenceClassification")]
+        cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        cfg["tie_word_embeddings"] = False  # no LM head to tie
+        if cfg.get("pad_token_id") is None:
+            cfg["pad_token_id"] = pad_token_id
+        return dataclasses.replace(self, score_head=True, tie_word_embeddings=False, hf_config=cfg)
 
     def padded_vocab_size(self, divisible_by: int, tp: int) -> int:
         """megatron pads the embedding rows to a multiple of `divisible_by x TP`."""
@@ -123,12 +152,22 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
     cfg = resolve_hf_config(original)
     where = where or (os.fspath(config) if not isinstance(config, dict) else "HF config")
     archs = cfg.get("architectures") or []
-    family = ARCHITECTURES.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
+    score_head = bool(archs) and archs[0] in CLASSIFIER_ARCHITECTURES
+    known = {**ARCHITECTURES, **CLASSIFIER_ARCHITECTURES}
+    family = known.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
     if family is None:
         raise ModelConfigError(
             f"{where}: architectures={archs} / model_type={cfg.get('model_type')!r} is not "
-            f"supported; accepted architectures: {sorted(ARCHITECTURES)}"
+            f"supported; accepted architectures: {sorted(ARCHITECTURES)}, and as reward models "
+            f"(one label) {sorted(CLASSIFIER_ARCHITECTURES)}"
         )
+    if score_head:
+        labels = num_labels(cfg)
+        if labels != 1:
+            raise ModelConfigError(
+                f"{where}: {archs[0]} with num_labels={labels}; a reward model has one scalar "
+                "score: accepted num_labels: 1 (id2label with one entry)"
+            )
     hidden = int(_get(cfg, "hidden_size", where))
     heads = int(_get(cfg, "num_attention_heads", where))
     kv_heads = int(_get(cfg, "num_key_value_heads", where, heads))
@@ -206,12 +245,27 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # a classifier has no LM head to tie (transformers ignores the flag there)
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
+        score_head=score_head,
         hf_config=original,
         **moe,
     )
+
+
+_CAUSAL = {family: cls for cls, family in ARCHITECTURES.items()}
+
+
+def num_labels(cfg: dict) -> int:
+    """The labels of a sequence classifier's config, as transformers counts them: `num_labels`,
+    else the entries of `id2label`, else transformers' default of 2."""
+    if cfg.get("num_labels") is not None:
+        return int(cfg["num_labels"])
+    if cfg.get("id2label"):
+        return len(cfg["id2label"])
+    return 2
 
 
 @dataclass(frozen=True, kw_only=True)

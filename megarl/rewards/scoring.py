@@ -152,7 +152,7 @@ def score(
     else:
         total = torch.zeros(batch, dtype=torch.float32)
         none_everywhere = torch.ones(batch, dtype=torch.bool)
-    if none_everywhere.any():
+    if functions and none_everywhere.any():  # no function at all: nothing to warn about
         idx = none_everywhere.nonzero().flatten().tolist()
         logger.warning(
             "all reward functions returned None for %d sample(s) (indices %s); they score 0",

@@ -1,9 +1,10 @@
 """Run checkpoints: models, optimizer states, LR schedules, data position, RNG and step.
 
-Layout: `RUN/checkpoints/step_000042/` holds a megatron `dist_checkpointing` checkpoint (actor,
-critic, their DistributedOptimizer states in the fully-reshardable format, so a run can resume at
-another TP / PP / DP) plus `trainer_state.json` (step, sampler, schedulers, model config, torch's
-RNG state as base64; written by rank 0) and the run's tokenizer files (from `RUN/tokenizer`).
+Layout: `RUN/checkpoints/step_000042/` holds a megatron `dist_checkpointing` checkpoint (the
+trained models: actor, critic, or a reward model under `reward.`; their DistributedOptimizer
+states in the fully-reshardable format, so a run can resume at another TP / PP / DP) plus
+`trainer_state.json` (step, sampler, schedulers, model config, torch's RNG state as base64;
+written by rank 0) and the run's tokenizer files (from `RUN/tokenizer`).
 Other readers (`megarl convert mcore-to-hf`, `model.mcore_ckpt`) go through
 `megarl.convert.source`. Every checkpoint is written to `step_N.tmp` and renamed
 by rank 0 after all ranks finished (`_commit`), so a run killed while saving leaves the previous
@@ -52,7 +53,10 @@ OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 STATE_FILE = "trainer_state.json"
 LEGACY_STATE_FILE = "trainer_state.pt"  # a pickle, written by megarl before the JSON state
 STATE_FORMAT = "megarl-trainer-state/1"
-STATE_KEYS = ("step", "sampler", "actor_sched", "arch", "torch_rng")
+STATE_KEYS = ("step", "sampler", "arch", "torch_rng")
+"""Keys every trainer state holds; besides them `<role>_sched` per trained role (`actor_sched`,
+`critic_sched`, `reward_sched`), `archs` for a role built from another model, and
+`reward_model_stats` (running reward-model statistics)."""
 
 
 def _model_sd(chunks, prefix: str) -> dict:

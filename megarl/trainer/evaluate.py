@@ -306,6 +306,7 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     from megarl.models.builder import BuildConfig, build_model
     from megarl.trainer import run as R
     from megarl.trainer.model_source import resolve_model
+    from megarl.trainer.models import _initial_state
 
     ev = cfg.eval
     if ev.path is None and ev.fraction == 0:
@@ -333,7 +334,7 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     )
     # frozen: the evaluated weights need no gradients, optimizer or DDP buffers
     policy = build_model(arch, cfg.parallel, cfg.precision, role="reference", build=build, gpu=gpu)
-    R._initial_state(cfg, arch, policy)
+    _initial_state(cfg, arch, policy)
     rollout = R.build_rollout(cfg, arch, policy, groups, out_dir)
     rollout.sync_weights()
     logger = R.build_logger(cfg, out_dir)

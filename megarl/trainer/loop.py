@@ -1,9 +1,9 @@
 """The RL loop. One step:
 
-prompts -> generate (vLLM, n samples each) -> score (reward functions) -> old / reference
-logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy (and
-critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a few
-samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
+prompts -> generate (vLLM, n samples each) -> score (reward functions, reward model) -> old /
+reference logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy
+(and critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a
+few samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
 (its own metrics record, step 0).
 
 Around it, `megarl.trainer.faults.RunGuard` turns stop requests (SIGTERM, SIGUSR1, the stop
@@ -126,29 +126,45 @@ def generate(run: Run):
 
 
 def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics, dict]:
-    """Rewards [B] for this rank's samples (TRL protocol; dataset columns passed through), each
-    function's mean over the samples it applies to (None = not applicable) as metrics, and each
-    function's value per sample ({name: [B]}, NaN where it does not apply: `samples.jsonl`)."""
+    """Rewards [B] for this rank's samples: the weighted reward functions (TRL protocol;
+    dataset columns passed through) plus the weighted reward model's score (`reward.model`),
+    less `reward.truncated_penalty` for responses cut without EOS; each function's mean over the
+    samples it applies to (None = not applicable) as metrics, the reward model's as `reward/rm`;
+    and each function's value per sample ({name: [B]}, NaN where it does not apply, the reward
+    model's raw score as "rm": `samples.jsonl`)."""
     from megarl.rewards import score as score_fn
 
-    tok = run.tokenizer
+    tok, rc = run.tokenizer, run.cfg.reward
     idx = rollout.prompt_index
     completions = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
     columns = {k: [v[i] for i in idx] for k, v in prompts.columns.items()}
     total, per_fn, errors = score_fn(
         run.reward_fns,
-        run.cfg.reward.weights,
+        rc.weights,
         [prompts.prompts[i] for i in idx],
         completions,
         rollout.response_ids,
         columns,
-        on_error=run.cfg.reward.on_error,
+        on_error=rc.on_error,
     )
     metrics = LocalMetrics()
     for k, v in per_fn.items():
         ok = ~torch.isnan(v)
         metrics.add_ratio(f"reward/{k}", v[ok].double().sum(), ok.sum())
     metrics.add_sum("reward_errors", errors)
+    if run.reward_model is not None:  # collective over the model-parallel group and DP
+        rm = run.reward_model
+        raw = rm.score(rm.sequences(prompts, rollout, tok))
+        used = rm.reward(raw)
+        metrics.add_ratio("reward/rm", raw.double().sum(), len(raw))
+        per_fn["rm"] = raw
+        if used is not raw:
+            metrics.add_ratio("reward/rm_normalized", used.double().sum(), len(used))
+        total = total + rc.model_weight * used
+    if rc.truncated_penalty:
+        cut = torch.tensor([r == "length" for r in rollout.finish_reason], dtype=total.dtype)
+        total = total - rc.truncated_penalty * cut
+        metrics.add_ratio("reward/truncated", cut.double().sum(), len(cut))
     return total, metrics, per_fn
 
 
@@ -349,9 +365,9 @@ def _bad_step(run: Run, metrics: dict) -> bool:
     return False
 
 
-def finish(run: Run, *, offline: bool = False) -> None:
+def finish(run: Run, *, offline: bool = False, role: str = "actor") -> None:
     """Plot the run's curves (`reward.png`; an offline run's losses and accuracies: `loss.png`);
-    optionally export the policy as an HF directory."""
+    optionally export the trained model of `role` as an HF directory."""
     metrics = os.path.join(run.out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(metrics):
         from megarl.metrics.plots import plot_offline, plot_rewards
@@ -362,19 +378,20 @@ def finish(run: Run, *, offline: bool = False) -> None:
         except ValueError as e:  # e.g. a resumed run that had no step left to do
             log.warning("no plot %s: %s", name, e)
     if run.cfg.trainer.export_hf:
-        export_hf(run, os.path.join(run.out_dir, "hf"))
+        export_hf(run, os.path.join(run.out_dir, "hf"), role=role)
     run.close()
     dist.barrier()
 
 
-def export_hf(run: Run, out: str) -> None:
-    """The actor as an HF directory written by rank 0, streamed one tensor at a time
-    (collective; no rank holds the whole model)."""
+def export_hf(run: Run, out: str, role: str = "actor") -> None:
+    """The trained model of `role` (the actor; a reward model: a sequence classifier) as an HF
+    directory written by rank 0, streamed one tensor at a time (collective; no rank holds the
+    whole model)."""
     from megarl.convert.stream import save_hf_streaming
 
     tok_dir = os.path.join(run.out_dir, "tokenizer")  # only rank 0 reads it
     save_hf_streaming(
-        run.models.actor.chunks,
+        getattr(run.models, role).chunks,
         run.arch,
         out,
         tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,

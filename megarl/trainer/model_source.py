@@ -10,8 +10,9 @@ they are (architecture, tokenizer, weight files, the rollout engine's model dire
   `~/.cache/megarl`) must be visible to every node of a multi-node run; otherwise convert ahead
   (`megarl convert gguf-to-hf`) and set `model.hf` to the directory.
 - `model.mcore_ckpt` naming a trainer checkpoint or a run directory (its newest complete
-  checkpoint): the checkpoint's `actor` weights start the run; its optimizer state, schedule and
-  step do not (a fresh run, unlike `trainer.resume`). Its kept tokenizer is the default
+  checkpoint): the checkpoint's `actor` weights (a reward-model stage: its `reward` ones, else
+  `actor`) start the run; its optimizer state, schedule and step do not (a fresh run, unlike
+  `trainer.resume`). Its kept tokenizer is the default
   `model.tokenizer`.
 
 `keep_tokenizer` (rank 0) copies the run's tokenizer files (chat template and generation config
@@ -37,9 +38,11 @@ CONVERT_TIMEOUT = datetime.timedelta(hours=4)
 """How long the other ranks wait for rank 0's GGUF conversion."""
 
 
-def resolve_model(cfg: RunConfig) -> RunConfig:
-    """See the module docstring. Collective when `model.hf` is a file (torch.distributed must be
-    initialised); raises a `UserError` naming the key on every rank."""
+def resolve_model(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> RunConfig:
+    """See the module docstring; `roles`: of a trainer checkpoint, the first of these it holds
+    starts the run (a reward-model stage: `reward`, else `actor`). Collective when `model.hf` is
+    a file (torch.distributed must be initialised); raises a `UserError` naming the key on every
+    rank."""
     m = cfg.model
     if m.hf is not None and os.path.isfile(m.hf):
         m = dataclasses.replace(m, hf=_gguf_on_rank0(m.hf))
@@ -47,7 +50,7 @@ def resolve_model(cfg: RunConfig) -> RunConfig:
         from megarl.convert.source import TRAINER, open_checkpoint
 
         try:
-            source = open_checkpoint(m.mcore_ckpt, "actor")
+            source = open_checkpoint(m.mcore_ckpt, roles)
         except UserError as e:
             raise ConfigError(f"model.mcore_ckpt={m.mcore_ckpt!r}: {e}") from e
         if m.tokenizer is None and source.tokenizer_dir is None:
@@ -57,8 +60,9 @@ def resolve_model(cfg: RunConfig) -> RunConfig:
             )
         if source.kind == TRAINER and _rank() == 0:
             log.info(
-                "model.mcore_ckpt: the actor weights of %s; its optimizer state, schedule and "
+                "model.mcore_ckpt: the %s weights of %s; its optimizer state, schedule and "
                 "step are not used (a new run starts at step 0)",
+                source.role,
                 source.describe(),
             )
         m = dataclasses.replace(

@@ -1,13 +1,14 @@
-"""The offline loop (SFT, DPO): training on a fixed dataset, no rollout engine (no vLLM), no
-rewards. One step:
+"""The offline loop (SFT, DPO, reward models): training on a fixed dataset, no rollout engine (no
+vLLM), no rewards. One step:
 
 rows (resumable, DP-sharded order) -> reference logprobs (DPO, forward-only, once per batch)
 -> loss and gradients through megatron's schedule (a preference pair's two sequences share a
 micro-batch) -> optimizer step -> metrics -> held-out evaluation -> checkpoint
 
 The run is built from the same parts as an RL run (`megarl.trainer.run`: topology, models by
-role, data, logging) and saves the same checkpoints (the actor under `actor.`, the same
-trainer_state.json keys), so a later run resumes it or starts from it. What differs per stage
+role, data, logging) and saves the same checkpoints (the trained role under its prefix,
+`actor.` or `reward.`, the same trainer_state.json keys), so a later run resumes it or starts
+from it. What differs per stage
 (data reader, reference, loss) lives in `megarl.trainer.stages`. Held-out evaluation (the
 `eval` section: `eval.path` or `eval.fraction` of the rows) runs the stage's loss forward-only
 over every held-out row and logs its metrics as `eval/...`, at step 0, every `eval.every`
@@ -37,15 +38,16 @@ from megarl.models.optim import zero_grads
 from megarl.trainer.faults import RunGuard
 from megarl.trainer.loop import TrainingDiverged, _bad_step, _pad_id, _pad_to, finish
 from megarl.trainer.model_source import resolve_model
+from megarl.trainer.models import build_models, build_trained_reward
 from megarl.trainer.run import (
     Data,
     Run,
     _check_model_files,
     _resume_state,
     build_logger,
-    build_models,
     build_topology,
     check_paths,
+    check_policy_arch,
     init_distributed,
     load_arch,
     load_tokenizer,
@@ -97,7 +99,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             )
         guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
     bar.close()
-    finish(run, offline=True)
+    finish(run, offline=True, role=stage.trains)
     return run
 
 
@@ -108,29 +110,32 @@ def create(cfg: RunConfig, out_dir: str, stage) -> Run:
     _, world = init_distributed()
     check_paths(cfg)
     user_model = cfg.model  # config.yaml keeps what the user wrote (e.g. the GGUF file)
-    cfg = resolve_model(cfg)  # GGUF -> cached HF dir (rank 0), run dir -> its checkpoint
+    # GGUF -> cached HF dir (rank 0), run dir -> its checkpoint (the stage's role in it)
+    cfg = resolve_model(cfg, stage.sources)
     if cfg.eval.path is not None and not cfg.eval.path.startswith("hf:"):
         if not os.path.exists(cfg.eval.path):
             raise ConfigError(f"eval.path={cfg.eval.path!r} does not exist")
-    arch = load_arch(cfg)
-    topo, groups = build_topology(cfg, arch, world, out_dir)
+    source_arch = load_arch(cfg, stage.sources)  # what model.* holds
+    topo, groups = build_topology(cfg, source_arch, world, out_dir)
     tokenizer = load_tokenizer(cfg, out_dir)
+    arch = stage.model_arch(source_arch, tokenizer)  # what the stage trains (a reward model)
+    if stage.trains == "actor":
+        check_policy_arch(cfg, arch)
     # everything a user can get wrong is checked before the models exist
     data = build_data(cfg, stage, tokenizer, groups, arch.max_position_embeddings)
     cfg = _resolve_steps(cfg, len(data.dataset))
-    _check_model_files(cfg, arch)
-    resume = _resume_state(cfg, out_dir, arch, data.sampler)
+    _check_model_files(cfg, source_arch)
+    resume = _resume_state(cfg, out_dir, arch, data.sampler, {stage.trains: arch})
     if resume is None and dist.get_rank() == 0:  # step 0: an earlier attempt's logs go aside
         set_aside_previous_run(out_dir)
     write_config(dataclasses.replace(cfg, model=user_model), out_dir)
-    models = build_models(
-        cfg,
-        arch,
-        gpu=device.use_gpu(),
-        updates=cfg.trainer.steps,
-        reference=cfg.algorithm.needs_reference,
-        critic=False,
-    )
+    gpu, updates = device.use_gpu(), cfg.trainer.steps
+    if stage.trains == "reward":
+        models = build_trained_reward(cfg, arch, source_arch, gpu=gpu, updates=updates)
+    else:
+        models = build_models(
+            cfg, arch, gpu=gpu, updates=updates, reference=cfg.algorithm.needs_reference
+        )
     run = Run(
         cfg=cfg,
         out_dir=out_dir,

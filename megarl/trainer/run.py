@@ -25,27 +25,30 @@ import torch.distributed as dist
 import yaml
 
 from megarl.config import ConfigError, RunConfig, to_dict
-from megarl.convert.sharded import copy_weights
 from megarl.distributed import Topology, device
 from megarl.distributed.topology import Groups, TopologyError
 from megarl.metrics.sinks import set_aside_previous_run
-from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf
-from megarl.models.optim import build_optimizer
 from megarl.trainer import checkpoint
 from megarl.trainer.evaluate import Evaluator, check_eval
 from megarl.trainer.faults import attempt_store, collective_timeout
 from megarl.trainer.model_source import keep_tokenizer, resolve_model
+from megarl.trainer.models import (
+    Models,
+    build_models,
+    build_scorer,
+    check_scalar_tokenizers,
+    scalar_sources,
+)
 
 if TYPE_CHECKING:
-    from megatron.core.optimizer import MegatronOptimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from transformers import PreTrainedTokenizerBase
 
     from megarl.data.dataset import PromptDataset
     from megarl.data.offline import PreferenceDataset, SFTDataset
     from megarl.data.sampler import PromptSampler
     from megarl.metrics.sinks import MetricsLogger
+    from megarl.rewards.model import RewardModel
     from megarl.rollout.dispatch import RolloutDispatcher
     from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync
@@ -73,10 +76,10 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, in
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_arch(cfg: RunConfig) -> ModelArch:
+def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
     """The model's architecture from its small files: `model.config`, `model.hf`'s config.json
     (a GGUF file not converted yet, as in a dry run: its metadata), or the checkpoint of
-    `model.mcore_ckpt` (`megarl.convert.source`)."""
+    `model.mcore_ckpt` (its first role of `roles`; `megarl.convert.source`)."""
     m = cfg.model
     if m.config is not None:
         return arch_from_hf(m.config, where="model.config")
@@ -88,7 +91,7 @@ def load_arch(cfg: RunConfig) -> ModelArch:
         return arch_from_hf(m.hf)
     from megarl.convert.source import open_checkpoint
 
-    return open_checkpoint(m.mcore_ckpt).arch
+    return open_checkpoint(m.mcore_ckpt, roles).arch
 
 
 def load_tokenizer(cfg: RunConfig, out_dir: str):
@@ -107,36 +110,6 @@ def load_tokenizer(cfg: RunConfig, out_dir: str):
     if dist.get_rank() == 0:  # kept beside the checkpoints, for exports (`keep_tokenizer`)
         keep_tokenizer(tokenizer, path, out_dir)
     return tokenizer
-
-
-@dataclass
-class Trained:
-    """A model the run trains: this rank's megatron chunks (one per virtual pipeline stage),
-    its DistributedOptimizer and its LR schedule."""
-
-    chunks: list
-    opt: MegatronOptimizer
-    sched: OptimizerParamScheduler
-
-
-@dataclass
-class Models:
-    """The run's megatron models by role, each sharded by the run's topology."""
-
-    actor: Trained
-    """The policy that trains (the model an SFT / DPO / RL run improves and exports)."""
-    reference: list | None = None
-    """Frozen chunks of the initial policy (the KL term); None when nothing reads it."""
-    critic: Trained | None = None
-    """The value model (PPO): the actor's trunk with a scalar head."""
-
-    def checkpointed(self) -> dict:
-        """{name: (chunks, optimizer)} of what a checkpoint holds (the trained models; the
-        reference is rebuilt from the initial weights)."""
-        models = {"actor": (self.actor.chunks, self.actor.opt)}
-        if self.critic is not None:
-            models["critic"] = (self.critic.chunks, self.critic.opt)
-        return models
 
 
 @dataclass
@@ -189,6 +162,8 @@ class Run:
     """The generation side; None for a run that builds no engine."""
     reward_fns: list = field(default_factory=list)
     """The loaded `reward.functions`, in order."""
+    reward_model: RewardModel | None = None
+    """Scores samples with `models.reward` (`reward.model`); None without a reward model."""
     evaluator: Evaluator | None = None
     """Held-out evaluation through the rollout engine; None without held-out prompts."""
     resume: tuple[str, dict] | None = None
@@ -205,21 +180,28 @@ class Run:
         user_model = cfg.model  # config.yaml keeps what the user wrote (e.g. the GGUF file)
         cfg = resolve_model(cfg)  # GGUF -> cached HF dir (rank 0), run dir -> its checkpoint
         arch = load_arch(cfg)
+        check_policy_arch(cfg, arch)
         _check_rollout_length(cfg, arch)
         check_eval(cfg, arch)
-        topo, groups = build_topology(cfg, arch, world, out_dir)
+        rm, critic_from = scalar_sources(cfg)  # reward model, critic start: small files only
+        others = {s.key: s.arch for s in (rm, critic_from) if s is not None}
+        topo, groups = build_topology(cfg, arch, world, out_dir, others)
         tokenizer = load_tokenizer(cfg, out_dir)
         gpu = device.use_gpu()
         # everything a user can get wrong is checked before the models and the engine exist
+        rm_tokenizer = check_scalar_tokenizers(cfg, tokenizer, rm, critic_from)
         cfg = _resolve_rollout(cfg, arch, tokenizer, gpu)
         data = build_data(cfg, tokenizer, groups)
         reward_fns = _reward_functions(cfg)
         _check_model_files(cfg, arch)
-        resume = _resume_state(cfg, out_dir, arch, data.sampler)
+        a = cfg.algorithm
+        roles = {"actor": arch}  # the trained roles and what each is built from
+        if a.name == "ppo":
+            roles["critic"] = critic_from.arch if critic_from is not None else arch
+        resume = _resume_state(cfg, out_dir, arch, data.sampler, roles)
         if resume is None and rank == 0:  # starting at step 0: an earlier attempt's logs go aside
             set_aside_previous_run(out_dir)
         write_config(dataclasses.replace(cfg, model=user_model), out_dir)
-        a = cfg.algorithm
         models = build_models(
             cfg,
             arch,
@@ -227,6 +209,8 @@ class Run:
             updates=cfg.trainer.steps * a.ppo_epochs * a.mini_batches,
             reference=a.needs_reference,
             critic=a.name == "ppo",
+            reward=rm,
+            critic_source=critic_from,
         )
         rollout = build_rollout(cfg, arch, models.actor.chunks, groups, out_dir)
         run = Run(
@@ -241,6 +225,7 @@ class Run:
             logger=build_logger(cfg, out_dir),
             rollout=rollout,
             reward_fns=reward_fns,
+            reward_model=build_scorer(cfg, models, rm, rm_tokenizer, groups),
             evaluator=Evaluator.create(
                 cfg, data.held_out, rollout.dispatcher, tokenizer, reward_fns, groups
             ),
@@ -256,11 +241,19 @@ class Run:
         state = {
             "step": self.step,
             "sampler": self.data.sampler.state_dict(),
-            "actor_sched": m.actor.sched.state_dict(),
             "arch": self.arch.hf_config,
         }
-        if m.critic is not None:
-            state["critic_sched"] = m.critic.sched.state_dict()
+        for role, model in m.trained().items():
+            state[f"{role}_sched"] = model.sched.state_dict()
+        archs = {
+            r: a.hf_config
+            for r, a in m.archs.items()
+            if r in m.trained() and a.hf_config != self.arch.hf_config
+        }
+        if archs:  # roles built from another model (a critic from a reward model)
+            state["archs"] = archs
+        if self.reward_model is not None and self.reward_model.state_dict() is not None:
+            state["reward_model_stats"] = self.reward_model.state_dict()
         return state
 
     def save(self) -> str:
@@ -285,9 +278,10 @@ class Run:
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.data.sampler.load_state_dict(state["sampler"])
-        m.actor.sched.load_state_dict(state["actor_sched"])
-        if m.critic is not None:
-            m.critic.sched.load_state_dict(state["critic_sched"])
+        for role, model in m.trained().items():
+            model.sched.load_state_dict(state[f"{role}_sched"])
+        if self.reward_model is not None:
+            self.reward_model.load_state_dict(state.get("reward_model_stats"))
         self.logger.truncate_after(self.step)
         log.info("resumed from %s at step %d", path, self.step)
 
@@ -307,16 +301,22 @@ def _check_rollout_length(cfg: RunConfig, arch: ModelArch) -> None:
 
 
 def build_topology(
-    cfg: RunConfig, arch: ModelArch, world: int, out_dir: str
+    cfg: RunConfig, arch: ModelArch, world: int, out_dir: str, others: dict | None = None
 ) -> tuple[Topology, Groups]:
-    """Check the layout for `world` ranks (naming the `parallel` section), create the run
-    directory and megatron's process groups."""
+    """Check the layout for `world` ranks (naming the `parallel` section) against the model and
+    the `others` ({config key: ModelArch}: a reward model, a critic's start, built at the same
+    layout), create the run directory and megatron's process groups."""
     rank = dist.get_rank()
     try:
         topo = Topology.for_model(cfg.parallel, world, arch)
         topo.check_training(arch)
     except TopologyError as e:  # name the config section
         raise TopologyError(f"parallel: {e}") from e
+    for key, other in (others or {}).items():
+        try:
+            Topology.for_model(cfg.parallel, world, other).check_training(other)
+        except TopologyError as e:
+            raise TopologyError(f"{key}: parallel: {e} (it is built at the run's layout)") from e
     slow = None if device.use_gpu() else device.cpu_half_precision_note(cfg.precision.dtype)
     if slow and rank == 0:
         log.warning(slow)
@@ -329,49 +329,6 @@ def write_config(cfg: RunConfig, out_dir: str) -> None:
     """The resolved config as `out_dir/config.yaml` (rank 0)."""
     if dist.get_rank() == 0:
         _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
-
-
-def build_models(
-    cfg: RunConfig, arch: ModelArch, *, gpu: bool, updates: int, reference: bool, critic: bool
-) -> Models:
-    """The actor (with its starting weights), and the reference / critic when asked, each
-    built by its role's function. `updates`: optimizer steps the LR schedules span."""
-    build = BuildConfig(
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        routing_replay=cfg.rollout.routing_replay,
-    )
-
-    def make(role: str) -> list:
-        return build_model(arch, cfg.parallel, cfg.precision, role=role, build=build, gpu=gpu)
-
-    actor = build_actor(cfg, arch, make, updates)
-    return Models(
-        actor=actor,
-        reference=build_reference(make, actor) if reference else None,
-        critic=build_critic(cfg, make, actor, updates) if critic else None,
-    )
-
-
-def build_actor(cfg: RunConfig, arch: ModelArch, make, updates: int) -> Trained:
-    chunks = make("actor")
-    _initial_state(cfg, arch, chunks)
-    opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
-    return Trained(chunks, opt, sched)
-
-
-def build_reference(make, actor: Trained) -> list:
-    chunks = make("reference")
-    copy_weights(actor.chunks, chunks)  # the initial policy (resume loads the actor later)
-    return chunks
-
-
-def build_critic(cfg: RunConfig, make, actor: Trained, updates: int) -> Trained:
-    chunks = make("critic")
-    copy_weights(actor.chunks, chunks)  # the actor's trunk; the value head starts at zero
-    opt, sched = build_optimizer(
-        chunks, cfg.critic_optim, dtype=cfg.precision.dtype, total_steps=updates
-    )
-    return Trained(chunks, opt, sched)
 
 
 def build_logger(cfg: RunConfig, out_dir: str) -> MetricsLogger:
@@ -397,6 +354,25 @@ def _write_yaml(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         yaml.safe_dump(data, f, sort_keys=False)
     os.replace(tmp, path)
+
+
+def check_policy_arch(cfg: RunConfig, arch: ModelArch) -> None:
+    """The trained policy needs an LM head: a reward model (a sequence classifier) is refused."""
+    if arch.score_head:
+        m = cfg.model
+        key, path = next(
+            (k, v)
+            for k, v in (
+                ("model.hf", m.hf),
+                ("model.mcore_ckpt", m.mcore_ckpt),
+                ("model.config", "inline"),
+            )
+            if v
+        )
+        raise ConfigError(
+            f"{key}={path!r} is a reward model (a score head, no LM head), not a policy; use it "
+            "as reward.model or model.critic_init, or train it with algorithm.name=rm"
+        )
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -451,35 +427,47 @@ def _check_model_files(cfg: RunConfig, arch: ModelArch) -> None:
         check_dcp_metadata(m.mcore_ckpt)
 
 
-def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler):
+def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler, roles: dict):
     """(newest complete checkpoint of `out_dir`, its trainer state), or None when there is none
     or `trainer.resume` is off (damaged ones are skipped: `checkpoint.resumable`). Its small
-    files are read and checked now, before the models exist: the model config, the data order,
-    that its metadata is safe to unpickle and that its tensor files are whole."""
+    files are read and checked now, before the models exist: the model config (and that of
+    each trained role, `roles` {role: ModelArch}), the data order, that its metadata is safe to
+    unpickle and that its tensor files are whole."""
     if not cfg.trainer.resume:
         return None
     return checkpoint.resumable(
-        out_dir, lambda path, state: _check_resumable(cfg, path, state, arch, sampler)
+        out_dir, lambda path, state: _check_resumable(cfg, path, state, arch, sampler, roles)
     )
 
 
-def _check_resumable(cfg: RunConfig, path: str, state: dict, arch: ModelArch, sampler) -> None:
+def _changed(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _check_resumable(
+    cfg: RunConfig, path: str, state: dict, arch: ModelArch, sampler, roles: dict
+) -> None:
     if state["arch"] != arch.hf_config:
-        changed = sorted(
-            k
-            for k in set(state["arch"]) | set(arch.hf_config)
-            if state["arch"].get(k) != arch.hf_config.get(k)
-        )
         raise checkpoint.CheckpointError(
             f"checkpoint {path} was written for a different model config (differs in "
-            f"{changed[:8]}); resume with the same model, or use a new run directory (--out) or "
-            "trainer.resume=false"
+            f"{_changed(state['arch'], arch.hf_config)[:8]}); resume with the same model, or use "
+            "a new run directory (--out) or trainer.resume=false"
         )
-    if cfg.algorithm.name == "ppo" and "critic_sched" not in state:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {path} holds no critic (a grpo run wrote it) but algorithm.name=ppo; "
-            "resume with algorithm.name=grpo, or use a new run directory (--out)"
-        )
+    for role, role_arch in roles.items():
+        if f"{role}_sched" not in state:
+            has = sorted(k[: -len("_sched")] for k in state if k.endswith("_sched"))
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} holds no {role} (it trained {has}) but algorithm.name="
+                f"{cfg.algorithm.name} trains one; resume with the algorithm that wrote it, or "
+                "use a new run directory (--out)"
+            )
+        written = (state.get("archs") or {}).get(role, state["arch"])
+        if written != role_arch.hf_config:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path}: its {role} was built from another model (differs in "
+                f"{_changed(written, role_arch.hf_config)[:8]}); keep model.critic_init as it "
+                "was, or use a new run directory (--out)"
+            )
     try:  # on a copy: the run's sampler takes the state in maybe_resume, with the rest
         copy.copy(sampler).load_state_dict(state["sampler"])
     except ValueError as e:
@@ -487,28 +475,6 @@ def _check_resumable(cfg: RunConfig, path: str, state: dict, arch: ModelArch, sa
             f"checkpoint {path} cannot continue this run's prompt order: {e}; keep data.* as it "
             "was, or use a new run directory (--out) or trainer.resume=false"
         ) from e
-
-
-def _initial_state(cfg: RunConfig, arch: ModelArch, actor: list) -> None:
-    """Load the starting weights into `actor`, each rank reading only the shards it holds
-    (`model.hf`: the HF tensors of its own parameters; `model.mcore_ckpt`: a sharded
-    `dist_checkpointing` load of the checkpoint's actor weights; random init from
-    `model.config`: `seeded_init`, the same model at every layout, so a run resumed at another
-    layout rebuilds the same reference). No rank holds the whole model; the reference and the
-    critic trunk are then copied from the actor's shards."""
-    m = cfg.model
-    if m.hf is None and m.mcore_ckpt is None:
-        from megarl.convert.sharded import seeded_init
-
-        seeded_init(actor, arch, m.init_seed)
-    elif m.hf is not None:
-        from megarl.convert.sharded import load_hf_sharded
-
-        load_hf_sharded(actor, arch, m.hf)
-    elif m.mcore_ckpt is not None:
-        from megarl.convert.source import load_into, open_checkpoint
-
-        load_into(actor, open_checkpoint(m.mcore_ckpt, "actor"))
 
 
 def _resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> RunConfig:

@@ -1,8 +1,13 @@
-"""The offline stages (`algorithm.name: sft | dpo`): what each reads, which models it needs, and
-its loss at the one forward seam. The loop that drives them is `megarl.trainer.offline`.
+"""The offline stages (`algorithm.name: sft | dpo | rm`): what each reads, which models it needs,
+and its loss at the one forward seam. The loop that drives them is `megarl.trainer.offline`.
 
 A stage is a small object with
-- `trains`: the role (`megarl.trainer.run.Models` field) it trains and exports: "actor";
+- `trains`: the role (`megarl.trainer.models.Models` field) it trains and exports: "actor", or
+  "reward" (a reward model, `rm`);
+- `sources`: the roles of a megarl checkpoint (`model.mcore_ckpt`) it starts from, in order of
+  preference;
+- `model_arch(arch, tokenizer)`: the architecture of the trained model, from that of `model.*`
+  (a reward model: the trunk as a one-label sequence classifier);
 - `reference`: whether the run builds the frozen reference model;
 - `read(rows, tokenizer, data_cfg, max_length=, source=)`: its dataset (`megarl.data.offline`);
 - `toy_rows()`: the rows of the embedded copy task, used when `data.path` is null;
@@ -15,6 +20,7 @@ A stage is a small object with
   contract of `megarl.models.forward`;
 - `together_key`: the batch field whose equal values must share a micro-batch (pairs), or None;
 - `finalize(metrics)`: metrics computed from the reduced ones (SFT: perplexity).
+The policy stages (SFT, DPO) share `_PolicyStage`'s `trains`, `sources` and `model_arch`.
 Register a new stage with `register_stage` (a duplicate or unknown name raises).
 """
 
@@ -24,7 +30,12 @@ import math
 
 import torch
 
-from megarl.algorithms.preference import get_preference_loss, preference_loss, sequence_logps
+from megarl.algorithms.preference import (
+    bradley_terry_loss,
+    get_preference_loss,
+    preference_loss,
+    sequence_logps,
+)
 from megarl.algorithms.sft import sft_loss
 from megarl.data.offline import read_preferences, read_sft
 from megarl.models import forward
@@ -56,11 +67,27 @@ def _logprobs(run, micro: dict, logits: torch.Tensor) -> torch.Tensor:
     )
 
 
-@register_stage("sft")
-class SFT:
-    """Token-mean NLL of the trained tokens (`megarl.algorithms.sft`)."""
+class _PolicyStage:
+    """A stage that trains the policy (the actor) from a causal LM."""
 
     trains = "actor"
+    sources = ("actor",)
+
+    @staticmethod
+    def model_arch(arch, tokenizer):
+        return arch
+
+
+def _check_pairs(micro: dict) -> None:
+    idx = micro["index"]
+    if not (torch.all(idx[0::2] % 2 == 0) and torch.equal(idx[1::2], idx[0::2] + 1)):
+        raise RuntimeError("a preference pair was split across micro-batches")
+
+
+@register_stage("sft")
+class SFT(_PolicyStage):
+    """Token-mean NLL of the trained tokens (`megarl.algorithms.sft`)."""
+
     reference = False
     together_key = None
 
@@ -101,11 +128,10 @@ class SFT:
 
 
 @register_stage("dpo")
-class DPO:
+class DPO(_PolicyStage):
     """A pairwise preference loss (`algorithm.dpo_loss`, `megarl.algorithms.preference`) on the
     sequence logprobs of each pair's chosen and rejected response."""
 
-    trains = "actor"
     together_key = "pair"
 
     def __init__(self, alg):
@@ -156,9 +182,7 @@ class DPO:
 
         def loss_fn(micro, logits):
             n = len(micro["index"])  # rows beyond n pad the micro-batch (pipeline shapes)
-            idx = micro["index"]
-            if not (torch.all(idx[0::2] % 2 == 0) and torch.equal(idx[1::2], idx[0::2] + 1)):
-                raise RuntimeError("a preference pair was split across micro-batches")
+            _check_pairs(micro)
             lp = _logprobs(run, micro, logits)[:n]
             seq = sequence_logps(lp, micro["loss_mask"][:n], mean=self.mean)
             ref = micro["ref_logps"][:n].to(seq.dtype) if self.reference else None
@@ -172,6 +196,74 @@ class DPO:
                 global_pairs=denominator,
                 label_smoothing=alg.dpo_label_smoothing,
                 gamma=alg.simpo_gamma,
+            )
+            return loss, {"loss": loss.detach(), **m}
+
+        return loss_fn
+
+    @staticmethod
+    def finalize(metrics: dict) -> dict:
+        return metrics
+
+
+@register_stage("rm")
+class RewardModelStage:
+    """A reward model trained on preference pairs with the Bradley-Terry loss
+    (`megarl.algorithms.preference.bradley_terry_loss`, with the pairs' `margin` when the data
+    has one), each sequence scored where transformers' sequence classifiers read
+    (`megarl.rewards.model.score_positions`)."""
+
+    trains = "reward"
+    sources = ("reward", "actor")  # continue a reward model, or start from a policy's trunk
+    reference = False
+    together_key = "pair"
+
+    def __init__(self, alg):
+        self.alg = alg
+
+    read = staticmethod(read_preferences)
+
+    @staticmethod
+    def toy_rows() -> list[dict]:
+        from megarl.data.toy import toy_preference_rows
+
+        return toy_preference_rows()
+
+    @staticmethod
+    def model_arch(arch, tokenizer):
+        """A reward model as it is; a causal LM's trunk as a one-label classifier whose
+        `pad_token_id` (where its config has none) is the tokenizer's pad (else its EOS)."""
+        if arch.score_head:
+            return arch
+        pad = tokenizer.pad_token_id
+        return arch.as_classifier(pad if pad is not None else tokenizer.eos_token_id)
+
+    @staticmethod
+    def denominator(dataset, indices: list[int]) -> float:
+        return float(len(indices))
+
+    def prepare(self, run, batch: dict) -> None:
+        """`score_index` [2P]: where each sequence's score is read."""
+        from megarl.rewards.model import score_positions
+
+        ids = [
+            row[: int(n)].tolist() for row, n in zip(batch["tokens"], batch["seq_len"], strict=True)
+        ]
+        pad = run.arch.hf_config.get("pad_token_id")
+        batch["score_index"] = torch.tensor(score_positions(ids, pad), dtype=torch.long)
+
+    def loss_fn(self, run, denominator: float):
+        from megarl.rewards.model import pick_scores
+
+        def loss_fn(micro, values):
+            _check_pairs(micro)
+            scores = pick_scores(micro, values).float()
+            margin = micro.get("margin")
+            loss, m = bradley_terry_loss(
+                scores[0::2],
+                scores[1::2],
+                global_pairs=denominator,
+                margin=None if margin is None else margin[0::2],
             )
             return loss, {"loss": loss.detach(), **m}
 

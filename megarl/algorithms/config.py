@@ -1,0 +1,160 @@
+"""The `algorithm` section: which stage runs (RL: grpo, ppo; offline: sft, dpo, rm) and the
+knobs of its advantages, losses, KL and batching. Names are checked against the registries of
+`megarl.algorithms` (advantages, policy losses, preference losses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.errors import ConfigError
+
+ALGORITHMS = ("grpo", "ppo", "sft", "dpo", "rm")
+OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
+"""Trained on a fixed dataset by `megarl.trainer.offline`: no rollout engine, no rewards."""
+KL_PLACEMENT = ("loss", "reward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    name: str = "grpo"
+    """grpo (no critic; group-relative advantages), ppo (critic + GAE), or an offline stage on
+    a fixed dataset: sft (supervised fine-tuning), dpo (preference pairs; variants in
+    algorithm.dpo_loss) or rm (a reward model from preference pairs, Bradley-Terry)."""
+    advantage: str = "grpo"
+    """Advantage estimator for grpo-style runs: grpo, rloo, dr_grpo, reinforce++."""
+    scale: str = "group"
+    """Advantage scaling: group, batch or none (see megarl.advantage)."""
+    policy_loss: str = "ppo"
+    """A registered policy loss (megarl.algorithms.losses): ppo (token-level ratio) or gspo
+    (sequence-level ratio)."""
+    clip_low: float = 0.2
+    """PPO clip range below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.2
+    """PPO clip range above 1; > clip_low is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip constant c (> 1) for negative advantages; null = off."""
+    agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (see megarl.algorithms.losses)."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient; 0 disables the reference model."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, k2, k3, abs."""
+    kl_in: str = "loss"
+    """Where the KL goes: loss (a loss term) or reward (a per-token reward penalty)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap against the sampler's logprobs; null = off."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the rollout batch is split into this many mini-batches)."""
+    micro_batch_size: int = 8
+    """Most sequences per forward/backward micro-batch (gradient accumulation inside a
+    mini-batch). Sequences are grouped by length, longest first; the two sequences of a
+    preference pair always share a micro-batch."""
+    max_tokens_per_micro_batch: int | None = None
+    """Also close a micro-batch before its padded size (sequences x longest) would exceed this
+    many tokens; null = no token budget. Changes no loss or gradient, only the grouping."""
+    balance_dp_tokens: bool = False
+    """Re-deal each step's samples over the DP ranks after scoring so every rank holds the same
+    number of samples and near-equal tokens (`megarl.trainer.balance`); no effect at DP 1."""
+    gamma: float = 1.0
+    """PPO discount."""
+    lam: float = 0.95
+    """PPO GAE lambda."""
+    value_clip: float | None = 0.2
+    """PPO value-loss clip; null = off."""
+    value_coef: float = 1.0
+    """Weight of the critic's loss (the critic has its own optimizer)."""
+    dpo_loss: str = "sigmoid"
+    """Preference loss of algorithm.name=dpo: sigmoid (DPO), ipo, hinge (SLiC), or simpo
+    (reference-free, length-normalised); formulas in megarl.algorithms.preference."""
+    dpo_beta: float = 0.1
+    """DPO's beta: the strength of the implicit KL to the reference (SimPO: the reward scale)."""
+    dpo_label_smoothing: float = 0.0
+    """cDPO: the assumed fraction of flipped preference labels, 0 <= eps < 0.5 (sigmoid and
+    simpo only)."""
+    dpo_length_norm: bool = False
+    """Compare mean token logprobs of the responses instead of their sums (always on for
+    simpo)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (dpo_loss=simpo)."""
+
+    def __post_init__(self):
+        if self.name not in ALGORITHMS:
+            raise ConfigError(f"algorithm.name={self.name!r}; accepted: {ALGORITHMS}")
+        self._check_preference()
+        if self.kl_in not in KL_PLACEMENT:
+            raise ConfigError(f"algorithm.kl_in={self.kl_in!r}; accepted: {KL_PLACEMENT}")
+        if self.kl_in == "reward" and self.kl_coef > 0 and self.name != "ppo":
+            # group-relative advantages take one reward per sample: a per-token penalty has no
+            # place in them (PPO's GAE takes per-token rewards)
+            raise ConfigError(
+                f"algorithm.kl_in=reward needs algorithm.name=ppo (per-token rewards into GAE); "
+                f"with algorithm.name={self.name} accepted: algorithm.kl_in=loss"
+            )
+        for k in ("ppo_epochs", "mini_batches", "micro_batch_size"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"algorithm.{k}={getattr(self, k)} must be >= 1")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(
+                f"algorithm.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}; "
+                "accepted: null or >= 1"
+            )
+        from megarl.algorithms.advantages import available_advantages
+        from megarl.algorithms.kl import kl_penalty  # noqa: F401 - validated at use
+        from megarl.algorithms.losses import AGG_MODES, available_policy_losses
+
+        if self.advantage not in available_advantages():
+            raise ConfigError(
+                f"algorithm.advantage={self.advantage!r}; accepted: {available_advantages()}"
+            )
+        if self.policy_loss not in available_policy_losses():
+            raise ConfigError(
+                f"algorithm.policy_loss={self.policy_loss!r}; accepted: {available_policy_losses()}"
+            )
+        if self.scale not in ("group", "batch", "none"):
+            raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
+        if self.agg_mode not in AGG_MODES:
+            raise ConfigError(f"algorithm.agg_mode={self.agg_mode!r}; accepted: {AGG_MODES}")
+        if self.kl_kind not in ("k1", "k2", "k3", "abs"):
+            raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")
+
+    def _check_preference(self) -> None:
+        from megarl.algorithms.preference import available_preference_losses, get_preference_loss
+
+        if self.dpo_loss not in available_preference_losses():
+            raise ConfigError(
+                f"algorithm.dpo_loss={self.dpo_loss!r}; accepted: {available_preference_losses()}"
+            )
+        if self.dpo_beta <= 0:
+            raise ConfigError(f"algorithm.dpo_beta={self.dpo_beta}; accepted: > 0")
+        if not 0.0 <= self.dpo_label_smoothing < 0.5:
+            raise ConfigError(
+                f"algorithm.dpo_label_smoothing={self.dpo_label_smoothing}; accepted: "
+                "0 <= eps < 0.5"
+            )
+        if self.dpo_label_smoothing and not get_preference_loss(self.dpo_loss).label_smoothing:
+            raise ConfigError(
+                f"algorithm.dpo_label_smoothing={self.dpo_label_smoothing} with "
+                f"algorithm.dpo_loss={self.dpo_loss!r}; label smoothing applies to sigmoid and "
+                "simpo only: set it to 0"
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run builds the frozen reference model: for the KL term of an RL run
+        (kl_coef > 0), or for a reference-based preference loss (dpo, all but simpo)."""
+        from megarl.algorithms.preference import get_preference_loss
+
+        if self.name == "dpo":
+            return get_preference_loss(self.dpo_loss).reference
+        return self.name in ("grpo", "ppo") and self.kl_coef > 0
+
+    @property
+    def offline(self) -> bool:
+        """Trained on a fixed dataset (no rollout engine): `OFFLINE_ALGORITHMS`."""
+        return self.name in OFFLINE_ALGORITHMS
