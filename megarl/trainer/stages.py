@@ -225,9 +225,9 @@ class RewardModelStage:
 
     @staticmethod
     def toy_rows() -> list[dict]:
-        from megarl.data.toy import toy_preference_rows
+        from megarl.data.toy import toy_reward_model_rows
 
-        return toy_preference_rows()
+        return toy_reward_model_rows()
 
     @staticmethod
     def model_arch(arch, tokenizer):
