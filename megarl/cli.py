@@ -260,7 +260,7 @@ def _out_dir(out: str | None, stem: str) -> str:
 
 def _eval(args: argparse.Namespace) -> int:
     from megarl.config import ConfigError, load_config
-    from megarl.trainer.evaluate import evaluate_model, model_overrides, summary
+    from megarl.trainer.evaluate import evaluate_model, model_overrides, require_held_out, summary
 
     target, config, overrides = args.target, args.config_file, list(args.overrides)
     is_config = os.path.isfile(target) and target.endswith((".yaml", ".yml"))
@@ -281,6 +281,7 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
+    require_held_out(cfg)
 
     import torch.distributed as dist
 

@@ -8,6 +8,7 @@ import io
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import types
@@ -314,9 +315,23 @@ def test_a_model_directory_picks_its_model_key(tmp_path):
 
 
 def _cli(*argv: str) -> int:
+    """The CLI in this process, which it must leave as it found it: a process group left behind
+    (and its RANK / MASTER_PORT in the environment) would be inherited by every later test's
+    `python -m megarl` subprocess, which would then fail to bind that port."""
+    import torch.distributed as dist
+
     from megarl import cli
 
-    return cli.run(cli.parse_args(list(argv)))
+    env = dict(os.environ)
+    try:
+        return cli.run(cli.parse_args(list(argv)))
+    finally:
+        initialised = dist.is_initialized()
+        if initialised:
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
+        assert not initialised, "an input error initialised torch.distributed"
 
 
 def test_megarl_eval_input_errors(tmp_path, capsys):

@@ -297,6 +297,15 @@ def checkpoint_step(cfg: RunConfig) -> int:
     return 0
 
 
+def require_held_out(cfg: RunConfig) -> None:
+    """`megarl eval` has prompts to evaluate on (checked before any process group exists)."""
+    if cfg.eval.path is None and cfg.eval.fraction == 0:
+        raise ConfigError(
+            "megarl eval needs held-out prompts: set eval.path (a prompt file) or eval.fraction "
+            "(the held-out share of data.path, as in training)"
+        )
+
+
 def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     """`megarl eval`: one evaluation of `cfg.model` on the held-out prompts, no training.
     Writes out_dir/config.yaml, metrics.jsonl (one record) and eval_samples.jsonl; returns the
@@ -308,12 +317,7 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     from megarl.trainer.model_source import resolve_model
     from megarl.trainer.models import _initial_state
 
-    ev = cfg.eval
-    if ev.path is None and ev.fraction == 0:
-        raise ConfigError(
-            "megarl eval needs held-out prompts: set eval.path (a prompt file) or eval.fraction "
-            "(the held-out share of data.path, as in training)"
-        )
+    require_held_out(cfg)
     _, world = R.init_distributed()
     R.check_paths(cfg)
     cfg = resolve_model(cfg)  # a GGUF file -> its cached HF dir; a run dir -> its checkpoint
@@ -323,7 +327,7 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     _, groups = R.build_topology(cfg, arch, world, out_dir)
     tokenizer = R.load_tokenizer(cfg, out_dir)
     cfg = R._resolve_rollout(cfg, arch, tokenizer, gpu)
-    _, held_out = prompt_sets(cfg.data, ev, tokenizer)
+    _, held_out = prompt_sets(cfg.data, cfg.eval, tokenizer)
     reward_fns = R._reward_functions(cfg)
     R._check_model_files(cfg, arch)
     step = checkpoint_step(cfg)
