@@ -104,7 +104,8 @@ def _dry_runs(hf: dict, overrides: list[str], world: int, ranks: list[int], path
 
 
 # ------------------------------------------------------------------ (a) the 70B example
-@pytest.mark.parametrize("world", [32, pytest.param(64, marks=pytest.mark.extended)])
+# CI: test_examples.py dry-runs the example at its 32 ranks
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.extended) for w in (32, 64)])
 def test_70b_example_dry_run(tmp_path, world):
     model = tmp_path / "llama3-70b"  # the shape only: the example's checkpoint is not here
     model.mkdir()

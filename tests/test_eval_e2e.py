@@ -165,6 +165,7 @@ def test_samples_jsonl_holds_the_best_worst_and_a_seeded_pick(run):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: megarl eval of the export below; DP invariance in test_eval.py
 def test_megarl_eval_of_the_config_at_dp2_is_step_0_of_the_run(run, tmp_path):
     out, _ = run
     # the run's resolved config builds the same random init: the untrained policy

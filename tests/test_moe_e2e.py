@@ -19,6 +19,7 @@ MOE_KEYS = ("moe/load_balance_max", "moe/load_balance_mean", "moe/aux_loss")
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: EP parity (test_parallel_parity), MoE sync (test_sync_moe), replay
 def test_moe_grpo_learns_at_ep2_with_routing_replay(tmp_path):
     steps = 20
     _train(tmp_path, f"trainer.steps={steps}", nproc=2, config=CONFIG)

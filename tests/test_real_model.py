@@ -117,6 +117,7 @@ def test_hf_to_mcore_verify_on_long_real_text(mcore):
     assert "over 256 tokens" in line and line.endswith(": OK"), line
 
 
+@pytest.mark.extended  # CI: the run's export in transformers == the run's vLLM (below)
 def test_exported_hf_greedy_answers_transformers_equal_vllm(smol, mcore):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

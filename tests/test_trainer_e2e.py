@@ -95,7 +95,8 @@ def _check_learning(rows, label: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], id="tp2-sp"),
+    pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], id="tp2-sp",
+                 marks=pytest.mark.extended),  # CI: TP2 + SP parity; PPO at TP2 in test_rlhf_e2e
     pytest.param(["parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2",
                   "model.config.num_hidden_layers=4"], id="pp2-vpp2",
                  marks=pytest.mark.extended),  # CI: PP2 in the resume-at-another-layout test
@@ -108,6 +109,7 @@ def test_grpo_learns_sequences_at_layout(tmp_path, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: PPO end to end in test_rlhf_e2e, DP1 == DP2 in test_metrics_global
 def test_ppo_with_kl_in_the_reward_learns_at_dp2(tmp_path):
     _train(tmp_path, *SEQ, "algorithm.kl_in=reward", "algorithm.kl_coef=0.01", nproc=2,
            config="examples/ppo_tiny_cpu.yaml")
