@@ -98,13 +98,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         run.logger.log_samples(run.step, samples, file=SAMPLES_FILE)
         run.logger.log(run.step, metrics)
         bar.update(run.step, metrics, samples if cfg.logging.show_samples else ())
-        if _bad_step(run, metrics):  # no checkpoint is written from a diverged state
-            run.close()
-            raise TrainingDiverged(
-                f"stopped at step {run.step}: {run.bad_steps} consecutive steps with a NaN/Inf "
-                f"loss (trainer.max_bad_steps={cfg.trainer.max_bad_steps}); the newest checkpoint "
-                f"in {run.out_dir}/checkpoints is from before the divergence"
-            )
+        stop_if_diverged(run, metrics)  # before the checkpoint: none from a diverged state
         guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
     bar.close()
     finish(run)
@@ -348,6 +342,19 @@ def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> d
         achieved,
         dist.get_world_size(),
     )
+
+
+def stop_if_diverged(run: Run, metrics: dict) -> None:
+    """Raise `TrainingDiverged` after `trainer.max_bad_steps` consecutive steps with a NaN/Inf
+    loss (`_bad_step` counts them); called before the step's checkpoint, so none is written
+    from a diverged state."""
+    if _bad_step(run, metrics):
+        run.close()
+        raise TrainingDiverged(
+            f"stopped at step {run.step}: {run.bad_steps} consecutive steps with a NaN/Inf "
+            f"loss (trainer.max_bad_steps={run.cfg.trainer.max_bad_steps}); the newest "
+            f"checkpoint in {run.out_dir}/checkpoints is from before the divergence"
+        )
 
 
 def _bad_step(run: Run, metrics: dict) -> bool:

@@ -36,7 +36,7 @@ from megarl.metrics.timer import StageTimer
 from megarl.models import forward
 from megarl.models.optim import zero_grads
 from megarl.trainer.faults import RunGuard
-from megarl.trainer.loop import TrainingDiverged, _bad_step, _pad_id, _pad_to, finish
+from megarl.trainer.loop import _pad_id, _pad_to, finish, stop_if_diverged
 from megarl.trainer.model_source import resolve_model
 from megarl.trainer.models import build_models, build_trained_reward
 from megarl.trainer.run import (
@@ -90,13 +90,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             metrics.update(evaluate(run, stage))
         run.logger.log(run.step, metrics)
         bar.update(run.step, metrics)
-        if _bad_step(run, metrics):  # no checkpoint is written from a diverged state
-            run.close()
-            raise TrainingDiverged(
-                f"stopped at step {run.step}: {run.bad_steps} consecutive steps with a NaN/Inf "
-                f"loss (trainer.max_bad_steps={cfg.trainer.max_bad_steps}); the newest checkpoint "
-                f"in {run.out_dir}/checkpoints is from before the divergence"
-            )
+        stop_if_diverged(run, metrics)  # before the checkpoint: none from a diverged state
         guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
     bar.close()
     finish(run, offline=True, role=stage.trains)
