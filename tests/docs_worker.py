@@ -2,9 +2,10 @@
 command line, all in one interpreter so that the imports are paid once.
 
 `python -m tests.docs_worker JOBS.json RESULTS.json` reads a list of jobs (`{"id", "kind":
-"megarl" | "tool" | "python", ...}`), runs each with its output captured, and writes
-`{id: [ok, text, seconds]}`. megarl's `train --print-config`, `train --dry-run`, `plan`,
-`config` and `prepare-data` run for real (`prepare-data` into a scratch directory); every other
+"megarl" | "tool" | "python" | "cli", ...}`), runs each with its output captured, and writes
+`{id: [ok, text, seconds]}` (`in_one_process` starts it). megarl's `train --print-config`,
+`train --dry-run`, `plan`, `config` and `prepare-data` run for real (`prepare-data` into a
+scratch directory), "cli" jobs as they are (tests/test_examples.py); every other
 command is parsed by its own argparse parser with `parse_args` stopped right after parsing
 (`_parse_only`), so nothing after the parser runs.
 """
@@ -190,6 +191,27 @@ def run_python(code: str) -> tuple[bool, str]:
     return status == 0, text[-1500:]
 
 
+def in_one_process(jobs: list[dict], tmp: Path, timeout: float = 600) -> dict:
+    """Run `jobs` in one child interpreter (`python -m tests.docs_worker`): {id: [ok, text,
+    seconds]}. Kind "cli": `{"id", "kind": "cli", "argv": [...]}`, a megarl command line run as
+    it is, ok = exit status 0, text = everything it printed."""
+    import subprocess
+
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.docs_worker", str(tmp / "jobs.json"), str(tmp / "out.json")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
 def main(argv: list[str]) -> int:
     """`python -m tests.docs_check JOBS.json RESULTS.json`: run the jobs, write
     {id: [ok, text, seconds]}."""
@@ -202,6 +224,12 @@ def main(argv: list[str]) -> int:
             try:
                 if job["kind"] == "megarl":
                     ok, text = run_megarl_check(job, scratch)
+                elif job["kind"] == "cli":  # a plain command: its status and all its output
+                    from megarl import cli
+
+                    argv = list(job["argv"])
+                    code, text, _ = _captured(lambda: cli.run(cli.parse_args(argv)))  # noqa: B023
+                    ok = code == 0
                 elif job["kind"] == "tool":
                     ok, text = _tool_check(job["argv"])
                 else:

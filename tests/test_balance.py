@@ -115,7 +115,9 @@ def test_the_exchange_moves_whole_samples_and_equalises_tokens():
 
 
 # ------------------------------------------------------------------ (c) end to end
+# CI: the same invariance through the trainer's step functions, tests/test_metrics_global.py
 @pytest.mark.slow
+@pytest.mark.extended
 def test_balancing_changes_no_global_figure_at_dp2(tmp_path):
     common = (
         "trainer.steps=1",

@@ -9,16 +9,13 @@ The synthetic docs at the end show that the check fails where it should.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tests import docs_check as dc
+from tests.docs_worker import in_one_process
 
 DOCS = {p.relative_to(dc.ROOT).as_posix(): p.read_text(encoding="utf-8") for p in dc.doc_files()}
 PARSED = {doc: dc.checks_of(doc, text) for doc, text in DOCS.items()}
@@ -104,22 +101,7 @@ def results(tmp_path_factory) -> dict:
         jobs += [
             {"id": f"synthetic-{name}:{n}:python", "kind": "python", "code": code} for n, code in py
         ]
-    tmp = tmp_path_factory.mktemp("docs_check")
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    env["PYTHONPATH"] = os.pathsep.join([str(dc.ROOT), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.docs_worker", str(tmp / "jobs.json"), str(tmp / "out.json")],
-        cwd=dc.ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads((tmp / "out.json").read_text())
+    return in_one_process(jobs, tmp_path_factory.mktemp("docs_check"))
 
 
 def _outcome(c: dc.Check, results: dict) -> tuple[bool, str]:

@@ -2,12 +2,12 @@
 (meta device, no GPU, weights or data) through `megarl train --dry-run`, with the GPU examples'
 models given by the shapes shipped in examples/models/. A new example must be added here."""
 
-import os
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
+
+from tests.docs_worker import in_one_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,13 +44,10 @@ def test_every_example_is_covered():
         assert model in (None, DEFAULT) or shipped_shape.is_file()
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_example_dry_run_at_its_world_size(name):
+def _args(name: str) -> list[str]:
     world, model = EXAMPLES[name]
     args = [f"examples/{name}", "--dry-run", f"--world-size={world}", f"--rank={world - 1}"]
     if model == DEFAULT:
-        import json
-
         from megarl.config import load_config, to_dict
 
         shape = json.dumps(to_dict(load_config(None).model)["config"])
@@ -59,14 +56,21 @@ def test_example_dry_run_at_its_world_size(name):
         args += [a for kv in WITHOUT_EARLIER_RUNS.get(name, []) for a in ("--set", kv)]
     elif model is not None:
         args += ["--set", "model.mcore_ckpt=null", "--set", f"model.hf=examples/models/{model}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "megarl", "train", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert f"= {world} rank{'s' if world > 1 else ''}" in proc.stdout, proc.stdout
-    assert "Traceback" not in proc.stderr
+    return ["train", *args]
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict:
+    """{example: [ok, output, seconds]}: every example's `megarl train ... --dry-run`, one after
+    the other in one child interpreter (the imports paid once)."""
+    jobs = [{"id": name, "kind": "cli", "argv": _args(name)} for name in EXAMPLES]
+    return in_one_process(jobs, tmp_path_factory.mktemp("examples"))
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_dry_run_at_its_world_size(name, dry_runs):
+    world = EXAMPLES[name][0]
+    ok, text, _ = dry_runs[name]
+    assert ok, text[-3000:]
+    assert f"= {world} rank{'s' if world > 1 else ''}" in text, text
+    assert "Traceback" not in text

@@ -73,7 +73,7 @@ def _numel(shape) -> int:
 def _run(model, monkeypatch, old: bool) -> tuple[list[dict], float, float]:
     root, hf_dir, model_bytes, largest = model
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MiB))
-    res = spawn(ww.memory, 4, hf_dir, LAYOUT, str(root / "out"), old)
+    res = spawn(ww.memory, 4, hf_dir, LAYOUT, str(root / "out"), old, start_method="spawn")
     bound = model_bytes / 4 + 2 * largest + 32 * MiB
     strict = 2 * largest + 16 * MiB
     print(

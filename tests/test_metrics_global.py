@@ -6,10 +6,13 @@ whole batch and once split over two DP ranks whose halves have different token c
 mean of per-rank means would differ from the global mean). GRPO with KL in the loss, an entropy
 bonus and TIS; PPO with a critic and KL in the reward. Two epochs over one mini-batch: the second
 epoch runs on the updated weights, which DP=1 and DP=2 compute equally up to round-off.
+With `algorithm.balance_dp_tokens` the DP=2 ranks first re-deal their samples by tokens
+(`loop.balance`, as the trainer does before it builds the batch): no global figure may change.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -57,13 +60,14 @@ def _state(arch):
     }
 
 
-def job(rank: int, world: int, algo: str) -> dict:
+def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     from megarl.convert.layout import load_full_state
     from megarl.distributed import Topology
     from megarl.metrics.reduce import LocalMetrics
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
+    from megarl.rollout.engine import Rollout
     from megarl.trainer import experience as xp
     from megarl.trainer import loop
     from megarl.trainer.models import Models, Trained
@@ -93,13 +97,16 @@ def job(rank: int, world: int, algo: str) -> dict:
     sampler = [(-torch.rand(n, generator=g) - 0.5).tolist() for n in LENGTHS]
     rows = range(rank * len(LENGTHS) // world, (rank + 1) * len(LENGTHS) // world)
     prompt_of = [i // N for i in range(len(LENGTHS))]
-    batch = xp.build_batch(
-        [PROMPTS[prompt_of[i]] for i in rows],
-        [responses[i] for i in rows],
-        [sampler[i] for i in rows],
-        pad_id=0,
-        pad_to=1,
+    rollout = Rollout(
+        prompt_index=[prompt_of[i] for i in rows],
+        prompt_ids=[PROMPTS[prompt_of[i]] for i in rows],
+        response_ids=[responses[i] for i in rows],
+        response_logprobs=[sampler[i] for i in rows],
+        finish_reason=["stop"] * len(rows),
     )
+    rewards = torch.tensor([REWARDS[i] for i in rows])
+    group_ids = torch.tensor([prompt_of[i] for i in rows])  # global prompt ids
+    scored = LocalMetrics()
     run = SimpleNamespace(
         cfg=cfg,
         groups=groups,
@@ -112,22 +119,35 @@ def job(rank: int, world: int, algo: str) -> dict:
         ),
         rollout=SimpleNamespace(dispatcher=SimpleNamespace(samples_generated=len(rows))),
     )
-    rewards = torch.tensor([REWARDS[i] for i in rows])
-    group_ids = torch.tensor([prompt_of[i] for i in rows])  # global prompt ids
+    scored.add_ratio("reward/toy", rewards.sum(), len(rewards))
+    if balanced:
+        rollout, rewards, group_ids, _ = loop.balance(
+            run, rollout, rewards, group_ids, {"toy": rewards.clone()}, scored
+        )
+    batch = xp.build_batch(
+        rollout.prompt_ids, rollout.response_ids, rollout.response_logprobs, pad_id=0, pad_to=1
+    )
     loop.forward_passes(run, batch)
     loop.advantages(run, batch, rewards, group_ids)
     train = loop.update(run, batch)
-    scored = LocalMetrics()
-    scored.add_ratio("reward/toy", rewards.sum(), len(rewards))
     out = loop.collect_metrics(run, batch, rewards, scored, train, {"train": 1.0}, 1.0)
     return out
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_dp1_and_dp2_log_the_same_metrics(algo):
-    one = spawn(job, 1, algo, timeout=600)[0]
-    two = spawn(job, 2, algo, timeout=600)[0]
+@functools.cache
+def _one_rank(algo: str) -> dict:
+    return spawn(job, 1, algo, timeout=600)[0]
+
+
+@pytest.mark.parametrize("algo,balanced", [("grpo", False), ("ppo", False), ("ppo", True)])
+def test_dp1_and_dp2_log_the_same_metrics(algo, balanced):
+    one = dict(_one_rank(algo))
+    two = spawn(job, 2, algo, balanced, timeout=600)[0]
     one.pop("time_s"), two.pop("time_s")
+    if balanced:  # prompt + response tokens: rank 0's half 34, rank 1's 46; then 40 and 40
+        before = two.pop("dp_tokens_max_over_mean_before")
+        after = two.pop("dp_tokens_max_over_mean")
+        assert before > after and after == pytest.approx(1.0, abs=0.1), (before, after)
     assert one.keys() == two.keys()
     must = {
         "loss",

@@ -296,7 +296,8 @@ def test_each_row_against_the_measured_rss(case, monkeypatch):
     )
     estimate = plan(cfg, gpus=world, gpu_mem_gib=24, device="cpu")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MiB))
-    measured = spawn(plan_worker.measure, world, hf, layout, dtype, 512, 2, micros, entropy, critic)
+    measured = spawn(plan_worker.measure, world, hf, layout, dtype, 512, 2, micros, entropy, critic,
+                     start_method="spawn")  # its memory is measured: a fresh interpreter
     report, failures = [], []
     for rank, m in enumerate(measured):
         stage = estimate.stages[rank * estimate.topo.pp // world]
@@ -382,7 +383,8 @@ def test_the_kv_cache_row_against_the_measured_engine(monkeypatch):
     uses vLLM's own budget, `gpu_memory_utilization` x the GPU."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MiB))
     hf = dict(HF, model_type="llama")
-    small = spawn(plan_worker.measure_vllm, 1, hf, 64 * MiB)[0]["engine_held"]
-    large = spawn(plan_worker.measure_vllm, 1, hf, 256 * MiB)[0]["engine_held"]
+    fresh = dict(start_method="spawn")  # memory is measured: a fresh interpreter
+    small = spawn(plan_worker.measure_vllm, 1, hf, 64 * MiB, **fresh)[0]["engine_held"]
+    large = spawn(plan_worker.measure_vllm, 1, hf, 256 * MiB, **fresh)[0]["engine_held"]
     print(f"\nengine resident: {small / MiB:.1f} MiB (KV 64 MiB), {large / MiB:.1f} MiB (KV 256)")
     assert large - small == pytest.approx(192 * MiB, rel=0.05)

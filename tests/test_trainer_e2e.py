@@ -165,27 +165,28 @@ def test_resume_is_exact_and_survives_a_crash_mid_save(tmp_path):
 def test_resume_at_another_layout(tmp_path):
     # the LR schedule must not depend on trainer.steps, which differs between the runs
     fixed = "optim.decay_steps=64"
-    straight = tmp_path / "straight"
-    _train(straight, "trainer.steps=5", fixed)
-    src = tmp_path / "tp1"
-    _train(src, "trainer.steps=3", "trainer.export_hf=true", fixed)
-    # the same checkpoint loaded at TP=2: nothing left to train, the export must be identical
+    src = tmp_path / "tp1"  # checkpoints at steps 4 and 5, the export of step 5
+    _train(src, "trainer.steps=5", "trainer.save_every=4", "trainer.export_hf=true", fixed)
+    # step 5's checkpoint loaded at TP=2: nothing left to train, the export must be identical
     dst = tmp_path / "tp2"
-    shutil.copytree(src / "checkpoints", dst / "checkpoints")
-    _train(dst, "trainer.steps=3", "trainer.export_hf=true", "parallel.tensor_parallel=2", fixed,
+    shutil.copytree(src / "checkpoints" / "step_000005", dst / "checkpoints" / "step_000005")
+    _train(dst, "trainer.steps=5", "trainer.export_hf=true", "parallel.tensor_parallel=2", fixed,
            nproc=2)
     a, b = _hf(src), _hf(dst)
+    assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    # and training continues from it at PP=2
-    _train(dst, "trainer.steps=5", "parallel.pipeline_parallel=2", fixed, nproc=2)
-    rows = _metrics(dst)
-    assert [r["step"] for r in rows] == [4, 5]
-    assert max(r["logprob_mismatch_max"] for r in rows) <= 1e-4
-    # the resumed run's first step is the straight run's step 4: the same samples (seeds follow
-    # the prompts' global positions, not the engines that generate them), the same loss
-    ref = _metrics(straight)[3]
-    print(f"step 4 loss: straight {ref['loss']:.8f}, resumed at PP=2 {rows[0]['loss']:.8f}")
+    # and training continues from step 4's checkpoint at PP=2
+    pp = tmp_path / "pp2"
+    shutil.copytree(src / "checkpoints" / "step_000004", pp / "checkpoints" / "step_000004")
+    _train(pp, "trainer.steps=5", "parallel.pipeline_parallel=2", fixed, nproc=2)
+    rows = _metrics(pp)
+    assert [r["step"] for r in rows] == [5]
+    assert rows[0]["logprob_mismatch_max"] <= 1e-4
+    # the resumed run's step is the TP=1 run's step 5: the same samples (seeds follow the
+    # prompts' global positions, not the engines that generate them), the same loss
+    ref = _metrics(src)[4]
+    print(f"step 5 loss: TP=1 {ref['loss']:.8f}, resumed at PP=2 {rows[0]['loss']:.8f}")
     assert rows[0]["reward_mean"] == ref["reward_mean"]
     assert rows[0]["response_len"] == ref["response_len"]
     # the same reference model (the random init is layout-independent): the same KL

@@ -1,8 +1,12 @@
 """Run a function on N local processes joined by a real torch.distributed group.
 
 Used by the tests and benchmarks to exercise gloo collectives on one CPU machine. Each child is
-*spawned* (not forked) so that no OpenMP/gloo state leaks from the parent; the price is one fresh
-interpreter per rank, so callers should batch several checks into one launch.
+*spawned* (not forked from the caller) so that no OpenMP/gloo state leaks from the parent. The
+price of `start_method="spawn"` is one fresh interpreter per rank: importing torch and
+megatron-core costs ~5 s of CPU each time. `start_method="forkserver"` forks every child from a
+server process that imported them once (and nothing else: no threads, no process group), with
+the caller's environment and working directory at the time of the call; the test suite uses it
+(`MEGARL_SPAWN_METHOD`, set in tests/conftest.py), except where a child's memory is measured.
 
 The child sets `MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK`, limits torch to
 `cpu_count // world_size` threads, initialises the default process group and calls
@@ -31,7 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, backend: str, fn, args, queue) -> None:
+PRELOAD = ["torch", "megatron.core"]
+"""What the forkserver imports once for all its children."""
+
+
+def _child(rank: int, world_size: int, port: int, backend: str, fn, args, queue, env, cwd) -> None:
+    # a forkserver child starts with the server's environment: take the caller's
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -59,17 +71,32 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn, args, queue)
 
 
 def spawn(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: float = 900
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 900,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results by rank.
 
     `fn` must be importable (a module-level function) because children are spawned.
+    start_method: "spawn" or "forkserver" (see the module docstring); default
+    `$MEGARL_SPAWN_METHOD`, else "spawn".
     """
-    ctx = mp.get_context("spawn")
+    method = start_method or os.environ.get("MEGARL_SPAWN_METHOD") or "spawn"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method={method!r}; accepted: 'spawn', 'forkserver'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.SimpleQueue()
     port = free_port()
+    env, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, queue))
+        ctx.Process(
+            target=_child, args=(r, world_size, port, backend, fn, args, queue, env, cwd)
+        )
         for r in range(world_size)
     ]
     for p in procs:
