@@ -187,3 +187,23 @@ def test_load_builtins_and_dotted_paths(tmp_path, monkeypatch):
         load_reward_function("no_such_module_xyz.fn")
     with pytest.raises(ValueError, match=r"neither a built-in \(\['format', 'length_penalty'"):
         load_reward_function("accuracy")
+
+
+def test_reward_model_pairs_are_ranked_by_the_copy_reward():
+    from megarl.data.tokenizer import SPECIAL_TOKENS
+    from megarl.data.toy import TOY_CHARS, toy_reward, toy_reward_model_rows
+
+    rows = toy_reward_model_rows()
+    assert rows == toy_reward_model_rows() and len(rows) == 3 * 1080
+    chosen = [r["chosen"] for r in rows]
+    rejected = [r["rejected"] for r in rows]
+    answers = [r["answer"] for r in rows]
+    # the pairs as a policy's responses ended by <eos>, graded by the task's own reward
+    eos, first = SPECIAL_TOKENS.index("<eos>"), len(SPECIAL_TOKENS)
+    ids = lambda texts: [[first + TOY_CHARS.index(c) for c in t] + [eos] for t in texts]  # noqa: E731
+    good = toy_reward([], chosen, answer=answers, completion_ids=ids(chosen))
+    bad = toy_reward([], rejected, answer=answers, completion_ids=ids(rejected))
+    assert all(g >= b + 0.15 for g, b in zip(good, bad, strict=True))
+    assert all(c.strip() and r.strip() for c, r in zip(chosen, rejected, strict=True))
+    both_wrong = sum(c != a for c, a in zip(chosen, answers, strict=True)) / len(rows)
+    assert 0.1 < both_wrong < 0.3  # ~18% of the pairs rank two wrong answers

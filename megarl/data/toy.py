@@ -115,22 +115,53 @@ def noisy(answer: str, rng: random.Random) -> str:
     return out
 
 
-def toy_reward_model_rows(seed: int = 0, per_prompt: int = 3) -> list[dict]:
+def toy_score(text: str, answer: str) -> float:
+    """`toy_reward` of a response `text` that ended with `<eos>` (the formula there)."""
+    hits = sum(a == b for a, b in zip(text, answer, strict=False))
+    stop = 1 if len(text) == len(answer) else 0
+    return (hits + stop) / (max(len(text), len(answer)) + 1)
+
+
+def candidate(answer: str, rng: random.Random) -> str:
+    """A response a policy might give for `answer`: `noisy(answer)` (60%), one digit repeated
+    1-6 times (20%; a digit of the answer half of those times), or the answer's digits in
+    another order (20%)."""
+    u = rng.random()
+    if u < 0.6:
+        return noisy(answer, rng)
+    if u < 0.8:
+        digit = rng.choice(answer) if rng.random() < 0.5 else rng.choice("0123456789")
+        return digit * rng.randint(1, 6)
+    chars = list(answer)
+    rng.shuffle(chars)
+    return "".join(chars)
+
+
+def toy_reward_model_rows(seed: int = 0, per_prompt: int = 3, gap: float = 0.15) -> list[dict]:
     """Preference pairs for a reward model of the copy task: for each row of `toy_rows(seed)`,
-    `per_prompt` pairs of the correct answer (chosen) and a wrong `noisy` one (rejected: 1-3
-    edits, or a random digit string), drawn with Random(seed + 2). Wider than
-    `toy_preference_rows` (one edit): the rejected answers cover what a partly trained policy
-    says (near misses, wrong lengths, garbage), which a reward model scoring its samples must
-    rank below the answer."""
+    `per_prompt` pairs of two responses whose shaped scores (`toy_score`) differ by at least
+    `gap`, the better one chosen. Two thirds of the pairs put the correct answer against a
+    `candidate`, a third two candidates (near misses, wrong lengths, repeated digits, shuffles,
+    garbage; a candidate is the answer a quarter of the time), drawn with Random(seed + 2): in
+    ~18% of the pairs both responses are wrong. Ranking two wrong answers too (not only the answer
+    above everything else) is what lets a policy climb the reward model's score towards the
+    answer: an RM taught only "correct > wrong" scored wrong answers it never saw (e.g. "2222")
+    at random, and PPO found them."""
     rng = random.Random(seed + 2)
     out = []
     for r in toy_rows(seed):
         gold = r["answer"]
         for _ in range(per_prompt):
-            bad = noisy(gold, rng)
-            while bad == gold or not bad.strip():  # a blank answer is no answer
-                bad = noisy(gold, rng)
-            out.append({"prompt": r["prompt"], "chosen": gold, "rejected": bad, "answer": gold})
+            first = gold if rng.random() < 2 / 3 else candidate(gold, rng)
+            while not first.strip():  # a blank answer is no answer
+                first = candidate(gold, rng)
+            while True:
+                second = candidate(gold, rng)
+                if second.strip() and abs(toy_score(first, gold) - toy_score(second, gold)) >= gap:
+                    break
+            if toy_score(first, gold) < toy_score(second, gold):
+                first, second = second, first
+            out.append({"prompt": r["prompt"], "chosen": first, "rejected": second, "answer": gold})
     return out
 
 
