@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
     """`python -m tests.docs_check JOBS.json RESULTS.json`: run the jobs, write
     {id: [ok, text, seconds]}."""
     os.chdir(ROOT)
-    jobs = json.loads(Path(argv[0]).read_text())
+    jobs, results_path = json.loads(Path(argv[0]).read_text()), Path(argv[1])
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for job in jobs:
@@ -227,8 +227,8 @@ def main(argv: list[str]) -> int:
                 elif job["kind"] == "cli":  # a plain command: its status and all its output
                     from megarl import cli
 
-                    argv = list(job["argv"])
-                    code, text, _ = _captured(lambda: cli.run(cli.parse_args(argv)))  # noqa: B023
+                    line = list(job["argv"])
+                    code, text, _ = _captured(lambda: cli.run(cli.parse_args(line)))  # noqa: B023
                     ok = code == 0
                 elif job["kind"] == "tool":
                     ok, text = _tool_check(job["argv"])
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
             except Exception as e:  # noqa: BLE001 - one job's failure, reported with it
                 ok, text = False, f"{type(e).__name__}: {e}"
             results[job["id"]] = (ok, text, round(time.perf_counter() - t0, 2))
-    Path(argv[1]).write_text(json.dumps(results))
+    results_path.write_text(json.dumps(results))
     return 0
 
 
