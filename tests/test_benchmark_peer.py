@@ -152,6 +152,17 @@ def test_smollm2_workload_config_and_trl_spec_match(tmp_path):
     spec = s.trl_spec(str(tmp_path))
     assert (spec["beta"], spec["lr"], spec["max_tokens"]) == (s.BETA, s.LR, 48)
     assert spec["batch"] == 64 and spec["num_generations"] == 8 and spec["chat"]
+    # the engine's KV cache holds a whole sequence of SmolLM2 (the check `megarl train` makes)
+    import json
+    import os
+
+    from megarl.models.hf_config import arch_from_hf
+    from megarl.rollout.engine import check_kv_cache
+
+    shape = os.path.join(os.path.dirname(s.TRAIN), "..", "models", "smollm2-135m-instruct")
+    with open(os.path.join(shape, "config.json")) as f:
+        arch = arch_from_hf(json.load(f))
+    check_kv_cache(arch, cfg.rollout, dtype="fp32", gpu=False)
 
 
 def test_time_to_target_counts_the_step_seconds_up_to_the_first_eval_above_it():

@@ -329,3 +329,14 @@ def test_layout_errors_are_one_line_user_errors(args, needle):
     assert len(lines) == 1 and needle in lines[0], text[-3000:]
     assert "Traceback" not in text
     assert seconds < 30
+
+
+def test_a_kv_cache_smaller_than_one_sequence_fails_the_dry_run():
+    """The run's own KV-cache check (`check_kv_cache`) runs in the dry run too: a set budget
+    below one sequence of max_model_len is the same one-line error before anything is built."""
+    proc, _ = _cli("--dry-run", "--world-size", "1",
+                   "--set", "rollout.kv_cache_memory_bytes=1048576",
+                   "--set", "rollout.max_model_len=2048")  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "rollout.kv_cache_memory_bytes=1048576" in proc.stderr
+    assert "fewer than one sequence of max_model_len" in proc.stderr

@@ -89,7 +89,8 @@ def megarl_config(model_dir: str, precision: str, steps: int, data_dir: str) -> 
             "n": N,
             "temperature": 1.0,
             "max_tokens": MAX_TOKENS,
-            "kv_cache_memory_bytes": 256 * 2**20,
+            "max_model_len": 128,  # prompt (<= 64) + response (<= 48) tokens, as the example
+            "kv_cache_memory_bytes": 512 * 2**20,
             "seed": SEED,
         },
         "data": {

@@ -146,6 +146,11 @@ def dry_run(
         from megarl.models.hf_config import _check_fp8_shapes
 
         _check_fp8_shapes(arch, cfg.parallel, cfg.precision)
+    if not cfg.algorithm.offline and cfg.rollout.kv_cache_memory_bytes is not None:
+        from megarl.rollout.engine import check_kv_cache
+
+        # the run's own check of a set KV budget (a null one is sized from the GPU at start)
+        check_kv_cache(arch, cfg.rollout, dtype=cfg.precision.dtype, gpu=True)
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without torch.distributed initialised")
     from torch.testing._internal.distributed.fake_pg import FakeStore
