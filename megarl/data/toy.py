@@ -115,10 +115,11 @@ def noisy(answer: str, rng: random.Random) -> str:
     return out
 
 
-def toy_score(text: str, answer: str) -> float:
-    """`toy_reward` of a response `text` that ended with `<eos>` (the formula there)."""
+def toy_score(text: str, answer: str, stopped: bool = True) -> float:
+    """`toy_reward` of one response `text` (`stopped`: it ended with `<eos>`; the formula
+    there)."""
     hits = sum(a == b for a, b in zip(text, answer, strict=False))
-    stop = 1 if len(text) == len(answer) else 0
+    stop = 1 if stopped and len(text) == len(answer) else 0
     return (hits + stop) / (max(len(text), len(answer)) + 1)
 
 
@@ -145,8 +146,8 @@ def toy_reward_model_rows(seed: int = 0, per_prompt: int = 3, gap: float = 0.15)
     garbage; a candidate is the answer a quarter of the time), drawn with Random(seed + 2): in
     ~18% of the pairs both responses are wrong. Ranking two wrong answers too (not only the answer
     above everything else) is what lets a policy climb the reward model's score towards the
-    answer: an RM taught only "correct > wrong" scored wrong answers it never saw (e.g. "2222")
-    at random, and PPO found them."""
+    answer: an RM taught only "correct > wrong" scores wrong answers it never saw ranked (e.g.
+    "2222") at random, and PPO finds them (docs/reward-models.md)."""
     rng = random.Random(seed + 2)
     out = []
     for r in toy_rows(seed):
@@ -217,13 +218,11 @@ def toy_reward(
     the decoded `completions` skip; without them every completion counts as stopped.
     """
     _check("toy_reward", completions, answer, completion_ids)
-    out = []
-    for (text, stopped), gold in zip(_responses(completions, completion_ids), answer, strict=True):
-        gold = str(gold)
-        hits = sum(a == b for a, b in zip(text, gold, strict=False))
-        stop = 1 if stopped and len(text) == len(gold) else 0
-        out.append((hits + stop) / (max(len(text), len(gold)) + 1))
-    return out
+    responses = _responses(completions, completion_ids)
+    return [
+        toy_score(text, str(gold), stopped)
+        for (text, stopped), gold in zip(responses, answer, strict=True)
+    ]
 
 
 def exact_match(
