@@ -18,6 +18,7 @@ import doctest
 import functools
 import io
 import json
+import logging
 import os
 import re
 import sys
@@ -54,6 +55,12 @@ def _captured(fn) -> tuple[int | None, str, object]:
     """(exit status or None, stdout + stderr, the value or `_Parsed`) of `fn()`."""
     out = io.StringIO()
     code, value = None, None
+    # the root logger's handlers keep the stream they were made with (the first job's buffer):
+    # point them at this job's for its duration
+    handlers = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler]
+    streams = [h.stream for h in handlers]
+    for handler in handlers:
+        handler.setStream(out)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             value = fn()
@@ -65,6 +72,9 @@ def _captured(fn) -> tuple[int | None, str, object]:
         except Exception as e:  # noqa: BLE001 - reported as the check's failure
             print(f"{type(e).__name__}: {e}", file=out)
             code = 1
+        finally:
+            for handler, stream in zip(handlers, streams, strict=True):
+                handler.setStream(stream)
     return code, out.getvalue(), value
 
 
@@ -193,8 +203,9 @@ def run_python(code: str) -> tuple[bool, str]:
 
 def in_one_process(jobs: list[dict], tmp: Path, timeout: float = 600) -> dict:
     """Run `jobs` in one child interpreter (`python -m tests.docs_worker`): {id: [ok, text,
-    seconds]}. Kind "cli": `{"id", "kind": "cli", "argv": [...]}`, a megarl command line run as
-    it is, ok = exit status 0, text = everything it printed."""
+    seconds]}. Kind "cli": `{"id", "kind": "cli", "argv": [...], "status": 0}`, a megarl command
+    line run as it is, ok = its exit status is `status`, text = everything it printed (logging
+    included) and then `[exit status N]`."""
     import subprocess
 
     (tmp / "jobs.json").write_text(json.dumps(jobs))
@@ -229,7 +240,8 @@ def main(argv: list[str]) -> int:
 
                     line = list(job["argv"])
                     code, text, _ = _captured(lambda: cli.run(cli.parse_args(line)))  # noqa: B023
-                    ok = code == 0
+                    ok = code == job.get("status", 0)
+                    text = f"{text}[exit status {code}]"
                 elif job["kind"] == "tool":
                     ok, text = _tool_check(job["argv"])
                 else:

@@ -1,15 +1,21 @@
-"""Input errors, tried as a new user would, through the command lines in a subprocess.
+"""Input errors, tried as a new user would, through the command lines.
 
 Each must end with exit status 2 and exactly one `megarl: error:` line naming the file / key /
 value, with no traceback, before the rollout engine starts (no `rollout_model/` written, no
 "vLLM engine up", well under 30 s), and the converter must leave no output directory (nor its
 hidden temporary sibling). `--debug` brings the traceback back.
+
+A few run as a user's process (`python -m megarl`, `tools/convert.py`, torchrun): what the
+interpreter prints at exit and the exit status it returns. The rest are the same command lines
+run one after the other in one child interpreter (`tests.docs_worker`, `megarl.cli.run` as the
+console script calls it, logging captured per command), so the imports are paid once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -17,6 +23,7 @@ import time
 
 import pytest
 
+from tests.docs_worker import in_one_process
 from tests.tiny import TINY_LLAMA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +45,12 @@ def _train(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
 
 def _assert_user_error(proc, seconds: float, *needles: str, out_dir=None) -> str:
     text = proc.stdout + proc.stderr
+    return _assert_error_text(proc.returncode, text, seconds, *needles, out_dir=out_dir)
+
+
+def _assert_error_text(code: int, text: str, seconds: float, *needles: str, out_dir=None) -> str:
     lines = [ln for ln in text.splitlines() if ln.startswith("megarl: error:")]
-    assert proc.returncode == 2, text[-3000:]
+    assert code == 2, text[-3000:]
     assert len(lines) == 1, text[-3000:]
     for needle in needles:
         assert needle in lines[0], lines[0]
@@ -58,34 +69,115 @@ def test_missing_data_file(tmp_path):
     _assert_user_error(proc, s, "data.path=", "nope.jsonl", "does not exist", out_dir=run)
 
 
-def test_corrupt_data_file(tmp_path):
-    bad = tmp_path / "prompts.jsonl"
-    bad.write_text('{"prompt": "1+2="}\n{"prompt": "2+2=", oops}\n')
-    proc, s = _train(tmp_path, "--set", f"data.path={bad}")
-    _assert_user_error(proc, s, "prompts.jsonl:2: invalid JSON", out_dir=tmp_path / "run")
-    binary = tmp_path / "binary.jsonl"
-    binary.write_bytes(b"\x00\xff\xfe garbage \x80\x81")
-    proc, s = _train(tmp_path, "--set", f"data.path={binary}")
-    _assert_user_error(proc, s, "binary.jsonl", "not UTF-8", out_dir=tmp_path / "run")
+def _corrupt_json(d) -> list[str]:
+    (d / "prompts.jsonl").write_text('{"prompt": "1+2="}\n{"prompt": "2+2=", oops}\n')
+    return ["--set", f"data.path={d / 'prompts.jsonl'}"]
 
 
-def test_unknown_reward_function(tmp_path):
-    proc, s = _train(tmp_path, "--set", "reward.functions=[toy, mathverify]")
-    _assert_user_error(proc, s, "reward.functions[1]", "'mathverify'", "'math_verify'", "'toy'")
-    proc, s = _train(tmp_path, "--set", "reward.functions=[no_such_pkg.rewards:fn]",
-                     "--set", "reward.weights=null")
-    _assert_user_error(proc, s, "cannot import 'no_such_pkg.rewards'")
+def _binary_data(d) -> list[str]:
+    (d / "binary.jsonl").write_bytes(b"\x00\xff\xfe garbage \x80\x81")
+    return ["--set", f"data.path={d / 'binary.jsonl'}"]
 
 
-def test_missing_hf_dir(tmp_path):
-    missing = tmp_path / "Llama-3-8B"
-    proc, s = _train(tmp_path, "--set", "model.config=null", "--set", f"model.hf={missing}")
-    _assert_user_error(proc, s, "model.hf=", "Llama-3-8B", "does not exist", "config.json")
+def _garbage_weights(d) -> list[str]:
+    hf = _hf_dir(d / "hf", safetensors=GARBAGE)
+    return ["--set", "model.config=null", "--set", f"model.hf={hf}", "--set", "model.tokenizer=toy"]
 
 
-def test_tp_larger_than_world_size(tmp_path):
-    proc, s = _train(tmp_path, "--set", "parallel.tensor_parallel=4")
-    _assert_user_error(proc, s, "parallel", "world size 1", "TP x PP x CP = 4 x 1 x 1")
+def _tampered_checkpoint(d) -> list[str]:
+    from tests.test_checkpoint_safety import write_payload_pickle
+
+    step = d / "run" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    write_payload_pickle(step / "trainer_state.pt", d / "pwned")
+    return []
+
+
+def _bad_yaml(d) -> list[str]:
+    (d / "run.yaml").write_text("trainer:\n  steps: 3\n   seed: 1\n")
+    return [str(d / "run.yaml")]
+
+
+def _args(*args: str):
+    return lambda d: list(args)
+
+
+# case -> (what it writes into its directory, returning the train arguments; what the one
+# error line must name)
+BATCH = {
+    "corrupt-json": (_corrupt_json, ["prompts.jsonl:2: invalid JSON"]),
+    "binary-data": (_binary_data, ["binary.jsonl", "not UTF-8"]),
+    "misspelt-reward": (_args("--set", "reward.functions=[toy, mathverify]"),
+                        ["reward.functions[1]", "'mathverify'", "'math_verify'", "'toy'"]),
+    "unimportable-reward": (_args("--set", "reward.functions=[no_such_pkg.rewards:fn]", "--set",
+                                  "reward.weights=null"), ["cannot import 'no_such_pkg.rewards'"]),
+    "missing-hf": (lambda d: ["--set", "model.config=null", "--set", f"model.hf={d}/Llama-3-8B"],
+                   ["model.hf=", "Llama-3-8B", "does not exist", "config.json"]),
+    "tp-over-world": (_args("--set", "parallel.tensor_parallel=4"),
+                      ["parallel", "world size 1", "TP x PP x CP = 4 x 1 x 1"]),
+    "unknown-key": (_args("--set", "trainer.stepz=3"),
+                    ["--set trainer.stepz=3", "unknown config key", "steps"]),
+    "override-syntax": (_args("--set", "trainer.steps"), ["'trainer.steps'", "expected key=value"]),
+    "override-yaml": (_args("--set", "reward.functions=[toy"),
+                      ["not valid YAML", "line 1, column 5"]),
+    "wrong-type": (_args("--set", "rollout.temperature=hot"),
+                   ["rollout.temperature='hot'", "a number"]),
+    "bad-value": (_args("--set", "algorithm.name=kto"),
+                  ["algorithm.name='kto'", "'grpo', 'ppo', 'sft'"]),
+    "missing-config": (_args("/no/such/config.yaml"), ["/no/such/config.yaml does not exist"]),
+    "missing-tokenizer": (_args("--set", "model.tokenizer=/no/tok"),
+                          ["model.tokenizer='/no/tok' does not exist"]),
+    "too-few-prompts": (_args("--set", "data.prompts_per_step=2000"),
+                        ["data.prompts_per_step=2000 > 1080 prompts"]),
+    "too-long": (_args("--set", "rollout.max_tokens=60"),
+                 ["rollout.max_tokens (60)", "max_position_embed"]),
+    "bad-yaml-file": (_bad_yaml, ["run.yaml: invalid YAML", "line 3"]),
+    "garbage-weights": (_garbage_weights, ["model.safetensors", "not a safetensors file"]),
+    "tampered-checkpoint": (_tampered_checkpoint,
+                            ["trainer_state.pt", "refusing to load", "trainer.resume=false"]),
+}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory) -> dict:
+    """case -> (exit status, everything it printed, seconds, its run directory)."""
+    root = tmp_path_factory.mktemp("user_errors")
+    jobs = []
+    for name, (prepare, _) in BATCH.items():
+        d = root / name
+        d.mkdir()
+        argv = ["train", *prepare(d), *QUIET, "--out", str(d / "run")]
+        jobs.append({"id": name, "kind": "cli", "status": 2, "argv": argv})
+    results = in_one_process(jobs, root)
+    out = {}
+    for name in BATCH:
+        _, text, seconds = results[name]
+        code = int(re.search(r"\[exit status (-?\d+)\]$", text).group(1))
+        out[name] = (code, text, seconds, root / name / "run")
+    return out
+
+
+def _check(batch, name: str) -> None:
+    code, text, seconds, run = batch[name]
+    _assert_error_text(code, text, seconds, *BATCH[name][1], out_dir=run)
+
+
+def test_corrupt_data_file(batch):
+    _check(batch, "corrupt-json")
+    _check(batch, "binary-data")
+
+
+def test_unknown_reward_function(batch):
+    _check(batch, "misspelt-reward")
+    _check(batch, "unimportable-reward")
+
+
+def test_missing_hf_dir(batch):
+    _check(batch, "missing-hf")
+
+
+def test_tp_larger_than_world_size(batch):
+    _check(batch, "tp-over-world")
 
 
 def _hf_dir(path, *, safetensors: bytes | None) -> str:
@@ -124,52 +216,27 @@ def test_convert_tp3(tmp_path):
 
 
 # ---------------------------------------------------------------- more ways to go wrong
-@pytest.mark.parametrize(
-    "args,needles",
-    [
-        (["--set", "trainer.stepz=3"], ["--set trainer.stepz=3", "unknown config key", "steps"]),
-        (["--set", "trainer.steps"], ["'trainer.steps'", "expected key=value"]),
-        (["--set", "reward.functions=[toy"], ["not valid YAML", "line 1, column 5"]),
-        (["--set", "rollout.temperature=hot"], ["rollout.temperature='hot'", "a number"]),
-        (["--set", "algorithm.name=kto"], ["algorithm.name='kto'", "'grpo', 'ppo', 'sft'"]),
-        (["/no/such/config.yaml"], ["/no/such/config.yaml does not exist"]),
-        (["--set", "model.tokenizer=/no/tok"], ["model.tokenizer='/no/tok' does not exist"]),
-        (["--set", "data.prompts_per_step=2000"], ["data.prompts_per_step=2000 > 1080 prompts"]),
-        (["--set", "rollout.max_tokens=60"], ["rollout.max_tokens (60)", "max_position_embed"]),
-    ],
-    ids=["unknown-key", "override-syntax", "override-yaml", "wrong-type", "bad-value",
-         "missing-config", "missing-tokenizer", "too-few-prompts", "too-long"],
-)
-def test_config_mistakes(tmp_path, args, needles):
-    proc, s = _train(tmp_path, *args)
-    _assert_user_error(proc, s, *needles)
+CONFIG_MISTAKES = ["unknown-key", "override-syntax", "override-yaml", "wrong-type", "bad-value",
+                   "missing-config", "missing-tokenizer", "too-few-prompts", "too-long"]
 
 
-def test_bad_yaml_file(tmp_path):
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text("trainer:\n  steps: 3\n   seed: 1\n")
-    proc, s = _train(tmp_path, str(cfg))
-    _assert_user_error(proc, s, "run.yaml: invalid YAML", "line 3")
+@pytest.mark.parametrize("name", CONFIG_MISTAKES)
+def test_config_mistakes(batch, name):
+    _check(batch, name)
 
 
-def test_hf_dir_with_garbage_weights_fails_before_the_model_is_built(tmp_path):
-    hf = _hf_dir(tmp_path / "hf", safetensors=GARBAGE)
-    proc, s = _train(tmp_path, "--set", "model.config=null", "--set", f"model.hf={hf}",
-                     "--set", "model.tokenizer=toy")
-    run = tmp_path / "run"
-    _assert_user_error(proc, s, "model.safetensors", "not a safetensors file", out_dir=run)
+def test_bad_yaml_file(batch):
+    _check(batch, "bad-yaml-file")
 
 
-def test_tampered_checkpoint_is_refused_before_anything_runs(tmp_path):
-    from tests.test_checkpoint_safety import write_payload_pickle
+def test_hf_dir_with_garbage_weights_fails_before_the_model_is_built(batch):
+    _check(batch, "garbage-weights")
 
-    step = tmp_path / "run" / "checkpoints" / "step_000001"
-    step.mkdir(parents=True)
-    marker = tmp_path / "pwned"
-    write_payload_pickle(step / "trainer_state.pt", marker)
-    proc, s = _train(tmp_path)
-    _assert_user_error(proc, s, "trainer_state.pt", "refusing to load", "trainer.resume=false")
-    assert not marker.exists()
+
+def test_tampered_checkpoint_is_refused_before_anything_runs(batch):
+    _check(batch, "tampered-checkpoint")
+    _, _, _, run = batch["tampered-checkpoint"]
+    assert not (run.parent / "pwned").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path):

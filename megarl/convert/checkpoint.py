@@ -270,6 +270,36 @@ def _check_arch(chunks, arch: ModelArch, where: str) -> None:
 
 
 # --------------------------------------------------------------------------- save / load
+def _default_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # a rank's stop handlers
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def fork_write_results_queue() -> None:
+    """Before the first `dist_checkpointing.save` of a process without CUDA: the queue on which
+    megatron-core's checkpoint writer processes report (`filesystem_async`) is served by a
+    multiprocessing manager that megatron starts with "spawn" (a CUDA context does not survive
+    a fork). A spawned manager is a fresh interpreter that imports torch to unpickle the first
+    results: 2-3 s of every run's first save on CPU. Without CUDA it is forked instead: the
+    same queue for the same writers (which megatron forks anyway), with the default signal
+    handlers, not the rank's stop handlers. Nothing changes with CUDA, or with another
+    megatron-core that has no such queue."""
+    if torch.cuda.is_initialized():
+        return
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        return  # made already (by megatron or here), or not this megatron-core
+    manager = SyncManager(ctx=mp.get_context("fork"))
+    manager.start(initializer=_default_signals)
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def _rank0_check(fn) -> None:
     """Run `fn()` on rank 0 and raise its error on every rank (no rank hangs in a barrier)."""
     err = [None]
@@ -317,6 +347,7 @@ def save_model_checkpoint(
     _rank0_check(prepare)
     dist.barrier()
     sd = _sharded_state_dict(chunks, arch)
+    fork_write_results_queue()
     try:
         dist_checkpointing.save(sd, tmp)
     except BaseException:
