@@ -249,6 +249,7 @@ def test_run_export_greedy_in_transformers_equals_the_runs_vllm(short_run):
 
 
 @pytest.mark.learning
+@pytest.mark.timeout(2700)  # ~10 min on 2 cores, alone
 def test_the_example_raises_held_out_accuracy_20_points_by_step_8(smol):
     """`megarl train examples/grpo_smollm2_arith_cpu.yaml` (seed 0) cut to its first 8 steps:
     held-out greedy accuracy at step 8 at least 20 points above step 0 (docs/real-model.md: 28

@@ -240,8 +240,13 @@ def _check_export(arch, out, naive, hf_dir, where, dtype) -> list[str]:
         for n in src.names:
             if n in want and not torch.equal(src.get(n), want[n]):
                 bad.append(f"{where} export {n} != source")
+    # the source's config, with the dtype the tensors were written in (a bf16 model: bfloat16)
+    written = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    want_cfg = {**arch.hf_config, "dtype": written}
+    if "torch_dtype" in arch.hf_config:
+        want_cfg["torch_dtype"] = written
     with open(os.path.join(out, "config.json")) as f:
-        if json.load(f) != arch.hf_config:
+        if json.load(f) != want_cfg:
             bad.append(f"{where} config.json")
     if not os.path.exists(os.path.join(out, "tokenizer_config.json")):
         bad.append(f"{where} tokenizer files not copied")
