@@ -1,9 +1,10 @@
 """megatron-core's checkpoint writers report on a queue served by a multiprocessing manager;
-without CUDA megarl forks that manager (`fork_write_results_queue`) instead of letting megatron
-spawn a fresh interpreter at the first save. Checked in a rank with a stop handler installed, as
-the trainer's ranks have: the queue is megatron's own global, made once, served by a forked
-process that has the default SIGTERM disposition (a stop request to the process group ends
-it), while the rank keeps its handler. Saves through it are checked by every test that resumes
+without CUDA megarl forks that manager in `init_distributed`, before any model exists
+(`fork_write_results_queue`), instead of letting megatron spawn a fresh interpreter at the
+first save. Checked in a rank with a stop handler installed, as the trainer's ranks have: the
+queue is megatron's own global, made once, served by a forked process that has the default
+SIGTERM disposition (a stop request to the process group ends it), while the rank keeps its
+handler. Saves through it are checked by every test that resumes
 a run bit for bit (tests/test_faults.py)."""
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def _queue_job(rank, world):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megarl.convert.checkpoint import fork_write_results_queue
+    from megarl.trainer.run import init_distributed
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # as the trainer's stop handler does
     before = filesystem_async._results_queue
-    fork_write_results_queue()
+    init_distributed()
     queue = filesystem_async._results_queue
     fork_write_results_queue()
     queue.put({"rank": rank})

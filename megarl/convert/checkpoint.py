@@ -278,14 +278,16 @@ def _default_signals() -> None:
 
 
 def fork_write_results_queue() -> None:
-    """Before the first `dist_checkpointing.save` of a process without CUDA: the queue on which
-    megatron-core's checkpoint writer processes report (`filesystem_async`) is served by a
-    multiprocessing manager that megatron starts with "spawn" (a CUDA context does not survive
-    a fork). A spawned manager is a fresh interpreter that imports torch to unpickle the first
-    results: 2-3 s of every run's first save on CPU. Without CUDA it is forked instead: the
-    same queue for the same writers (which megatron forks anyway), with the default signal
-    handlers, not the rank's stop handlers. Nothing changes with CUDA, or with another
-    megatron-core that has no such queue."""
+    """The queue on which megatron-core's checkpoint writer processes report
+    (`filesystem_async`) is served by a multiprocessing manager that megatron starts with
+    "spawn" at the first `dist_checkpointing.save` (a CUDA context does not survive a fork): a
+    fresh interpreter that imports torch to unpickle the first results, 2-3 s of every run's
+    first save on CPU. Without CUDA it is forked here instead: the same queue for the same
+    writers (which megatron forks anyway), with the default signal handlers, not the rank's stop
+    handlers. The trainer calls this in `init_distributed`, before any model exists: a manager
+    forked later would keep a copy-on-write snapshot of every page the run writes afterwards
+    (its weights, optimizer states). The converter calls it before its one save, at its end.
+    Nothing changes with CUDA initialised, or with a megatron-core that has no such queue."""
     if torch.cuda.is_initialized():
         return
     import multiprocessing as mp

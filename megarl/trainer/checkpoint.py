@@ -44,7 +44,6 @@ from megarl.convert.checkpoint import (
     IncompleteCheckpoint,
     check_dcp_complete,
     check_dcp_metadata,
-    fork_write_results_queue,
 )
 from megarl.models.builder import unwrap
 
@@ -166,7 +165,6 @@ def save(
     for _, opt in models.values():  # a run whose every update so far was skipped (NaN)
         if opt is not None:
             _materialize_optimizer_state(opt)
-    fork_write_results_queue()
     dist_checkpointing.save(_sharded(models, is_loading=False), tmp)
     if dist.get_rank() == 0:
         _write_trainer_state(os.path.join(tmp, STATE_FILE), trainer_state)

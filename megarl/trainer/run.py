@@ -73,6 +73,10 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, in
             )
         device.setup()
         dist.init_process_group(device.backend(), timeout=timeout, **attempt_store(timeout))
+    if not device.use_gpu():  # before any model exists (its docstring says why)
+        from megarl.convert.checkpoint import fork_write_results_queue
+
+        fork_write_results_queue()
     return dist.get_rank(), dist.get_world_size()
 
 
