@@ -35,7 +35,6 @@ Assumes a Llama-family HF directory that transformers, vLLM and megarl all load;
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -68,8 +67,11 @@ def parse_args(argv=None):
     return top.parse_args(argv)
 
 
-def sample_vllm(hf: str, prompt_ids: list[list[int]], n: int, max_tokens: int, seed: int):
-    """(completion token ids, vLLM bf16 logprobs of them) per sample; prompts repeated n times."""
+def sample_vllm(
+    hf: str, prompt_ids: list[list[int]], n: int, max_tokens: int, seed: int, stop: list[int]
+):
+    """(completion token ids, vLLM bf16 logprobs of them) per sample; prompts repeated n times;
+    each completion ends at a token of `stop` (the model's EOS: vLLM has no tokenizer here)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -88,7 +90,8 @@ def sample_vllm(hf: str, prompt_ids: list[list[int]], n: int, max_tokens: int, s
         seed=seed,
     )
     params = SamplingParams(
-        n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=seed, detokenize=False
+        n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=seed, detokenize=False,
+        stop_token_ids=stop,
     )
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
     ids, lps, owner = [], [], []
@@ -265,18 +268,24 @@ def logprobs(args) -> int:
     tok = AutoTokenizer.from_pretrained(args.hf)
     ds = PromptDataset.from_config(DataConfig(path=args.data, shuffle=False), tok)
     prompt_ids = [list(ds.prompt_ids[i]) for i in range(min(args.prompts, len(ds)))]
-    ids, vllm_lp, owner = sample_vllm(args.hf, prompt_ids, args.n, args.max_tokens, args.seed)
+    ids, vllm_lp, owner = sample_vllm(
+        args.hf, prompt_ids, args.n, args.max_tokens, args.seed, stop=[tok.eos_token_id]
+    )
     seqs = [prompt_ids[o] + c for o, c in zip(owner, ids, strict=True)]
     starts = [len(prompt_ids[o]) for o in owner]
     results = {"vllm_bf16": vllm_lp}
-    base = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
-    bf16 = base.to(torch.bfloat16)
-    ref = copy.deepcopy(bf16).float()  # fp32 compute on the bf16-rounded weights
+    # fp32 compute on the bf16-rounded weights. Only the parameters are rounded: casting the
+    # whole module would also round its rope buffer (inv_freq), which no system here does
+    ref = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
     results["transformers_fp32"] = hf_logprobs(ref, seqs, starts, fp32_head=False)
     del ref
+    bf16 = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.bfloat16)  # as users load
     results["transformers_bf16"] = hf_logprobs(bf16, seqs, starts, fp32_head=False)
     results["transformers_bf16_fp32_head"] = hf_logprobs(bf16, seqs, starts, fp32_head=True)
-    del bf16, base
+    del bf16
     gc.collect()
     for dtype, head, name in (
         ("fp32", False, "megatron_fp32"),
