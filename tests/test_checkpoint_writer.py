@@ -55,3 +55,41 @@ def test_write_results_queue_is_megatrons_forked_with_default_signals():
         "server_catches_term": False,
         "rank_catches_term": True,
     }
+
+
+def test_the_forked_manager_ends_with_a_rank_that_ends_without_atexit(tmp_path):
+    """A rank killed, or ended by the hang watchdog's os._exit, cannot shut its manager down:
+    the manager must notice and end (it would otherwise keep the rank's memory)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import os\n"
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
+        "from megarl.trainer.run import init_distributed\n"
+        "init_distributed()\n"
+        "print(fa._results_queue._manager._process.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:  # a file, not a pipe: a manager left alive would hold a pipe open
+        proc = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=300)  # fmt: skip
+    text = out.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    pid = int(text.split()[-1])
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(), f"manager {pid} outlived its rank"

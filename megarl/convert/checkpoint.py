@@ -270,11 +270,25 @@ def _check_arch(chunks, arch: ModelArch, where: str) -> None:
 
 
 # --------------------------------------------------------------------------- save / load
-def _default_signals() -> None:
+def _serve_for_parent() -> None:
+    """The forked manager's initializer: the default stop signals (not the rank's handlers),
+    and an exit as soon as the process that forked it is gone. A rank that ends without its
+    atexit hooks (SIGKILL, the hang watchdog's `os._exit`) cannot shut its manager down, and a
+    forked manager left behind would keep the rank's memory."""
     import signal
+    import threading
+    import time
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # a rank's stop handlers
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="megarl-parent-watch", daemon=True).start()
 
 
 def fork_write_results_queue() -> None:
@@ -283,11 +297,12 @@ def fork_write_results_queue() -> None:
     "spawn" at the first `dist_checkpointing.save` (a CUDA context does not survive a fork): a
     fresh interpreter that imports torch to unpickle the first results, 2-3 s of every run's
     first save on CPU. Without CUDA it is forked here instead: the same queue for the same
-    writers (which megatron forks anyway), with the default signal handlers, not the rank's stop
-    handlers. The trainer calls this in `init_distributed`, before any model exists: a manager
-    forked later would keep a copy-on-write snapshot of every page the run writes afterwards
-    (its weights, optimizer states). The converter calls it before its one save, at its end.
-    Nothing changes with CUDA initialised, or with a megatron-core that has no such queue."""
+    writers (which megatron forks anyway), with the default signal handlers and ending when the
+    rank is gone (`_serve_for_parent`). The trainer calls this in `init_distributed`, before any
+    model exists: a manager forked later would keep a copy-on-write snapshot of every page the
+    run writes afterwards (its weights, optimizer states). The converter calls it before its one
+    save, at its end. Nothing changes with CUDA initialised, or with a megatron-core that has no
+    such queue."""
     if torch.cuda.is_initialized():
         return
     import multiprocessing as mp
@@ -298,7 +313,7 @@ def fork_write_results_queue() -> None:
     if getattr(filesystem_async, "_results_queue", False) is not None:
         return  # made already (by megatron or here), or not this megatron-core
     manager = SyncManager(ctx=mp.get_context("fork"))
-    manager.start(initializer=_default_signals)
+    manager.start(initializer=_serve_for_parent)
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 

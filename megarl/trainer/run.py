@@ -72,12 +72,19 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, in
                 MASTER_PORT=str(free_port()),
             )
         device.setup()
+        _checkpoint_queue()  # before the group's sockets exist: the forked manager holds none
         dist.init_process_group(device.backend(), timeout=timeout, **attempt_store(timeout))
-    if not device.use_gpu():  # before any model exists (its docstring says why)
+    _checkpoint_queue()  # a group made by the caller (made once: a no-op after the one above)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _checkpoint_queue() -> None:
+    """On CPU, megatron's checkpoint-writer queue forked before any model exists (its
+    docstring says why)."""
+    if not device.use_gpu():
         from megarl.convert.checkpoint import fork_write_results_queue
 
         fork_write_results_queue()
-    return dist.get_rank(), dist.get_world_size()
 
 
 def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
