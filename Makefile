@@ -46,6 +46,7 @@ wheel-check: install
 	cd /tmp/megarl-wheel-run && $(WHEEL_VENV)/bin/python -c "import megarl, os; assert not os.path.abspath(megarl.__file__).startswith('$(CURDIR)'), megarl.__file__"
 	cd /tmp/megarl-wheel-run && $(WHEEL_VENV)/bin/megarl train --out run --set trainer.steps=2 \
 		--set logging.wandb=false && test -s run/metrics.jsonl && test -f run/reward.png
+	rm -rf $(WHEEL_VENV) /tmp/megarl-wheel-run  # ~4 GB
 	@echo "wheel-check: the wheel installs outside the checkout and trains"
 
 train: install
