@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import pytest
 import yaml
 
 from megarl.benchmarks import peer
@@ -221,3 +222,24 @@ def test_smollm2_suite_reports_time_to_target_and_a_ceiling_with_the_reference(m
     table = peer.markdown_table(records)
     assert "time to the held-out target: TRL best (fp32) / megarl best (bf16) = 2.67x" in table
     assert "train and logprobs passes at the GEMM floor" in table and "not reached" in table
+
+
+def test_steps_option_sets_each_runs_steps(monkeypatch):
+    """`--steps N` replaces the workload's step count (and --quick's) in every run."""
+    _patch(monkeypatch, "TRL is not installed")
+    seen = []
+    run = peer.RUNNERS["megarl"]
+    monkeypatch.setitem(
+        peer.RUNNERS, "megarl", lambda d, p, n, t, **kw: seen.append(n) or run(d, p, n, t)
+    )
+    records = peer.suite(argparse.Namespace(quick=True, steps=7, rounds=1, threads=1))
+    by_name = {r["name"]: r for r in records}
+    assert seen == [7, 7] and by_name["megarl_fp32_step_seconds"]["params"]["steps"] == 7
+
+
+def test_steps_below_the_warm_up_is_refused(capsys):
+    from megarl.benchmarks.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["--suite", "peer", "--steps", "2"])
+    assert err.value.code == 2 and "--steps 2: at least 3" in capsys.readouterr().err

@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         "with a reference pass and the time to a held-out accuracy",
     )
     p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="peer: RL steps of each run (default: the workload's; --quick: 4; at least 3, "
+        "as steps 1-2 are warm-up)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -56,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             records = json.load(f)
         print(f"report: {write_report(records, args.report)}")
         return 0
+    if args.steps is not None and args.steps < 3:
+        p.error(f"--steps {args.steps}: at least 3 (the peer suite's steps 1-2 are warm-up)")
     if not args.suite:
         p.error("--suite is required (or --from-json IN --report OUT.md)")
     everything = [n for n in sorted(SUITE_MODULES) if n not in OPT_IN_SUITES]

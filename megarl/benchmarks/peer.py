@@ -380,7 +380,9 @@ def suite(args) -> list[dict]:
         raise ValueError(f"--model {name!r}; accepted: {sorted(WORKLOADS)}")
     workload = WORKLOADS[name]()
     plan = workload.plan or PLAN
-    steps = workload.quick_steps if getattr(args, "quick", False) else workload.steps
+    steps = getattr(args, "steps", None) or (
+        workload.quick_steps if getattr(args, "quick", False) else workload.steps
+    )
     rounds = max(1, getattr(args, "rounds", 1) or 1)
     threads = getattr(args, "threads", None) or torch.get_num_threads()
     skips = planned_skips(plan)
