@@ -199,12 +199,6 @@ def writer(fig, st) -> None:
         if n.endswith(("embed_tokens.weight", "lm_head.weight"))
     )
     nan = sum(int(torch.isnan(t).sum()) for t in st.vllm.values())
-    # the padding rows, compared bitwise above, are zeros: here, that there are some
-    pad_zero = sum(
-        int(t[st.a.vocab_size :].eq(0).sum())
-        for n, t in st.vllm.items()
-        if n.endswith(("embed_tokens.weight", "lm_head.weight"))
-    )
     floor = nbytes / rate
     fig.update(
         bytes=nbytes,
@@ -212,8 +206,7 @@ def writer(fig, st) -> None:
         bitwise_equal=len(st.vllm) - len(bad),
         mismatched=bad[:5],
         nan_left=nan,
-        padding_zeros=pad_zero,
-        padding_expected=pad_rows * st.a.hidden_size,
+        padding_elements=pad_rows * st.a.hidden_size,  # zeros in the reference, compared above
         sync_s=secs,
         naive_s=naive_s,
         copy_GBps=rate / 1e9,
@@ -227,10 +220,10 @@ def writer(fig, st) -> None:
             f"{len(bad)} of {len(st.vllm)} vLLM tensors differ bitwise from the "
             f"naive copy, e.g. {bad[:3]}"
         )
-    if nan or pad_zero != pad_rows * st.a.hidden_size:
+    if nan:
         raise common.Fail(
-            f"{nan} NaN left in the vLLM tensors (the sync writes every element) and "
-            f"{pad_zero} of the {pad_rows * st.a.hidden_size} vocab-padding elements zero"
+            f"{nan} NaN left in the vLLM tensors: the sync writes every element, the "
+            f"{pad_rows * st.a.hidden_size} vocab-padding ones as zeros"
         )
 
 
