@@ -219,6 +219,7 @@ def test_smollm2_suite_reports_time_to_target_and_a_ceiling_with_the_reference(m
     assert best["ceiling_stages"] == ["train", "logprobs"]
     p = by["megarl_fp32_completion_tokens_per_s"]["params"]
     assert set(p["stage_floors"]) == {"train", "logprobs"}
+    assert p["max_new_tokens"] == s.MAX_TOKENS == 48  # the workload's, not the random one's
     table = peer.markdown_table(records)
     assert "time to the held-out target: TRL best (fp32) / megarl best (bf16) = 2.67x" in table
     assert "train and logprobs passes at the GEMM floor" in table and "not reached" in table

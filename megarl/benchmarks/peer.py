@@ -185,6 +185,7 @@ class Workload:
     reference: bool = False  # a reference (KL) forward pass every step, on both sides
     evals: bool = False  # held-out evaluations (time to a target accuracy)
     prompt_tokens: float = PROMPT_TOKENS  # mean tokens per prompt, for TRL's token count
+    max_new_tokens: int = MAX_TOKENS
 
 
 def _random_prepare(tmp: str) -> tuple[str, int]:
@@ -219,6 +220,7 @@ def _smollm2() -> Workload:
         reference=True,
         evals=True,
         prompt_tokens=s.PROMPT_TOKENS,
+        max_new_tokens=s.MAX_TOKENS,
     )
 
 
@@ -417,7 +419,7 @@ def suite(args) -> list[dict]:
         threads=threads,
         prompts=PROMPTS,
         samples_per_prompt=N,
-        max_new_tokens=MAX_TOKENS,
+        max_new_tokens=workload.max_new_tokens,
         date=time.strftime("%Y-%m-%d"),
     )
     out = [
