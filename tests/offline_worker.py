@@ -199,7 +199,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
     from megarl.trainer import offline
     from megarl.trainer.models import Models, Trained
     from megarl.trainer.stages import get_stage
-    from megarl.trainer.update import _step_metrics
+    from megarl.trainer.update import step_metrics
 
     torch.set_num_threads(1)
     arch = arch_from_hf(dirs["policy"])
@@ -244,7 +244,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
         rows = list(range(len(dataset)))
         share = len(rows) // groups.dp_size  # the sampler's contiguous share of the step
         mine = rows[groups.dp_rank * share : (groups.dp_rank + 1) * share]
-        batch = dataset.batch(mine, pad_id=0, pad_to=offline._pad_to(run))
+        batch = dataset.batch(mine, pad_id=0, pad_to=run.pad_to)
         batch["global_indices"] = rows
         stage.prepare(run, batch)
         zero_grads(actor)
@@ -255,7 +255,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
             forward_only=False,
             dp_size=groups.dp_size,
         )
-        metrics = offline.collect_metrics(run, stage, batch, _step_metrics(out, 1))
+        metrics = offline.collect_metrics(run, stage, batch, step_metrics(out, 1))
         full = gather_full_state(actor, grads=True)
         grads = dict(canonical_to_hf(arch, full.items())) if rank == 0 else {}
         results[variant, micro_batch_size] = {"metrics": metrics, "grads": grads}

@@ -141,7 +141,7 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
     from megarl.trainer import offline
     from megarl.trainer.models import Models, Trained
     from megarl.trainer.stages import get_stage
-    from megarl.trainer.update import _step_metrics
+    from megarl.trainer.update import step_metrics
 
     torch.set_num_threads(1)
     results = {}
@@ -195,7 +195,7 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
                     rows = list(range(len(dataset)))
                     share = len(rows) // groups.dp_size
                     mine = rows[groups.dp_rank * share : (groups.dp_rank + 1) * share]
-                    batch = dataset.batch(mine, pad_id=pad, pad_to=offline._pad_to(run))
+                    batch = dataset.batch(mine, pad_id=pad, pad_to=run.pad_to)
                     batch["global_indices"] = rows
                     stage.prepare(run, batch)
                     zero_grads(model)
@@ -206,7 +206,7 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
                         forward_only=False,
                         dp_size=groups.dp_size,
                     )
-                    metrics = offline.collect_metrics(run, stage, batch, _step_metrics(out, 1))
+                    metrics = offline.collect_metrics(run, stage, batch, step_metrics(out, 1))
                     full = gather_full_state(model, grads=True)
                     grads = dict(canonical_to_hf(arch, full.items())) if rank == 0 else {}
                     results[li, name, margin, mbs] = {"metrics": metrics, "grads": grads}

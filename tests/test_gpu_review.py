@@ -33,13 +33,13 @@ def test_fp16_loss_scale_overflow_is_not_counted_as_a_diverged_step(monkeypatch)
         def step(self):
             return False, None, None  # megatron: found_inf in the scaled grads, step skipped
 
-    applied, norm, overflow = update._step(Refusing(scaled=True), Sched(), True, None)
+    applied, norm, overflow = update.optimizer_step(Refusing(scaled=True), Sched(), True, None)
     assert (applied, overflow) == (False, True) and math.isnan(norm)
     # a non-finite loss is still a dropped step, not an overflow
-    applied, _, overflow = update._step(Refusing(scaled=True), Sched(), False, None)
+    applied, _, overflow = update.optimizer_step(Refusing(scaled=True), Sched(), False, None)
     assert (applied, overflow) == (False, False)
     # bf16 / fp32 (no grad scaler): a refused step stays a skipped step
-    _, _, overflow = update._step(Refusing(scaled=False), Sched(), True, None)
+    _, _, overflow = update.optimizer_step(Refusing(scaled=False), Sched(), True, None)
     assert overflow is False
 
 

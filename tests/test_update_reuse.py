@@ -36,13 +36,16 @@ def job(rank: int, world: int, layout: dict) -> dict:
     from megarl.trainer import update
 
     torch.set_num_threads(1)
-    cfg = build(RunConfig, {
-        "model": {"config": TINY_LLAMA},
-        "parallel": layout,
-        "optim": {"lr": 1e-2, "adam_eps": 1e-4},
-        "rollout": {"n": 4, "temperature": 0.9, "max_tokens": 12},
-        "algorithm": {"entropy_coef": 0.01, "micro_batch_size": 3},
-    })
+    cfg = build(
+        RunConfig,
+        {
+            "model": {"config": TINY_LLAMA},
+            "parallel": layout,
+            "optim": {"lr": 1e-2, "adam_eps": 1e-4},
+            "rollout": {"n": 4, "temperature": 0.9, "max_tokens": 12},
+            "algorithm": {"entropy_coef": 0.01, "micro_batch_size": 3},
+        },
+    )
     assert not update.recompute_old_logprobs(cfg.algorithm)
     assert not update.recompute_old_logprobs(dataclasses.replace(cfg.algorithm, tis_cap=2.0))
     arch = arch_from_hf(TINY_LLAMA)
@@ -53,13 +56,13 @@ def job(rank: int, world: int, layout: dict) -> dict:
     # sampler logprobs around the tiny model's own (~ -ln 250): TIS weights on both sides of 1
     sampler = [(-6.0 + torch.rand(n, generator=g)).tolist() for n in LENGTHS]
     grads = {}
-    original_step = update._step
+    original_step = update.optimizer_step
 
     def capture(optimizer, scheduler, loss_ok, groups_):
         grads[mode] = gather_full_state(actor, grads=True)
         return original_step(optimizer, scheduler, loss_ok, groups_)
 
-    update._step = capture
+    update.optimizer_step = capture
     out = {}
     for mode in ("recompute", "reuse", "budget", "recompute_tis", "reuse_tis"):
         alg = cfg.algorithm
@@ -75,15 +78,30 @@ def job(rank: int, world: int, layout: dict) -> dict:
         batch["old_logprobs"] = None
         if mode.startswith("recompute"):
             batch["old_logprobs"] = xp.forward_logprobs(
-                actor, batch, micro_batch_size=3, vocab_size=arch.vocab_size, groups=groups,
+                actor,
+                batch,
+                micro_batch_size=3,
+                vocab_size=arch.vocab_size,
+                groups=groups,
                 temperature=0.9,
             )
         metrics = update.train_policy(
-            actor, opt, sched, batch, alg=alg, rollout=cfg.rollout,
-            vocab_size=arch.vocab_size, groups=groups, seed=5,
+            actor,
+            opt,
+            sched,
+            batch,
+            alg=alg,
+            rollout=cfg.rollout,
+            vocab_size=arch.vocab_size,
+            groups=groups,
+            seed=5,
         ).reduce(groups.dp)
-        out[mode] = {"metrics": metrics, "old": batch["old_logprobs"], "grads": grads[mode],
-                     "mask": batch["loss_mask"]}
+        out[mode] = {
+            "metrics": metrics,
+            "old": batch["old_logprobs"],
+            "grads": grads[mode],
+            "mask": batch["loss_mask"],
+        }
     return out
 
 

@@ -28,7 +28,6 @@ from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import SAMPLES_FILE
 from megarl.metrics.timer import StageTimer
-from megarl.models.forward import sequence_multiple
 from megarl.models.routing import moe_metrics
 from megarl.trainer import experience as xp
 from megarl.trainer.evaluate import evaluate
@@ -70,8 +69,8 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             rollout.prompt_ids,
             rollout.response_ids,
             rollout.response_logprobs,
-            pad_id=_pad_id(run),
-            pad_to=_pad_to(run),
+            pad_id=run.pad_id,
+            pad_to=run.pad_to,
             routed_experts=rollout.routed_experts,  # MoE routing replay; None otherwise
         )
         with timer("logprobs"):
@@ -169,7 +168,7 @@ def forward_passes(run: Run, batch: dict) -> None:
     split = dict(
         micro_batch_size=alg.micro_batch_size,
         groups=g,
-        pad_to=_pad_to(run),
+        pad_to=run.pad_to,
         max_tokens=alg.max_tokens_per_micro_batch,
     )
     kw = dict(split, vocab_size=run.arch.vocab_size, temperature=run.cfg.rollout.temperature)
@@ -243,7 +242,7 @@ def update(run: Run, batch: dict) -> LocalMetrics:
                 alg=alg,
                 groups=g,
                 seed=seed,
-                pad_to=_pad_to(run),
+                pad_to=run.pad_to,
             )
         )
     if _trains_policy(run):
@@ -258,7 +257,7 @@ def update(run: Run, batch: dict) -> LocalMetrics:
                 vocab_size=run.arch.vocab_size,
                 groups=g,
                 seed=seed,
-                pad_to=_pad_to(run),
+                pad_to=run.pad_to,
             )
         )
     return metrics
@@ -405,15 +404,3 @@ def export_hf(run: Run, out: str, role: str = "actor") -> None:
         overwrite=True,
     )
     dist.barrier()
-
-
-def _pad_id(run: Run) -> int:
-    tok = run.tokenizer
-    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-
-
-def _pad_to(run: Run) -> int:
-    prec = run.cfg.precision
-    return sequence_multiple(
-        run.groups.tp_size, run.cfg.parallel.sequence_parallel, prec.fp8 and prec.fp8_recipe
-    )

@@ -36,7 +36,7 @@ from megarl.metrics.timer import StageTimer
 from megarl.models import forward
 from megarl.models.optim import zero_grads
 from megarl.trainer.faults import RunGuard
-from megarl.trainer.loop import _pad_id, _pad_to, finish, stop_if_diverged
+from megarl.trainer.loop import finish, stop_if_diverged
 from megarl.trainer.model_source import resolve_model
 from megarl.trainer.models import build_models, build_trained_reward
 from megarl.trainer.run import (
@@ -54,8 +54,7 @@ from megarl.trainer.run import (
     write_config,
 )
 from megarl.trainer.stages import get_stage
-from megarl.trainer.update import _step as optimizer_step
-from megarl.trainer.update import _step_metrics as step_metrics
+from megarl.trainer.update import optimizer_step, step_metrics
 
 log = logging.getLogger("megarl")
 
@@ -220,7 +219,7 @@ def next_batch(run: Run) -> dict:
     """This DP rank's rows of the next step, collated; `denominator`: the stage's global loss
     denominator over the whole step (all DP ranks)."""
     local = run.data.sampler.next_step()
-    batch = run.data.dataset.batch(local, pad_id=_pad_id(run), pad_to=_pad_to(run))
+    batch = run.data.dataset.batch(local, pad_id=run.pad_id, pad_to=run.pad_to)
     batch["global_indices"] = list(run.data.sampler.last_global_indices)
     return batch
 
@@ -251,7 +250,7 @@ def _micro_batches(run: Run, stage, batch: dict) -> list[dict]:
     return split_micro_batches(
         fields,
         alg.micro_batch_size,
-        pad_to_multiple=_pad_to(run),
+        pad_to_multiple=run.pad_to,
         max_tokens=alg.max_tokens_per_micro_batch,
         together=batch[stage.together_key] if stage.together_key else None,
     )
@@ -276,7 +275,7 @@ def evaluate(run: Run, stage) -> dict:
     local = LocalMetrics()
     for start in range(0, len(mine), per_chunk):
         rows = mine[start : start + per_chunk]
-        batch = held.batch(rows, pad_id=_pad_id(run), pad_to=_pad_to(run))
+        batch = held.batch(rows, pad_id=run.pad_id, pad_to=run.pad_to)
         stage.prepare(run, batch)
         with torch.no_grad():
             out = forward.run(

@@ -28,6 +28,7 @@ from megarl.config import ConfigError, RunConfig, to_dict
 from megarl.distributed import Topology, device
 from megarl.distributed.topology import Groups, TopologyError
 from megarl.metrics.sinks import set_aside_previous_run
+from megarl.models.forward import sequence_multiple
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.trainer import checkpoint
 from megarl.trainer.evaluate import Evaluator, check_eval
@@ -295,6 +296,20 @@ class Run:
             self.reward_model.load_state_dict(state.get("reward_model_stats"))
         self.logger.truncate_after(self.step)
         log.info("resumed from %s at step %d", path, self.step)
+
+    @property
+    def pad_id(self) -> int:
+        """The token that pads sequences: the tokenizer's pad, else its EOS, else 0."""
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    @property
+    def pad_to(self) -> int:
+        """Sequences are padded to a multiple of this (sequence parallelism, FP8 recipes)."""
+        prec = self.cfg.precision
+        return sequence_multiple(
+            self.groups.tp_size, self.cfg.parallel.sequence_parallel, prec.fp8 and prec.fp8_recipe
+        )
 
     def close(self) -> None:
         self.logger.close()

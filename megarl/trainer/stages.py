@@ -158,7 +158,6 @@ class DPO(_PolicyStage):
         if not self.reference:
             return
         from megarl.trainer.experience import forward_logprobs
-        from megarl.trainer.loop import _pad_to
 
         lp = forward_logprobs(
             run.models.reference,
@@ -167,7 +166,7 @@ class DPO(_PolicyStage):
             vocab_size=run.arch.vocab_size,
             groups=run.groups,
             temperature=1.0,
-            pad_to=_pad_to(run),
+            pad_to=run.pad_to,
             max_tokens=self.alg.max_tokens_per_micro_batch,
         )
         rows = batch["tokens"].shape[0]

@@ -73,7 +73,7 @@ def _shares(metrics: dict, loss: torch.Tensor, mask: torch.Tensor, tokens: float
     return out
 
 
-def _step_metrics(outputs: list[dict], steps: int) -> LocalMetrics:
+def step_metrics(outputs: list[dict], steps: int) -> LocalMetrics:
     """One optimizer step's micro-batch metrics, pre-divided by the number of steps (so the
     LocalMetrics of all steps add up to the mean over steps)."""
     lm = LocalMetrics()
@@ -86,7 +86,7 @@ def _step_metrics(outputs: list[dict], steps: int) -> LocalMetrics:
     return lm
 
 
-def _step(optimizer, scheduler, loss_ok: bool, groups) -> tuple[bool, float, bool]:
+def optimizer_step(optimizer, scheduler, loss_ok: bool, groups) -> tuple[bool, float, bool]:
     """Optimizer step unless any rank saw a non-finite loss (then the grads are dropped).
     Returns (applied, grad norm, overflow): `overflow` is an fp16 step the optimizer itself
     skipped because its dynamic loss scale overflowed (the scale backs off; expected while it
@@ -257,8 +257,8 @@ def _optimizer_steps(
             out = forward.run(model, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
             # the mini-batch loss is the sum of the micro-batch shares
             loss = sum(float(m[loss_key]) for m in out) if out else 0.0
-            steps.append(_step(optimizer, scheduler, math.isfinite(loss), groups))
-            metrics.update(_step_metrics(out, total))
+            steps.append(optimizer_step(optimizer, scheduler, math.isfinite(loss), groups))
+            metrics.update(step_metrics(out, total))
             if on_output is not None:
                 on_output(out, rows)
     # the grad norm is global (megatron reduces it over the model), so equal on every rank
