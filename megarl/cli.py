@@ -217,7 +217,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from megarl.trainer import loop, offline
-    from megarl.trainer.loop import TrainingDiverged
+    from megarl.trainer.finish import TrainingDiverged
     from megarl.trainer.run import init_distributed
 
     train = offline.train if cfg.algorithm.offline else loop.train
@@ -260,7 +260,8 @@ def _out_dir(out: str | None, stem: str) -> str:
 
 def _eval(args: argparse.Namespace) -> int:
     from megarl.config import ConfigError, load_config
-    from megarl.trainer.evaluate import evaluate_model, model_overrides, require_held_out, summary
+    from megarl.trainer.eval_command import evaluate_model, model_overrides, require_held_out
+    from megarl.trainer.evaluate import summary
 
     target, config, overrides = args.target, args.config_file, list(args.overrides)
     is_config = os.path.isfile(target) and target.endswith((".yaml", ".yml"))

@@ -36,8 +36,11 @@ WAIT_S = 300.0
 def _env() -> tuple[list[dict], str, int, int]:
     plan = json.loads(os.environ.get("FAULT_PLAN", "[]"))
     events = os.environ["FAULT_EVENTS"]
-    return plan, events, int(os.environ.get("RANK", 0)), int(
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+    return (
+        plan,
+        events,
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     )
 
 
@@ -93,8 +96,7 @@ def _at_stage(where: str, fn):
 
 def install() -> None:
     from megarl import console
-    from megarl.trainer import checkpoint, loop
-    from megarl.trainer.run import Run
+    from megarl.trainer import checkpoint, loop, recipe
 
     _, events, rank, attempt = _env()
     os.makedirs(events, exist_ok=True)
@@ -112,14 +114,14 @@ def install() -> None:
     for where, name in stages.items():
         setattr(loop, name, _at_stage(where, getattr(loop, name)))
 
-    create = Run.create
+    build_run = recipe.build_run
 
-    def create_then_act(cfg, out_dir):
-        run = create(cfg, out_dir)
+    def build_then_act(cfg, out_dir, stage):
+        run = build_run(cfg, out_dir, stage)
         _act("setup", 0, out_dir)
         return run
 
-    Run.create = staticmethod(create_then_act)
+    recipe.build_run = build_then_act
     commit = checkpoint._commit
 
     def commit_with_faults(tmp: str, final: str) -> None:

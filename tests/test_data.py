@@ -239,15 +239,31 @@ def _ids(tok, text: str, eos: bool = True) -> list[int]:
 
 def test_toy_reward_values():
     tok = toy_tokenizer()
-    responses = [("371", True), ("371", False), ("3712", True), ("37", True), ("9", True),
-                 ("", True), ("", False), ("37177777", False)]
+    responses = [
+        ("371", True),
+        ("371", False),
+        ("3712", True),
+        ("37", True),
+        ("9", True),
+        ("", True),
+        ("", False),
+        ("37177777", False),
+    ]
     ids = [_ids(tok, t, eos) for t, eos in responses]
     texts = tok.batch_decode(ids, skip_special_tokens=True)  # what the trainer passes
     n = len(ids)
     got = toy_reward(["copy 371="] * n, texts, answer=["371"] * n, completion_ids=ids)
     assert got == pytest.approx([1.0, 0.75, 0.6, 0.5, 0.0, 0.0, 0.0, 3 / 9])
     assert exact_match(["copy 371="] * n, texts, answer=["371"] * n, completion_ids=ids) == [
-        1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
     # a special token inside the response is never a digit
     inner = _ids(tok, "3", eos=False) + [tok.pad_token_id] + _ids(tok, "1")
     assert toy_reward(["p"], ["31"], answer=["371"], completion_ids=[inner]) == [0.75]
@@ -266,13 +282,19 @@ def test_toy_reward_through_scoring():
     """The default's reward setup: the shaped reward counts, exact match is only logged."""
     from megarl.config import load_config
     from megarl.rewards import score
-    from megarl.trainer.run import _reward_functions
+    from megarl.rewards.scorer import load_functions
 
     cfg = load_config()
-    fns = _reward_functions(cfg)
+    fns = load_functions(cfg.reward)
     tok = toy_tokenizer()
     ids = [_ids(tok, "12"), _ids(tok, "13")]
-    total, per_fn, _ = score(fns, cfg.reward.weights, ["copy 12=", "copy 12="], ["12", "13"],
-                             ids, {"answer": ["12", "12"]})
+    total, per_fn, _ = score(
+        fns,
+        cfg.reward.weights,
+        ["copy 12=", "copy 12="],
+        ["12", "13"],
+        ids,
+        {"answer": ["12", "12"]},
+    )
     assert total.tolist() == pytest.approx([1.0, 2 / 3])
     assert per_fn["exact_match"].tolist() == [1.0, 0.0]

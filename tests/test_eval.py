@@ -21,7 +21,8 @@ from megarl.data.toy import toy_rows, toy_tokenizer
 from megarl.metrics import MetricsLogger, StepProgress
 from megarl.metrics.plots import eval_series, plot_rewards
 from megarl.metrics.progress import format_sample
-from megarl.trainer.evaluate import Evaluator, model_overrides, model_source, pass_at_k
+from megarl.trainer.eval_command import model_overrides, model_source
+from megarl.trainer.evaluate import Evaluator, evaluation_due, pass_at_k
 from megarl.trainer.samples import candidates, pick, priority
 
 
@@ -129,8 +130,11 @@ def test_pass_k_defaults_to_1_and_n():
 
 def test_eval_is_due_at_step_0_every_e_steps_and_after_the_last():
     cfg = load_config(None, ["eval.every=3", "eval.fraction=0.1", "trainer.steps=7"])
-    ev = Evaluator(cfg, None, None, None, [], None)
+    ev = Evaluator(cfg, None, None, None, None, None)
     assert [s for s in range(8) if ev.due(s)] == [0, 3, 6, 7]
+    assert [s for s in range(8) if evaluation_due(s, cfg.eval, 7)] == [0, 3, 6, 7]
+    never = load_config(None, ["eval.every=0", "eval.fraction=0.1"]).eval
+    assert not any(evaluation_due(s, never, 7) for s in range(8))  # 0 = no evaluation
 
 
 # ---------------------------------------------------------------- which samples are shown

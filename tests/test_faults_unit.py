@@ -450,13 +450,14 @@ def test_the_update_takes_its_policy_loss_from_the_registry(monkeypatch):
 
 def critic_job(rank: int, world: int) -> dict:
     from megarl.trainer import loop
+    from megarl.trainer.finish import count_bad_step
     from tests.test_metrics_global import _config  # the tiny PPO setup of the DP1/DP2 test
 
     run, batch = _ppo_run(_config("ppo"))
     batch["returns"] = torch.full_like(batch["returns"], float("nan"))  # a diverged critic
     metrics = loop.update(run, batch).reduce(run.groups.dp)
     counter = SimpleNamespace(bad_steps=0, step=1, cfg=run.cfg)
-    loop._bad_step(counter, metrics)
+    count_bad_step(counter, metrics)
     return {"metrics": metrics, "bad_steps": counter.bad_steps}
 
 
@@ -495,7 +496,7 @@ def _ppo_run(cfg):
         reference=make("reference", state),
         critic=Trained(critic, critic_opt, critic_sched),
     )
-    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models)
+    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models, pad_to=1)
     loop.forward_passes(run, batch)
     loop.advantages(run, batch, torch.tensor(REWARDS), torch.tensor([i // 4 for i in
                                                                      range(len(LENGTHS))]))

@@ -63,7 +63,7 @@ def test_gguf_to_hf_is_the_dequantized_model_with_tokenizer_and_configs(tiny, tm
 
 def test_model_hf_gguf_is_converted_once_into_the_cache(tiny, tmp_path, monkeypatch, caplog):
     from megarl.trainer.model_source import resolve_model
-    from megarl.trainer.run import check_paths, load_arch
+    from megarl.trainer.recipe import check_paths, load_arch
 
     path, _ = tiny
     monkeypatch.setenv("MEGARL_CACHE", str(tmp_path / "cache"))
@@ -104,7 +104,7 @@ def test_model_hf_gguf_is_converted_by_rank_0_while_the_others_wait(tiny, tmp_pa
 
 
 def test_a_file_that_is_not_gguf_is_one_clear_error(tmp_path):
-    from megarl.trainer.run import check_paths
+    from megarl.trainer.recipe import check_paths
 
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")

@@ -65,6 +65,7 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     from megarl.distributed import Topology
     from megarl.metrics.reduce import LocalMetrics
     from megarl.models.builder import build_model
+    from megarl.models.forward import sequence_multiple
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
     from megarl.rollout.engine import Rollout
@@ -112,6 +113,7 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
         groups=groups,
         arch=arch,
         step=0,
+        pad_to=sequence_multiple(groups.tp_size, cfg.parallel.sequence_parallel, None),
         models=Models(
             actor=Trained(actor, opt, sched),
             reference=make("reference", ref_state),

@@ -260,7 +260,7 @@ def test_a_bad_row_stops_the_run_before_any_model_is_built(tmp_path):
 
 def test_offline_plot_and_epochs(tmp_path):
     from megarl.metrics.plots import plot_offline
-    from megarl.trainer.offline import _resolve_steps
+    from megarl.trainer.stages import get_stage
 
     lines = [{"step": 0, "eval/loss": 0.69, "eval/preference_accuracy": 0.6}]
     lines += [
@@ -281,6 +281,9 @@ def test_offline_plot_and_epochs(tmp_path):
     path.write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")
     with pytest.raises(ValueError, match="no step has a numeric 'loss'"):
         plot_offline(path, tmp_path / "none.png")
-    cfg = load_config(None, ["trainer.epochs=2.5", "data.prompts_per_step=32"])
-    assert _resolve_steps(cfg, 100).trainer.steps == 8  # ceil(2.5 x 100 / 32)
-    assert _resolve_steps(load_config(None, ["trainer.steps=7"]), 100).trainer.steps == 7
+    cfg = load_config(
+        None, ["algorithm.name=sft", "trainer.epochs=2.5", "data.prompts_per_step=32"]
+    )
+    stage, rows = get_stage(cfg.algorithm), [None] * 100
+    assert stage.resolve(cfg, rows).trainer.steps == 8  # ceil(2.5 x 100 / 32)
+    assert stage.resolve(load_config(None, ["trainer.steps=7"]), rows).trainer.steps == 7

@@ -17,6 +17,7 @@ plain text. Token ids are computed once here; rollout feeds them to the engine d
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -342,6 +343,15 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    def subset(self, indices: list[int]) -> PromptDataset:
+        """The prompts at `indices`, in that order, as a dataset of their own."""
+        out = copy.copy(self)
+        out.prompt_ids = [self.prompt_ids[i] for i in indices]
+        out.prompts = [self.prompts[i] for i in indices]
+        out.columns = {n: [col[i] for i in indices] for n, col in self.columns.items()}
+        out.source_rows = [self.source_rows[i] for i in indices]
+        return out
 
     def batch(self, indices: list[int]) -> PromptBatch:
         """The prompts at `indices` (e.g. `PromptSampler.next_step()`)."""

@@ -68,3 +68,13 @@ class LocalMetrics:
         out.update(zip(max_keys, peak.tolist(), strict=True))
         out.update(self.same)
         return out
+
+
+def from_last_stage(values: dict, pp_group, pp_size: int) -> dict:
+    """`values` of the last pipeline stage (the only one that computes losses) on every rank of
+    `pp_group` (collective over it; `pp_size` its size)."""
+    held = [values]
+    dist.broadcast_object_list(
+        held, src=dist.get_global_rank(pp_group, pp_size - 1), group=pp_group
+    )
+    return held[0]

@@ -115,7 +115,7 @@ def plan(
     8 GPUs per node). `device="cpu"` plans a CPU run (local layers, vLLM's CPU KV cache, no CUDA
     runtime) for comparison with measurements. User errors raise `ConfigError`."""
     from megarl.trainer.dry_run import _check_model_source, dry_run
-    from megarl.trainer.run import load_arch
+    from megarl.trainer.recipe import load_arch
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: accepted: a number of GPUs >= 1")

@@ -129,7 +129,7 @@ def dry_run(
 ) -> DryRun:
     """Validate `cfg`'s layout for `world_size` ranks and build rank `rank`'s chunks on the meta
     device; raises `TopologyError` / `ConfigError` (user errors) for what cannot work."""
-    from megarl.trainer.run import load_arch
+    from megarl.trainer.recipe import load_arch
 
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size}: accepted: a number of ranks >= 1")

@@ -26,8 +26,7 @@ every prompt would compute them; `megarl.metrics.reduce`):
 The first `eval.samples_logged` prompts' samples go to `RUN/eval_samples.jsonl`, gathered to
 global rank 0 from one rank per DP rank.
 
-`megarl eval` (`evaluate_model`) runs one evaluation of a model without training: it builds only
-the policy (frozen, no optimizer), the engine and its weight sync.
+`megarl eval` (`megarl.trainer.eval_command`) runs one evaluation of a model without training.
 """
 
 from __future__ import annotations
@@ -35,21 +34,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megarl.config import ConfigError, RunConfig
+from megarl.data.dataset import PromptDataset
+from megarl.distributed.topology import Groups
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import EVAL_SAMPLES_FILE
+from megarl.rewards.scorer import Scorer
 from megarl.trainer.samples import gather_rows
+from megarl.trainer.seeds import eval_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megarl.rollout.dispatch import RolloutDispatcher
 
 log = logging.getLogger("megarl")
-
-EVAL_SEED = 1 << 40
-"""Base seed of evaluation sampling (+ trainer.seed), apart from the training steps' seeds."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -82,35 +87,30 @@ def check_eval(cfg: RunConfig, arch) -> None:
         )
 
 
+def evaluation_due(step: int, ev, last_step: int) -> bool:
+    """The one rule of when a run evaluates (`eval.every` = e): with e > 0, at step 0 (before
+    any update), at every step divisible by e and after the last step; e = 0: never. RL runs
+    evaluate through the engine (`Evaluator`), offline stages by forward passes."""
+    return ev.every > 0 and (step % ev.every == 0 or step == last_step)
+
+
 @dataclasses.dataclass
 class Evaluator:
-    """One run's held-out evaluation (module docstring); `run(step)` is collective."""
+    """One run's held-out evaluation (module docstring); `evaluate(step)` is collective."""
 
     cfg: RunConfig
-    prompts: object
-    """The held-out `PromptDataset`, already cut to `eval.max_prompts`."""
-    dispatcher: object
-    tokenizer: object
-    reward_fns: list
-    groups: object
-
-    @staticmethod
-    def create(cfg: RunConfig, held_out, dispatcher, tokenizer, reward_fns, groups):
-        if held_out is None:
-            return None
-        cap = cfg.eval.max_prompts
-        if cap is not None and cap < len(held_out):
-            held_out = _first(held_out, cap)
-        return Evaluator(cfg, held_out, dispatcher, tokenizer, reward_fns, groups)
+    prompts: PromptDataset
+    """The held-out prompts, already cut to `eval.max_prompts`."""
+    dispatcher: RolloutDispatcher
+    tokenizer: PreTrainedTokenizerBase
+    scorer: Scorer
+    groups: Groups
 
     def due(self, step: int) -> bool:
-        every, last = self.cfg.eval.every, self.cfg.trainer.steps
-        return every > 0 and (step % every == 0 or step == last)
+        return evaluation_due(step, self.cfg.eval, self.cfg.trainer.steps)
 
-    def run(self, step: int) -> tuple[dict, list[dict]]:
+    def evaluate(self, step: int) -> tuple[dict, list[dict]]:
         """(global eval/... figures, eval_samples rows on global rank 0, [] elsewhere)."""
-        from megarl.rewards import score
-
         t0 = time.perf_counter()
         ev, g = self.cfg.eval, self.groups
         total = len(self.prompts)
@@ -119,7 +119,7 @@ class Evaluator:
         rollout = self.dispatcher.generate(
             [self.prompts.prompt_ids[i] for i in mine],
             list(mine),
-            EVAL_SEED + self.cfg.trainer.seed,
+            eval_seed(self.cfg.trainer.seed),
             n=ev.n,
             greedy=greedy,
             temperature=None if greedy else ev.temperature,
@@ -130,23 +130,25 @@ class Evaluator:
         rows = []
         if len(rollout):
             texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-            batch = self.prompts.batch(index)
-            totals, per_fn, errors = score(
-                self.reward_fns,
-                self.cfg.reward.weights,
-                batch.prompts,
+            prompts = self.prompts.batch(list(mine))
+            scores = self.scorer.score(
+                prompts,
+                rollout,
                 texts,
-                rollout.response_ids,
-                batch.columns,
-                on_error=self.cfg.reward.on_error,
+                prefix="eval",
+                errors_key="eval/reward_errors",
+                model=False,
+                penalty=False,
             )
-            local.add_sum("eval/reward_errors", errors)
-            passed = self._passes(per_fn)
-            self._figures(local, index, totals, per_fn, passed, rollout)
-            rows = self._rows(index, batch, texts, totals, per_fn, passed, rollout)
+            local.update(scores.metrics)
+            passed = self._passes(scores.per_function)
+            self._figures(local, index, scores.total, passed, rollout)
+            rows = self._rows(index, prompts, texts, scores, passed, rollout)
         else:  # a DP rank without held-out prompts: zeros, the same keys
             local.add_sum("eval/reward_errors", 0)
-            self._figures(local, [], torch.zeros(0), self._empty_fns(), torch.zeros(0), rollout)
+            for name in self.scorer.names():
+                local.add_ratio(f"eval/{name}", 0.0, 0)
+            self._figures(local, [], torch.zeros(0), torch.zeros(0), rollout)
         local.add_max("eval/time_s", time.perf_counter() - t0)
         out = local.reduce(g.dp)
         cp_rank = dist.get_rank(g.cp) if g.cp is not None else 0
@@ -155,29 +157,14 @@ class Evaluator:
         return out, rows
 
     # ------------------------------------------------------------------ helpers
-    def _names(self) -> list[str]:
-        from megarl.rewards import function_name
-
-        names: list[str] = []
-        for i, fn in enumerate(self.reward_fns):
-            name = function_name(fn)
-            names.append(name if name not in names else f"{name}_{i}")  # as rewards.score
-        return names
-
-    def _empty_fns(self) -> dict:
-        return {k: torch.zeros(0) for k in self._names()}
-
     def _passes(self, per_fn: dict) -> torch.Tensor:
         fns = self.cfg.reward.functions
         which = 0 if self.cfg.eval.pass_reward is None else fns.index(self.cfg.eval.pass_reward)
         values = list(per_fn.values())[which]
         return (values >= self.cfg.eval.pass_threshold).double()  # NaN (not applicable): fails
 
-    def _figures(self, local, index, totals, per_fn, passed, rollout) -> None:
+    def _figures(self, local, index, totals, passed, rollout) -> None:
         ev = self.cfg.eval
-        for k, v in per_fn.items():
-            ok = ~torch.isnan(v)
-            local.add_ratio(f"eval/{k}", v[ok].double().sum(), ok.sum())
         local.add_ratio("eval/reward_mean", totals.double().sum(), len(totals))
         lengths = [len(r) for r in rollout.response_ids]
         local.add_ratio("eval/response_len", sum(lengths), len(lengths))
@@ -191,7 +178,7 @@ class Evaluator:
             local.add_ratio(f"eval/pass@{k}", est, len(passes))
         local.add_sum("eval/prompts", len(passes))
 
-    def _rows(self, index, batch, texts, totals, per_fn, passed, rollout) -> list[dict]:
+    def _rows(self, index, prompts, texts, scores, passed, rollout) -> list[dict]:
         keep = self.cfg.eval.samples_logged
         seen: dict[int, int] = {}
         rows = []
@@ -203,28 +190,16 @@ class Evaluator:
                 {
                     "index": p,
                     "sample": k,
-                    "prompt": batch.prompts[j],
+                    "prompt": prompts.prompts[rollout.prompt_index[j]],
                     "completion": texts[j],
-                    "rewards": {name: float(v[j]) for name, v in per_fn.items()},
-                    "reward": float(totals[j]),
+                    "rewards": {name: float(v[j]) for name, v in scores.per_function.items()},
+                    "reward": float(scores.total[j]),
                     "passed": bool(passed[j]),
                     "length": len(rollout.response_ids[j]),
                     "finish_reason": rollout.finish_reason[j],
                 }
             )
         return rows
-
-
-def _first(dataset, count: int):
-    """`dataset` cut to its first `count` prompts (a shallow copy)."""
-    import copy
-
-    out = copy.copy(dataset)
-    out.prompt_ids = dataset.prompt_ids[:count]
-    out.prompts = dataset.prompts[:count]
-    out.columns = {k: v[:count] for k, v in dataset.columns.items()}
-    out.source_rows = dataset.source_rows[:count]
-    return out
 
 
 def _display_order(key: str) -> tuple[int, str]:
@@ -256,98 +231,8 @@ def evaluate(run) -> dict:
     ev = run.evaluator
     if ev is None or not ev.due(run.step):
         return {}
-    metrics, rows = ev.run(run.step)
+    metrics, rows = ev.evaluate(run.step)
     run.logger.log_samples(run.step, rows, file=EVAL_SAMPLES_FILE)
     if dist.get_rank() == 0:
         log.info(summary(f"eval at step {run.step}", metrics, run.cfg.eval))
     return metrics
-
-
-# ---------------------------------------------------------------------- megarl eval
-def model_source(path: str) -> str:
-    """The `model.*` key a model path is read through: `model.hf` for an HF directory
-    (config.json) or a file, `model.mcore_ckpt` for any other directory: a megarl checkpoint
-    (whatever that key accepts)."""
-    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "config.json")):
-        return "model.hf"
-    return "model.mcore_ckpt"
-
-
-def model_overrides(path: str) -> list[str]:
-    """--set overrides that make `path` the model (the other model sources cleared; the
-    tokenizer stays as the config says, where unset the model directory's)."""
-    import json
-
-    key = model_source(path)
-    others = [k for k in ("model.hf", "model.mcore_ckpt", "model.config") if k != key]
-    return [f"{k}=null" for k in others] + [f"{key}={json.dumps(path)}"]  # YAML-quoted
-
-
-def checkpoint_step(cfg: RunConfig) -> int:
-    """The training step of the model evaluated: a trainer checkpoint's (trainer_state.json),
-    otherwise 0."""
-    import json
-
-    path = cfg.model.mcore_ckpt
-    state = os.path.join(path, "trainer_state.json") if path else ""
-    if state and os.path.isfile(state):
-        with open(state) as f:
-            step = json.load(f).get("step", 0)
-        return step if isinstance(step, int) else 0
-    return 0
-
-
-def require_held_out(cfg: RunConfig) -> None:
-    """`megarl eval` has prompts to evaluate on (checked before any process group exists)."""
-    if cfg.eval.path is None and cfg.eval.fraction == 0:
-        raise ConfigError(
-            "megarl eval needs held-out prompts: set eval.path (a prompt file) or eval.fraction "
-            "(the held-out share of data.path, as in training)"
-        )
-
-
-def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
-    """`megarl eval`: one evaluation of `cfg.model` on the held-out prompts, no training.
-    Writes out_dir/config.yaml, metrics.jsonl (one record) and eval_samples.jsonl; returns the
-    figures on global rank 0 (with `step`). Collective."""
-    from megarl.data.split import prompt_sets
-    from megarl.distributed import device
-    from megarl.models.builder import BuildConfig, build_model
-    from megarl.trainer import run as R
-    from megarl.trainer.model_source import resolve_model
-    from megarl.trainer.models import _initial_state
-
-    require_held_out(cfg)
-    _, world = R.init_distributed()
-    R.check_paths(cfg)
-    cfg = resolve_model(cfg)  # a GGUF file -> its cached HF dir; a run dir -> its checkpoint
-    arch = R.load_arch(cfg)
-    check_eval(cfg, arch)
-    gpu = device.use_gpu()
-    _, groups = R.build_topology(cfg, arch, world, out_dir)
-    tokenizer = R.load_tokenizer(cfg, out_dir)
-    cfg = R._resolve_rollout(cfg, arch, tokenizer, gpu)
-    _, held_out = prompt_sets(cfg.data, cfg.eval, tokenizer)
-    reward_fns = R._reward_functions(cfg)
-    R._check_model_files(cfg, arch)
-    step = checkpoint_step(cfg)
-    R.write_config(cfg, out_dir)
-    build = BuildConfig(
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        routing_replay=cfg.rollout.routing_replay,
-    )
-    # frozen: the evaluated weights need no gradients, optimizer or DDP buffers
-    policy = build_model(arch, cfg.parallel, cfg.precision, role="reference", build=build, gpu=gpu)
-    _initial_state(cfg, arch, policy)
-    rollout = R.build_rollout(cfg, arch, policy, groups, out_dir)
-    rollout.sync_weights()
-    logger = R.build_logger(cfg, out_dir)
-    logger.truncate_after(step - 1)  # an evaluation written here before is replaced
-    evaluator = Evaluator.create(cfg, held_out, rollout.dispatcher, tokenizer, reward_fns, groups)
-    metrics, rows = evaluator.run(step)
-    logger.log_samples(step, rows, file=EVAL_SAMPLES_FILE)
-    logger.log(step, metrics)
-    logger.close()
-    rollout.engine.close()
-    dist.barrier()
-    return {"step": step, **metrics}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 import torch
@@ -24,28 +23,30 @@ import torch.distributed as dist
 from megarl.algorithms.distributed_advantage import gae_advantages, gather_advantages
 from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
+from megarl.distributed import device
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import SAMPLES_FILE
+from megarl.metrics.throughput import flops_per_token, precision_mfu
 from megarl.metrics.timer import StageTimer
 from megarl.models.routing import moe_metrics
 from megarl.trainer import experience as xp
+from megarl.trainer import recipe
 from megarl.trainer.evaluate import evaluate
 from megarl.trainer.faults import RunGuard
+from megarl.trainer.finish import finish, stop_if_diverged
 from megarl.trainer.run import Run
 from megarl.trainer.samples import step_samples
+from megarl.trainer.seeds import step_seed
+from megarl.trainer.stages import RLStage
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
 
 log = logging.getLogger("megarl")
 
 
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps with a non-finite loss."""
-
-
 def train(cfg: RunConfig, out_dir: str) -> Run:
     guard = RunGuard.start(cfg.trainer, out_dir)  # stop requests, timed saves, hang watchdog
-    run = Run.create(cfg, out_dir)
+    run = recipe.build_run(cfg, out_dir, RLStage(cfg.algorithm))
     timer = StageTimer()
     if run.step == 0 and (baseline := evaluate(run)):  # the policy before any update
         run.logger.log(0, baseline)
@@ -112,7 +113,7 @@ def generate(run: Run):
     prompts = run.data.dataset.batch(run.data.sampler.next_step())
     count = len(prompts.prompt_ids)
     positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
-    seed = run.cfg.trainer.seed * 1_000_003 + run.step
+    seed = step_seed(run.cfg.trainer.seed, run.step)
     rollout = run.rollout.dispatcher.generate(prompts.prompt_ids, positions, seed)
     run.rollout.engine.sleep()
     return prompts, rollout
@@ -125,40 +126,9 @@ def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics, dict]
     samples it applies to (None = not applicable) as metrics, the reward model's as `reward/rm`;
     and each function's value per sample ({name: [B]}, NaN where it does not apply, the reward
     model's raw score as "rm": `samples.jsonl`)."""
-    from megarl.rewards import score as score_fn
-
-    tok, rc = run.tokenizer, run.cfg.reward
-    idx = rollout.prompt_index
-    completions = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
-    columns = {k: [v[i] for i in idx] for k, v in prompts.columns.items()}
-    total, per_fn, errors = score_fn(
-        run.reward_fns,
-        rc.weights,
-        [prompts.prompts[i] for i in idx],
-        completions,
-        rollout.response_ids,
-        columns,
-        on_error=rc.on_error,
-    )
-    metrics = LocalMetrics()
-    for k, v in per_fn.items():
-        ok = ~torch.isnan(v)
-        metrics.add_ratio(f"reward/{k}", v[ok].double().sum(), ok.sum())
-    metrics.add_sum("reward_errors", errors)
-    if run.reward_model is not None:  # collective over the model-parallel group and DP
-        rm = run.reward_model
-        raw = rm.score(rm.sequences(prompts, rollout, tok))
-        used = rm.reward(raw)
-        metrics.add_ratio("reward/rm", raw.double().sum(), len(raw))
-        per_fn["rm"] = raw
-        if used is not raw:
-            metrics.add_ratio("reward/rm_normalized", used.double().sum(), len(used))
-        total = total + rc.model_weight * used
-    if rc.truncated_penalty:
-        cut = torch.tensor([r == "length" for r in rollout.finish_reason], dtype=total.dtype)
-        total = total - rc.truncated_penalty * cut
-        metrics.add_ratio("reward/truncated", cut.double().sum(), len(cut))
-    return total, metrics, per_fn
+    completions = run.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+    scores = run.scorer.score(prompts, rollout, completions)
+    return scores.total, scores.metrics, scores.per_function
 
 
 def forward_passes(run: Run, batch: dict) -> None:
@@ -229,7 +199,7 @@ def advantages(run: Run, batch: dict, rewards: torch.Tensor, group_ids: torch.Te
 
 
 def update(run: Run, batch: dict) -> LocalMetrics:
-    alg, g, seed = run.cfg.algorithm, run.groups, run.cfg.trainer.seed * 1000003 + run.step
+    alg, g, seed = run.cfg.algorithm, run.groups, step_seed(run.cfg.trainer.seed, run.step)
     actor, critic = run.models.actor, run.models.critic
     metrics = LocalMetrics()
     if critic is not None:
@@ -325,9 +295,6 @@ def collect_metrics(
 def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> dict:
     """Model FLOPs utilisation of the policy-update stage (GPU only: needs a known peak); see
     `megarl.metrics.throughput.precision_mfu`."""
-    from megarl.distributed import device
-    from megarl.metrics.throughput import flops_per_token, precision_mfu
-
     if not train_s or not device.use_gpu():
         return {}
     prec = run.cfg.precision
@@ -341,66 +308,3 @@ def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> d
         achieved,
         dist.get_world_size(),
     )
-
-
-def stop_if_diverged(run: Run, metrics: dict) -> None:
-    """Raise `TrainingDiverged` after `trainer.max_bad_steps` consecutive steps with a NaN/Inf
-    loss (`_bad_step` counts them); called before the step's checkpoint, so none is written
-    from a diverged state."""
-    if _bad_step(run, metrics):
-        run.close()
-        raise TrainingDiverged(
-            f"stopped at step {run.step}: {run.bad_steps} consecutive steps with a NaN/Inf "
-            f"loss (trainer.max_bad_steps={run.cfg.trainer.max_bad_steps}); the newest "
-            f"checkpoint in {run.out_dir}/checkpoints is from before the divergence"
-        )
-
-
-def _bad_step(run: Run, metrics: dict) -> bool:
-    """Count consecutive steps whose policy or critic loss was non-finite (their updates were
-    dropped)."""
-    skipped = metrics.get("skipped_steps", 0) + metrics.get("value_skipped_steps", 0)
-    losses = (metrics.get("loss", 0.0), metrics.get("value_loss", 0.0))
-    if skipped or not all(math.isfinite(x) for x in losses):
-        run.bad_steps += 1
-        log.warning(
-            "step %d: non-finite loss, update skipped (%d in a row)", run.step, run.bad_steps
-        )
-        return run.bad_steps >= run.cfg.trainer.max_bad_steps
-    run.bad_steps = 0
-    return False
-
-
-def finish(run: Run, *, offline: bool = False, role: str = "actor") -> None:
-    """Plot the run's curves (`reward.png`; an offline run's losses and accuracies: `loss.png`);
-    optionally export the trained model of `role` as an HF directory."""
-    metrics = os.path.join(run.out_dir, "metrics.jsonl")
-    if dist.get_rank() == 0 and os.path.exists(metrics):
-        from megarl.metrics.plots import plot_offline, plot_rewards
-
-        plot, name = (plot_offline, "loss.png") if offline else (plot_rewards, "reward.png")
-        try:
-            plot(metrics, os.path.join(run.out_dir, name))
-        except ValueError as e:  # e.g. a resumed run that had no step left to do
-            log.warning("no plot %s: %s", name, e)
-    if run.cfg.trainer.export_hf:
-        export_hf(run, os.path.join(run.out_dir, "hf"), role=role)
-    run.close()
-    dist.barrier()
-
-
-def export_hf(run: Run, out: str, role: str = "actor") -> None:
-    """The trained model of `role` (the actor; a reward model: a sequence classifier) as an HF
-    directory written by rank 0, streamed one tensor at a time (collective; no rank holds the
-    whole model)."""
-    from megarl.convert.stream import save_hf_streaming
-
-    tok_dir = os.path.join(run.out_dir, "tokenizer")  # only rank 0 reads it
-    save_hf_streaming(
-        getattr(run.models, role).chunks,
-        run.arch,
-        out,
-        tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
-        overwrite=True,
-    )
-    dist.barrier()

@@ -1,5 +1,5 @@
-"""Where a run's model comes from, resolved once at the start of `Run.create`, and the tokenizer
-the run keeps beside its checkpoints.
+"""Where a run's model comes from, resolved once at the start of
+`megarl.trainer.recipe.build_run`, and the tokenizer the run keeps beside its checkpoints.
 
 `resolve_model(cfg)` returns `cfg` with `model.*` naming directories every later reader takes as
 they are (architecture, tokenizer, weight files, the rollout engine's model directory):

@@ -25,17 +25,25 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ConfigError, RunConfig
-from megarl.convert.sharded import copy_weights
+from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
+from megarl.convert.source import load_into, open_checkpoint
 from megarl.models.builder import BuildConfig, ValueHead, build_model, unwrap
 from megarl.models.hf_config import ModelArch
 from megarl.models.optim import build_optimizer
+from megarl.rewards.model import (
+    RewardModel,
+    ScalarModelSource,
+    open_scalar_model,
+    reward_tokenizer,
+    same_vocabulary,
+)
+from megarl.trainer.seeds import score_head_seed
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megarl.distributed.topology import Groups
-    from megarl.rewards.model import ScalarModelSource
 
 log = logging.getLogger("megarl")
 ROLE_ORDER = ("actor", "reference", "critic", "reward")
@@ -71,6 +79,11 @@ class Models:
     def trained(self) -> dict[str, Trained]:
         """{role: model} of the models with an optimizer, in role order."""
         return {r: m for r in ROLE_ORDER if isinstance(m := getattr(self, r), Trained)}
+
+    def policy(self) -> list:
+        """The chunks of the policy the rollout engine generates with: the trained actor's, or
+        the frozen policy of an evaluation (`build_frozen_policy`)."""
+        return self.actor.chunks if self.actor is not None else self.reference
 
     def checkpointed(self) -> dict:
         """{name: (chunks, optimizer)} of what a checkpoint holds (the trained models; frozen
@@ -114,11 +127,19 @@ def build_trained_reward(
     """`algorithm.name: rm`: the reward model as the one trained role, built from `arch` (a
     classifier), its starting weights from `model.*` (whose files are `source_arch`)."""
     chunks = _maker(cfg, gpu)("reward", arch)
-    _initial_state(cfg, source_arch, chunks, roles=("reward", "actor"))
+    load_initial_weights(cfg, source_arch, chunks, roles=("reward", "actor"))
     if not source_arch.score_head:
         init_score_head(chunks, arch, cfg.model.init_seed)
     opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
     return Models(reward=Trained(chunks, opt, sched), archs={"reward": arch})
+
+
+def build_frozen_policy(cfg: RunConfig, arch: ModelArch, *, gpu: bool) -> Models:
+    """`megarl eval`: the policy with its starting weights, frozen (no gradients, optimizer or
+    DDP buffers), as the `reference` role."""
+    chunks = _maker(cfg, gpu)("reference", arch)
+    load_initial_weights(cfg, arch, chunks)
+    return Models(reference=chunks, archs={"reference": arch})
 
 
 def _maker(cfg: RunConfig, gpu: bool):
@@ -137,7 +158,7 @@ def _maker(cfg: RunConfig, gpu: bool):
 
 def build_actor(cfg: RunConfig, arch: ModelArch, make, updates: int) -> Trained:
     chunks = make("actor", arch)
-    _initial_state(cfg, arch, chunks)
+    load_initial_weights(cfg, arch, chunks)
     opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
     return Trained(chunks, opt, sched)
 
@@ -190,12 +211,12 @@ def init_score_head(chunks: list, arch: ModelArch, seed: int) -> None:
     for chunk in chunks:
         head = getattr(unwrap(chunk), "output_layer", None)
         if isinstance(head, ValueHead):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+            g = torch.Generator().manual_seed(score_head_seed(seed))
             w = torch.empty(head.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
             head.weight.data.copy_(w.to(head.weight.device, head.weight.dtype))
 
 
-def _initial_state(
+def load_initial_weights(
     cfg: RunConfig, arch: ModelArch, chunks: list, roles: tuple[str, ...] = ("actor",)
 ) -> None:
     """Load the starting weights into `chunks`, each rank reading only the shards it holds
@@ -206,40 +227,45 @@ def _initial_state(
     model; the reference and the critic trunk are then copied from the actor's shards."""
     m = cfg.model
     if m.hf is None and m.mcore_ckpt is None:
-        from megarl.convert.sharded import seeded_init
-
         seeded_init(chunks, arch, m.init_seed)
     elif m.hf is not None:
-        from megarl.convert.sharded import load_hf_sharded
-
         load_hf_sharded(chunks, arch, m.hf)
     elif m.mcore_ckpt is not None:
-        from megarl.convert.source import load_into, open_checkpoint
-
         load_into(chunks, open_checkpoint(m.mcore_ckpt, roles))
 
 
 # ---------------------------------------------------------------------- scalar models' sources
-def scalar_sources(cfg: RunConfig) -> tuple[ScalarModelSource | None, ScalarModelSource | None]:
-    """(the reward model of `reward.model`, where the PPO critic starts when not from the
-    actor: `model.critic_init`), described from their small files (`megarl.rewards.model`)."""
-    from megarl.rewards.model import open_scalar_model
+@dataclass(frozen=True)
+class ScalarSources:
+    """The scalar-head models an RL run reads besides the policy, described from their small
+    files (`megarl.rewards.model`): none unless `reward.model` / `model.critic_init` name one."""
 
+    reward: ScalarModelSource | None = None
+    """The reward model of `reward.model`."""
+    critic: ScalarModelSource | None = None
+    """Where the PPO critic starts when not from the actor (`model.critic_init`)."""
+
+    def archs(self) -> dict[str, ModelArch]:
+        """{config key: architecture} of each, checked against the run's layout."""
+        return {s.key: s.arch for s in (self.reward, self.critic) if s is not None}
+
+
+def scalar_sources(cfg: RunConfig) -> ScalarSources:
+    """The reward model and the critic's start that `cfg` names (`ScalarSources`)."""
     rm = open_scalar_model(cfg.reward.model, "reward.model") if cfg.reward.model else None
     init = cfg.model.critic_init
     if cfg.algorithm.name != "ppo" or init == "actor":
-        return rm, None
+        return ScalarSources(rm, None)
     if init == "reward_model":
-        return rm, rm
-    return rm, open_scalar_model(init, "model.critic_init", ("reward", "critic"))
+        return ScalarSources(rm, rm)
+    return ScalarSources(rm, open_scalar_model(init, "model.critic_init", ("reward", "critic")))
 
 
-def check_scalar_tokenizers(cfg: RunConfig, tokenizer, rm, critic_from):
+def check_scalar_tokenizers(cfg: RunConfig, tokenizer, sources: ScalarSources):
     """(the reward model's tokenizer, whether it is the policy's: `megarl.rewards.model`), or
     None without a reward model, after checking that a critic started from a reward model reads
     the policy's tokens."""
-    from megarl.rewards.model import reward_tokenizer, same_vocabulary
-
+    rm, critic_from = sources.reward, sources.critic
     rm_tokenizer = same = None
     if rm is not None:
         rm_tokenizer, same = reward_tokenizer(rm, tokenizer)
@@ -269,21 +295,21 @@ def check_scalar_tokenizers(cfg: RunConfig, tokenizer, rm, critic_from):
     return None if rm is None else (rm_tokenizer, same)
 
 
-def build_scorer(cfg: RunConfig, models: Models, rm, rm_tokenizer, groups: Groups):
-    """The `RewardModel` that scores with `models.reward`; None without `reward.model`.
-    `rm_tokenizer`: (its tokenizer, whether it is the policy's)."""
-    if rm is None:
+def build_reward_model(
+    cfg: RunConfig,
+    models: Models,
+    sources: ScalarSources,
+    rm_tokenizer,
+    groups: Groups,
+    pad_to: int,
+) -> RewardModel | None:
+    """The `RewardModel` that scores samples with `models.reward`; None without `reward.model`.
+    `rm_tokenizer`: (its tokenizer, whether it is the policy's: `check_scalar_tokenizers`)."""
+    if sources.reward is None:
         return None
-    from megarl.models.forward import sequence_multiple
-    from megarl.rewards.model import RewardModel
-
-    prec = cfg.precision
-    pad_to = sequence_multiple(
-        groups.tp_size, cfg.parallel.sequence_parallel, prec.fp8 and prec.fp8_recipe
-    )
     return RewardModel(
         models.reward,
-        rm.arch,
+        sources.reward.arch,
         rm_tokenizer[0],
         reuse_ids=rm_tokenizer[1],
         cfg=cfg,

@@ -9,7 +9,7 @@ LR = 1e-3  # large enough that one Adam step changes bf16 matrices (update > hal
 
 
 def copy_into(src, dst) -> None:
-    """The reference / critic from the actor, as `Run.create` does."""
+    """The reference / critic from the actor, as `megarl.trainer.recipe.build_run` does."""
     try:
         from megarl.convert.sharded import copy_weights
     except ImportError:  # an older tree: the canonical-state path

@@ -4,7 +4,8 @@ On the GPU: bf16, megatron-core's local layer spec (`precision.transformer_engin
 machine has no Transformer-Engine), a ~0.5B Llama-shaped model and one GRPO group of 4 sequences
 of 1.4k-2k tokens, collated on the host as the trainer does (`forward.run` moves micro-batches).
 - build: actor (megatron DDP + DistributedOptimizer), reference and critic initialised from the
-  actor as `Run.create` does; parameters must sit on the device in the asked dtype.
+  actor as `megarl.trainer.recipe.build_run` does; parameters must sit on the device in the
+  asked dtype.
 - forward: `forward_logprobs` (actor, reference) and `forward_values` (critic) -> host [B, S]
   tensors, finite, logprobs <= 0, reference == actor (it is a copy).
 - grpo_update: group advantages (`gather_advantages`), one `train_policy` step with a KL-to-

@@ -1,0 +1,117 @@
+"""The one scorer of a run's samples, for training steps and held-out evaluation alike.
+
+`Scorer` holds the loaded `reward.functions` (with their `reward.kwargs`), their weights, the
+reward model of `reward.model` when the run scores with one, and `reward.truncated_penalty`.
+`Scorer.score(prompts, rollout, completions)` returns `Scores`: the weighted total per sample,
+each function's value per sample (NaN where it does not apply; the reward model's raw score as
+"rm") and the per-function means as `LocalMetrics` under a prefix (`reward/...` in training,
+`eval/...` in evaluation). Evaluation scores with the functions alone (`model=False,
+penalty=False`): its figures are the functions' view of the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.metrics.reduce import LocalMetrics
+from megarl.rewards.config import RewardConfig
+from megarl.rewards.scoring import (
+    RewardFunctionError,
+    function_name,
+    load_reward_function,
+    score,
+)
+
+
+def load_functions(cfg: RewardConfig) -> list:
+    """The functions of `reward.functions`, in order, each with its `reward.kwargs`; an error
+    names the entry (`reward.functions[i]`)."""
+    fns = []
+    for i, spec in enumerate(cfg.functions):
+        try:
+            fns.append(load_reward_function(spec, **cfg.kwargs.get(spec, {})))
+        except RewardFunctionError as e:
+            raise RewardFunctionError(f"reward.functions[{i}]: {e}") from e
+    return fns
+
+
+@dataclass
+class Scores:
+    """What scoring one batch of samples gives (B samples)."""
+
+    total: torch.Tensor
+    """[B] the reward each sample trains on (or is evaluated by)."""
+    per_function: dict[str, torch.Tensor]
+    """{function name: [B]} each function's value, NaN where it does not apply; "rm": the
+    reward model's raw score."""
+    metrics: LocalMetrics
+    """`<prefix>/<function>` means over the samples each applies to, `<prefix>/rm`,
+    `<prefix>/rm_normalized`, `<prefix>/truncated`, and the count of failed calls."""
+
+
+class Scorer:
+    """Scores samples with the run's reward functions (and reward model); see the module."""
+
+    def __init__(self, functions: list, cfg: RewardConfig, reward_model=None, tokenizer=None):
+        """functions: loaded (`load_functions`); reward_model: a `megarl.rewards.model.
+        RewardModel` (collective over the model-parallel group and DP) or None; tokenizer: the
+        policy's (decodes completions for a reward model that reads text)."""
+        self.functions = functions
+        self.cfg = cfg
+        self.reward_model = reward_model
+        self.tokenizer = tokenizer
+
+    def names(self) -> list[str]:
+        """The functions' metric names, in order (a repeated name gets `_<index>`, as `score`)."""
+        names: list[str] = []
+        for i, fn in enumerate(self.functions):
+            name = function_name(fn)
+            names.append(name if name not in names else f"{name}_{i}")
+        return names
+
+    def score(
+        self,
+        prompts,
+        rollout,
+        completions: list[str],
+        *,
+        prefix: str = "reward",
+        errors_key: str = "reward_errors",
+        model: bool = True,
+        penalty: bool = True,
+    ) -> Scores:
+        """Scores of `rollout`'s samples (B), whose prompts are the rows `rollout.prompt_index`
+        of `prompts` (a `PromptBatch`); `completions`: the decoded responses. `model` /
+        `penalty`: add the reward model's weighted score / subtract the truncation penalty."""
+        rc, idx = self.cfg, rollout.prompt_index
+        columns = {k: [v[i] for i in idx] for k, v in prompts.columns.items()}
+        total, per_fn, errors = score(
+            self.functions,
+            rc.weights,
+            [prompts.prompts[i] for i in idx],
+            completions,
+            rollout.response_ids,
+            columns,
+            on_error=rc.on_error,
+        )
+        metrics = LocalMetrics()
+        for k, v in per_fn.items():
+            ok = ~torch.isnan(v)
+            metrics.add_ratio(f"{prefix}/{k}", v[ok].double().sum(), ok.sum())
+        metrics.add_sum(errors_key, errors)
+        if model and self.reward_model is not None:  # collective over model-parallel and DP
+            rm = self.reward_model
+            raw = rm.score(rm.sequences(prompts, rollout, self.tokenizer))
+            used = rm.reward(raw)
+            metrics.add_ratio(f"{prefix}/rm", raw.double().sum(), len(raw))
+            per_fn["rm"] = raw
+            if used is not raw:
+                metrics.add_ratio(f"{prefix}/rm_normalized", used.double().sum(), len(used))
+            total = total + rc.model_weight * used
+        if penalty and rc.truncated_penalty:
+            cut = torch.tensor([r == "length" for r in rollout.finish_reason], dtype=total.dtype)
+            total = total - rc.truncated_penalty * cut
+            metrics.add_ratio(f"{prefix}/truncated", cut.double().sum(), len(cut))
+        return Scores(total, per_fn, metrics)

@@ -1,0 +1,81 @@
+"""How a run ends: the divergence stop (`stop_if_diverged`, before a step's checkpoint) and
+`finish` (the curves' plot, the optional HF export, closing the logs), shared by the RL loop
+(`megarl.trainer.loop`) and the offline loop (`megarl.trainer.offline`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch.distributed as dist
+
+from megarl.convert.stream import save_hf_streaming
+from megarl.metrics.plots import plot_offline, plot_rewards
+from megarl.trainer.run import Run
+
+log = logging.getLogger("megarl")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss."""
+
+
+def stop_if_diverged(run: Run, metrics: dict) -> None:
+    """Raise `TrainingDiverged` after `trainer.max_bad_steps` consecutive steps with a NaN/Inf
+    loss (`count_bad_step` counts them); called before the step's checkpoint, so none is written
+    from a diverged state."""
+    if count_bad_step(run, metrics):
+        run.close()
+        raise TrainingDiverged(
+            f"stopped at step {run.step}: {run.bad_steps} consecutive steps with a NaN/Inf "
+            f"loss (trainer.max_bad_steps={run.cfg.trainer.max_bad_steps}); the newest "
+            f"checkpoint in {run.out_dir}/checkpoints is from before the divergence"
+        )
+
+
+def count_bad_step(run: Run, metrics: dict) -> bool:
+    """Count consecutive steps whose policy or critic loss was non-finite (their updates were
+    dropped)."""
+    skipped = metrics.get("skipped_steps", 0) + metrics.get("value_skipped_steps", 0)
+    losses = (metrics.get("loss", 0.0), metrics.get("value_loss", 0.0))
+    if skipped or not all(math.isfinite(x) for x in losses):
+        run.bad_steps += 1
+        log.warning(
+            "step %d: non-finite loss, update skipped (%d in a row)", run.step, run.bad_steps
+        )
+        return run.bad_steps >= run.cfg.trainer.max_bad_steps
+    run.bad_steps = 0
+    return False
+
+
+def finish(run: Run, *, offline: bool = False, role: str = "actor") -> None:
+    """Plot the run's curves (`reward.png`; an offline run's losses and accuracies: `loss.png`);
+    optionally export the trained model of `role` as an HF directory."""
+    metrics = os.path.join(run.out_dir, "metrics.jsonl")
+    if dist.get_rank() == 0 and os.path.exists(metrics):
+        plot, name = (plot_offline, "loss.png") if offline else (plot_rewards, "reward.png")
+        try:
+            plot(metrics, os.path.join(run.out_dir, name))
+        except ValueError as e:  # e.g. a resumed run that had no step left to do
+            log.warning("no plot %s: %s", name, e)
+    if run.cfg.trainer.export_hf:
+        export_hf(run, os.path.join(run.out_dir, "hf"), role=role)
+    run.close()
+    dist.barrier()
+
+
+def export_hf(run: Run, out: str, role: str = "actor") -> None:
+    """The trained model of `role` (the actor; a reward model: a sequence classifier) as an HF
+    directory written by rank 0, streamed one tensor at a time (collective; no rank holds the
+    whole model)."""
+    tok_dir = os.path.join(run.out_dir, "tokenizer")  # only rank 0 reads it
+    save_hf_streaming(
+        getattr(run.models, role).chunks,
+        run.arch,
+        out,
+        tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
+        overwrite=True,
+    )
+    dist.barrier()

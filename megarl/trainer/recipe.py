@@ -1,0 +1,363 @@
+"""One recipe builds every run: RL training, an offline stage, an evaluation (`build_run`).
+
+The order fails early: everything a user's input can get wrong is checked before any model or
+engine exists, and nothing is built twice.
+
+paths -> where the model comes from (GGUF -> cached HF directory, run dir -> its checkpoint) ->
+the model's architecture -> the stage's config checks -> the layout (before any megatron group
+exists) -> tokenizer -> the architecture the stage builds -> every data row -> the stage's
+resolved config (offline: steps from epochs; with an engine: stop tokens, KV cache) -> reward
+functions -> the weight files' headers -> the checkpoint to resume from -> `config.yaml`; then
+the models, the rollout engine and its weight sync (stages with an engine), the scorer, the
+evaluator and logging, the checkpoint's state, and the engine's first weights.
+
+What differs per stage is what `megarl.trainer.stages.Stage` says; the parts built live in
+`megarl.trainer.run.Run`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import socket
+
+import torch.distributed as dist
+import yaml
+
+from megarl.config import ConfigError, RunConfig, to_dict
+from megarl.convert.checkpoint import check_dcp_metadata
+from megarl.convert.gguf import gguf_hf_config, is_gguf
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.mapping import check_hf_names
+from megarl.convert.source import open_checkpoint
+from megarl.data.sampler import PromptSampler
+from megarl.data.tokenizer import load_tokenizer as load_tokenizer_dir
+from megarl.data.toy import toy_tokenizer
+from megarl.distributed import Topology, device
+from megarl.distributed.topology import Groups, TopologyError
+from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run
+from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.rewards.scorer import Scorer, load_functions
+from megarl.rollout.dispatch import RolloutDispatcher
+from megarl.rollout.engine import RolloutEngine, check_kv_cache, require_vllm, resolve_stop_tokens
+from megarl.rollout.routes import check_routing_replay
+from megarl.rollout.weight_sync import WeightSync
+from megarl.trainer import checkpoint
+from megarl.trainer.evaluate import Evaluator
+from megarl.trainer.faults import collective_timeout
+from megarl.trainer.model_source import keep_tokenizer, resolve_model
+from megarl.trainer.models import build_reward_model, check_scalar_tokenizers
+from megarl.trainer.run import Data, RolloutParts, Run, init_distributed
+from megarl.trainer.stages import Stage
+
+log = logging.getLogger("megarl")
+
+
+def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
+    """The run of `stage` from `cfg`, writing into `out_dir` (module docstring). Collective."""
+    rank, world = init_distributed()
+    check_paths(cfg)
+    user_model = cfg.model  # config.yaml keeps what the user wrote (e.g. the GGUF file)
+    cfg = resolve_model(cfg, stage.sources)
+    source_arch = load_arch(cfg, stage.sources)  # what model.* holds
+    stage.check(cfg, source_arch)
+    sources = stage.scalar_sources(cfg)  # a reward model, a critic's start: small files only
+    topo, groups = build_topology(cfg, source_arch, world, out_dir, sources.archs())
+    tokenizer = load_tokenizer(cfg, out_dir)
+    arch = stage.model_arch(source_arch, tokenizer)  # what the stage builds (a reward model)
+    if stage.role == "actor":
+        check_policy_arch(cfg, arch)
+    rm_tokenizer = check_scalar_tokenizers(cfg, tokenizer, sources)
+    data = build_data(cfg, stage, tokenizer, groups, arch)
+    cfg = stage.resolve(cfg, data.dataset)
+    if stage.engine:
+        cfg = resolve_rollout(cfg, arch, tokenizer, device.use_gpu())
+    functions = load_functions(cfg.reward) if stage.engine else []
+    check_model_files(cfg, source_arch)
+    resume = None
+    if stage.trains:
+        resume = resume_state(cfg, out_dir, arch, data.sampler, stage.trained_roles(arch, sources))
+        if resume is None and rank == 0:  # starting at step 0: an earlier attempt's logs go aside
+            set_aside_previous_run(out_dir)
+    write_config(dataclasses.replace(cfg, model=user_model), out_dir)
+    models = stage.build_models(cfg, arch, source_arch, sources, gpu=device.use_gpu())
+    run = Run(
+        cfg=cfg,
+        out_dir=out_dir,
+        topo=topo,
+        groups=groups,
+        arch=arch,
+        tokenizer=tokenizer,
+        models=models,
+        data=data,
+        logger=build_logger(cfg, out_dir),
+        resume=resume,
+    )
+    if stage.engine:
+        run.rollout = build_rollout(cfg, arch, models.policy(), groups, out_dir)
+        reward_model = build_reward_model(cfg, models, sources, rm_tokenizer, groups, run.pad_to)
+        run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer)
+        if data.held_out is not None:
+            run.evaluator = Evaluator(
+                cfg, data.held_out, run.rollout.dispatcher, tokenizer, run.scorer, groups
+            )
+    if stage.trains:
+        run.maybe_resume()
+    if run.rollout is not None:
+        run.rollout.sync_weights()
+    return run
+
+
+def build_data(cfg: RunConfig, stage: Stage, tokenizer, groups: Groups, arch: ModelArch) -> Data:
+    """The stage's training and held-out rows (`Stage.read_data`, every row read and checked),
+    and, for a stage that trains, the resumable order this DP rank reads them in."""
+    dataset, held_out = stage.read_data(cfg, tokenizer, arch, groups.dp_size)
+    sampler = None
+    if stage.trains:
+        sampler = PromptSampler(
+            len(dataset),
+            prompts_per_step=cfg.data.prompts_per_step,
+            dp_rank=groups.dp_rank,
+            dp_size=groups.dp_size,
+            seed=cfg.data.seed,
+            shuffle=cfg.data.shuffle,
+        )
+    return Data(dataset, sampler, held_out)
+
+
+def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
+    """The model's architecture from its small files: `model.config`, `model.hf`'s config.json
+    (a GGUF file not converted yet, as in a dry run: its metadata), or the checkpoint of
+    `model.mcore_ckpt` (its first role of `roles`; `megarl.convert.source`)."""
+    m = cfg.model
+    if m.config is not None:
+        return arch_from_hf(m.config, where="model.config")
+    if m.hf is not None:
+        if os.path.isfile(m.hf):
+            return arch_from_hf(gguf_hf_config(m.hf), where=f"model.hf={m.hf}")
+        return arch_from_hf(m.hf)
+    return open_checkpoint(m.mcore_ckpt, roles).arch
+
+
+def load_tokenizer(cfg: RunConfig, out_dir: str):
+    path = cfg.model.tokenizer or cfg.model.hf or cfg.model.mcore_ckpt
+    if path == "toy":
+        return toy_tokenizer(os.path.join(out_dir, "tokenizer") if dist.get_rank() == 0 else None)
+    if path is None:
+        raise ConfigError(
+            "model.tokenizer is required when the model comes from model.config; accepted: a "
+            "tokenizer directory or 'toy'"
+        )
+    tokenizer = load_tokenizer_dir(path)
+    if dist.get_rank() == 0:  # kept beside the checkpoints, for exports (`keep_tokenizer`)
+        keep_tokenizer(tokenizer, path, out_dir)
+    return tokenizer
+
+
+def build_topology(
+    cfg: RunConfig, arch: ModelArch, world: int, out_dir: str, others: dict | None = None
+) -> tuple[Topology, Groups]:
+    """Check the layout for `world` ranks (naming the `parallel` section) against the model and
+    the `others` ({config key: ModelArch}: a reward model, a critic's start, built at the same
+    layout), create the run directory and megatron's process groups."""
+    rank = dist.get_rank()
+    try:
+        topo = Topology.for_model(cfg.parallel, world, arch)
+        topo.check_training(arch)
+    except TopologyError as e:  # name the config section
+        raise TopologyError(f"parallel: {e}") from e
+    for key, other in (others or {}).items():
+        try:
+            Topology.for_model(cfg.parallel, world, other).check_training(other)
+        except TopologyError as e:
+            raise TopologyError(f"{key}: parallel: {e} (it is built at the run's layout)") from e
+    slow = None if device.use_gpu() else device.cpu_half_precision_note(cfg.precision.dtype)
+    if slow and rank == 0:
+        log.warning(slow)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    return topo, topo.initialize(seed=cfg.model.init_seed, timeout=collective_timeout(cfg.trainer))
+
+
+def write_config(cfg: RunConfig, out_dir: str) -> None:
+    """The resolved config as `out_dir/config.yaml` (rank 0)."""
+    if dist.get_rank() == 0:
+        _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
+
+
+def build_logger(cfg: RunConfig, out_dir: str) -> MetricsLogger:
+    """metrics.jsonl on rank 0, and wandb / tensorboard as `logging` asks."""
+    lg = cfg.logging
+    wandb_cfg = None
+    if lg.wandb and lg.wandb_mode != "disabled":
+        wandb_cfg = {
+            "mode": os.environ.get("WANDB_MODE", lg.wandb_mode),
+            "project": lg.wandb_project,
+            "config": to_dict(cfg),
+            "dir": out_dir,
+        }
+    return MetricsLogger(
+        out_dir, rank=dist.get_rank(), wandb_cfg=wandb_cfg, tensorboard=lg.tensorboard
+    )
+
+
+def _write_yaml(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def check_policy_arch(cfg: RunConfig, arch: ModelArch) -> None:
+    """The trained policy needs an LM head: a reward model (a sequence classifier) is refused."""
+    if arch.score_head:
+        m = cfg.model
+        key, path = next(
+            (k, v)
+            for k, v in (
+                ("model.hf", m.hf),
+                ("model.mcore_ckpt", m.mcore_ckpt),
+                ("model.config", "inline"),
+            )
+            if v
+        )
+        raise ConfigError(
+            f"{key}={path!r} is a reward model (a score head, no LM head), not a policy; use it "
+            "as reward.model or model.critic_init, or train it with algorithm.name=rm"
+        )
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Fail (`ConfigError` naming the key) when a file or directory the config names is absent:
+    before anything is read or built, and before a deeper error could name only the file."""
+    m, d = cfg.model, cfg.data
+    dirs = {
+        "model.mcore_ckpt": (
+            m.mcore_ckpt,
+            "a trainer checkpoint RUN/checkpoints/step_N, a run directory RUN, or a directory "
+            "from `megarl convert hf-to-mcore`",
+        ),
+        "model.tokenizer": (
+            None if m.tokenizer == "toy" else m.tokenizer,
+            "a tokenizer directory (tokenizer.json / tokenizer_config.json) or 'toy'",
+        ),
+    }
+    for key, (path, accepted) in dirs.items():
+        if path is not None and not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise ConfigError(f"{key}={path!r} {what}; accepted: {accepted}")
+    if m.hf is not None and not os.path.isdir(m.hf):
+        if not is_gguf(m.hf):
+            what = "is not a directory or a GGUF file" if os.path.exists(m.hf) else "does not exist"
+            raise ConfigError(
+                f"model.hf={m.hf!r} {what}; accepted: a Hugging Face model directory "
+                "(config.json + *.safetensors) or a GGUF file (.gguf, converted once into "
+                "MEGARL_CACHE)"
+            )
+    if d.path is not None and not d.path.startswith("hf:") and not os.path.exists(d.path):
+        raise ConfigError(
+            f"data.path={d.path!r} does not exist; accepted: a .jsonl/.json/.parquet/.arrow "
+            "file, a directory of them, 'hf:NAME[:SPLIT]', or null for the toy task"
+        )
+    e = cfg.eval
+    if e.path is not None and not e.path.startswith("hf:") and not os.path.exists(e.path):
+        raise ConfigError(f"eval.path={e.path!r} does not exist")
+
+
+def check_model_files(cfg: RunConfig, arch: ModelArch) -> None:
+    """What the initial weights are read from, checked from headers and metadata only (cheap):
+    the HF tensor names and shapes against `arch`, or the megatron checkpoint's metadata."""
+    m = cfg.model
+    if m.hf is not None:
+        lazy = LazyHFTensors(m.hf)
+        check_hf_names(arch, lazy.names, shape_of=lazy.shape)
+    elif m.mcore_ckpt is not None:
+        check_dcp_metadata(m.mcore_ckpt)
+
+
+def resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler, roles: dict):
+    """(newest complete checkpoint of `out_dir`, its trainer state), or None when there is none
+    or `trainer.resume` is off (damaged ones are skipped: `checkpoint.resumable`). Its small
+    files are read and checked now, before the models exist: the model config (and that of
+    each trained role, `roles` {role: ModelArch}), the data order, that its metadata is safe to
+    unpickle and that its tensor files are whole."""
+    if not cfg.trainer.resume:
+        return None
+    return checkpoint.resumable(
+        out_dir, lambda path, state: _check_resumable(cfg, path, state, arch, sampler, roles)
+    )
+
+
+def _changed(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _check_resumable(
+    cfg: RunConfig, path: str, state: dict, arch: ModelArch, sampler, roles: dict
+) -> None:
+    if state["arch"] != arch.hf_config:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} was written for a different model config (differs in "
+            f"{_changed(state['arch'], arch.hf_config)[:8]}); resume with the same model, or use "
+            "a new run directory (--out) or trainer.resume=false"
+        )
+    for role, role_arch in roles.items():
+        if f"{role}_sched" not in state:
+            has = sorted(k[: -len("_sched")] for k in state if k.endswith("_sched"))
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} holds no {role} (it trained {has}) but algorithm.name="
+                f"{cfg.algorithm.name} trains one; resume with the algorithm that wrote it, or "
+                "use a new run directory (--out)"
+            )
+        written = (state.get("archs") or {}).get(role, state["arch"])
+        if written != role_arch.hf_config:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path}: its {role} was built from another model (differs in "
+                f"{_changed(written, role_arch.hf_config)[:8]}); keep model.critic_init as it "
+                "was, or use a new run directory (--out)"
+            )
+    try:  # on a copy: the run's sampler takes the state in maybe_resume, with the rest
+        copy.copy(sampler).load_state_dict(state["sampler"])
+    except ValueError as e:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} cannot continue this run's prompt order: {e}; keep data.* as it "
+            "was, or use a new run directory (--out) or trainer.resume=false"
+        ) from e
+
+
+def resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> RunConfig:
+    """`cfg` with the rollout's stop tokens resolved (None = the model's EOS ids), after
+    checking that vLLM is importable and that its KV cache can hold one whole sequence."""
+    dirs = [d for d in (cfg.model.hf, cfg.model.tokenizer, cfg.model.mcore_ckpt) if d]
+    stop = resolve_stop_tokens(cfg.rollout.stop_token_ids, tokenizer, arch.hf_config, dirs)
+    if cfg.rollout.stop_token_ids is None:
+        log.info("rollout.stop_token_ids: %s (the model's EOS ids)", list(stop) or "none found")
+    rollout = dataclasses.replace(cfg.rollout, stop_token_ids=stop)
+    check_kv_cache(arch, rollout, dtype=cfg.precision.dtype, gpu=gpu)
+    check_routing_replay(arch, rollout)
+    require_vllm()
+    return dataclasses.replace(cfg, rollout=rollout)
+
+
+def build_rollout(
+    cfg: RunConfig, arch: ModelArch, actor: list, groups: Groups, out_dir: str
+) -> RolloutParts:
+    """An engine on every rank: SPMD (external_launcher, its own TP) on GPU; on CPU a TP=1
+    engine per rank that receives the full model. The dispatcher has each prompt generated
+    once, by the engines of its model-parallel group."""
+    # vLLM reads the model's config.json from a directory on every node: the first rank of
+    # each node writes it (the same bytes; atomic per writer, so a shared run directory is fine)
+    model_dir = os.path.join(out_dir, "rollout_model")
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        os.makedirs(model_dir, exist_ok=True)
+        tmp = os.path.join(model_dir, f".config.json.{socket.gethostname()}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(arch.hf_config), f, indent=1)
+        os.replace(tmp, os.path.join(model_dir, "config.json"))
+    dist.barrier()
+    engine = RolloutEngine(model_dir, arch, cfg.rollout, dtype=cfg.precision.dtype)
+    sync = WeightSync(actor, arch, engine, groups)
+    return RolloutParts(engine, sync, RolloutDispatcher(engine, groups.dp_rank))
