@@ -82,7 +82,9 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
         resume = resume_state(cfg, out_dir, arch, data.sampler, stage.trained_roles(arch, sources))
         if resume is None and rank == 0:  # starting at step 0: an earlier attempt's logs go aside
             set_aside_previous_run(out_dir)
-    write_config(dataclasses.replace(cfg, model=user_model), out_dir)
+    # a trained run keeps what the user wrote (a rerun continues it); an evaluation records the
+    # checkpoint it evaluated
+    write_config(dataclasses.replace(cfg, model=user_model) if stage.trains else cfg, out_dir)
     models = stage.build_models(cfg, arch, source_arch, sources, gpu=device.use_gpu())
     run = Run(
         cfg=cfg,
