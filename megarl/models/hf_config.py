@@ -76,11 +76,6 @@ class ModelArch:
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
-    def same_trunk(self, other: ModelArch) -> bool:
-        """Whether `other` has this model's transformer trunk (everything but the output head)."""
-        head = dict(tie_word_embeddings=False, score_head=False)
-        return dataclasses.replace(self, **head) == dataclasses.replace(other, **head)
-
     def as_classifier(self, pad_token_id: int | None) -> ModelArch:
         """This trunk as a reward model: `<Family>ForSequenceClassification`, one label, a
         score head; `pad_token_id` (where the config has none) decides where it reads its score
