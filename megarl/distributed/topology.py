@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 
+from megarl.distributed import device
 from megarl.errors import UserError
 
 MINUTE = timedelta(minutes=1)
@@ -226,8 +227,6 @@ class Topology:
         defaults (30 minutes for megatron's groups)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-
-        from megarl.distributed import device
 
         device.setup()
         if not torch.distributed.is_initialized():
