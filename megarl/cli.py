@@ -22,10 +22,6 @@ Exit status of `megarl train`: 0 done, 1 a bug (traceback), 2 an input error, 3 
 (trainer.max_bad_steps), 4 stopped on request after a checkpoint (SIGTERM / SIGUSR1, the stop
 file RUN/STOP, trainer.time_limit_minutes: run the same command to continue), 5 a step hung
 (trainer.step_timeout_minutes; stacks in RUN/hang-rank{R}.txt). See docs/preemption.md.
-
-Each command imports what it runs (torch, 2 s, and with it megarl.config and the trainer) inside
-its function: `megarl --help` and argument errors import none of it, and `console.setup` runs
-before torch loads (it sets `TORCH_CPP_LOG_LEVEL`, which torch reads once).
 """
 
 from __future__ import annotations
@@ -40,6 +36,10 @@ from megarl import console
 from megarl.convert import command as convert
 from megarl.errors import ConfigError
 from megarl.trainer import faults
+
+# Each command imports what it runs (torch, 2 s, and with it megarl.config and the trainer) in
+# its function: `megarl --help` and argument errors import none of it (tests/test_cli.py), and
+# `console.setup` runs before torch loads (it sets TORCH_CPP_LOG_LEVEL, which torch reads once).
 
 # subcommands that own their parser, each `main(argv) -> int` in its module: `megarl NAME ARGS`
 # runs `module.main(ARGS)`
