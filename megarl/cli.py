@@ -33,6 +33,13 @@ import time
 from functools import partial
 
 from megarl import console
+from megarl.convert import command as convert
+from megarl.errors import ConfigError
+from megarl.trainer import faults
+
+# Each command imports what it runs (torch, 2 s, and with it megarl.config and the trainer) in
+# its function: `megarl --help` and argument errors import none of it (tests/test_cli.py), and
+# `console.setup` runs before torch loads (it sets TORCH_CPP_LOG_LEVEL, which torch reads once).
 
 # subcommands that own their parser, each `main(argv) -> int` in its module: `megarl NAME ARGS`
 # runs `module.main(ARGS)`
@@ -91,9 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the embedded tiny CPU run); its model.* source is replaced by TARGET",
     )
     e.add_argument("--out", help="output directory (default: runs/eval-<name>-<time>)")
-    from megarl.convert.command import add_parsers
-
-    add_parsers(sub, common)
+    convert.add_parsers(sub, common)
     for p in (t, c, pl, e):
         if p is not e:
             p.add_argument(
@@ -152,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command; returns its exit status (2 for an input error)."""
-    from megarl.convert import command as convert
-
     console.setup(verbose=args.verbose)
     command = {
         "train": _train,
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     if args.reference:
-        from megarl.config_reference import reference_markdown
+        from megarl.config_reference import reference_markdown  # deferred: imports torch (2 s)
 
         sys.stdout.write(reference_markdown())
         return 0
@@ -176,8 +179,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from megarl.config import load_config
-    from megarl.plan import plan
+    from megarl.config import load_config  # deferred: imports torch (2 s)
+    from megarl.plan import plan  # deferred: imports torch (2 s)
 
     cfg = load_config(args.config, args.overrides)
     result = plan(
@@ -190,7 +193,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _print_config(args: argparse.Namespace) -> int:
     import yaml
 
-    from megarl.config import load_config, to_dict
+    from megarl.config import load_config, to_dict  # deferred: imports torch (2 s)
 
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
@@ -198,7 +201,7 @@ def _print_config(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config  # deferred: imports torch (2 s)
 
     if args.show_samples:
         args.overrides = [*args.overrides, "logging.show_samples=true"]
@@ -210,15 +213,13 @@ def _train(args: argparse.Namespace) -> int:
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
 
-    from megarl.trainer import faults
-
     faults.install_stop_signals()  # from here on SIGTERM / SIGUSR1 ask for a clean stop
 
     import torch.distributed as dist
 
-    from megarl.trainer import loop, offline
-    from megarl.trainer.finish import TrainingDiverged
-    from megarl.trainer.run import init_distributed
+    from megarl.trainer import loop, offline  # deferred: imports torch (2 s)
+    from megarl.trainer.finish import TrainingDiverged  # deferred: imports torch (2 s)
+    from megarl.trainer.run import init_distributed  # deferred: imports torch (2 s)
 
     train = offline.train if cfg.algorithm.offline else loop.train
 
@@ -259,9 +260,13 @@ def _out_dir(out: str | None, stem: str) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from megarl.config import ConfigError, load_config
-    from megarl.trainer.eval_command import evaluate_model, model_overrides, require_held_out
-    from megarl.trainer.evaluate import summary
+    from megarl.config import load_config  # deferred: imports torch (2 s)
+    from megarl.trainer.eval_command import (  # deferred: imports torch (2 s)
+        evaluate_model,
+        model_overrides,
+        require_held_out,
+    )
+    from megarl.trainer.evaluate import summary  # deferred: imports torch (2 s)
 
     target, config, overrides = args.target, args.config_file, list(args.overrides)
     is_config = os.path.isfile(target) and target.endswith((".yaml", ".yml"))
@@ -286,7 +291,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from megarl.trainer.run import init_distributed
+    from megarl.trainer.run import init_distributed  # deferred: imports torch (2 s)
 
     init_distributed()
     stem = os.path.splitext(os.path.basename(os.path.normpath(target)))[0]
@@ -301,8 +306,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace, cfg) -> int:
-    from megarl.config import ConfigError
-    from megarl.trainer.dry_run import dry_run
+    from megarl.trainer.dry_run import dry_run  # deferred: imports torch (2 s)
 
     if not args.dry_run:
         raise ConfigError(

@@ -162,15 +162,15 @@ def test_sequence_multiple_pads_for_fp8_and_sequence_parallel():
 
 def test_fp8_refuses_weight_shapes_that_cannot_be_padded():
     from megarl.distributed import ParallelConfig
-    from megarl.models.hf_config import _check_fp8_shapes
+    from megarl.models.hf_config import check_fp8_shapes
 
     fp8 = PrecisionConfig(dtype="bf16", fp8="hybrid")
     arch = arch_from_hf({**TINY_LLAMA, "intermediate_size": 136})
     with pytest.raises(ModelConfigError, match=r"MLP width / TP = 136 / 1"):
-        _check_fp8_shapes(arch, ParallelConfig(), fp8)
-    _check_fp8_shapes(ARCH, ParallelConfig(), fp8)  # 64 / 128 / 64: fine
+        check_fp8_shapes(arch, ParallelConfig(), fp8)
+    check_fp8_shapes(ARCH, ParallelConfig(), fp8)  # 64 / 128 / 64: fine
     with pytest.raises(ModelConfigError, match="divisible by 16"):
-        _check_fp8_shapes(ARCH, ParallelConfig(tensor_parallel=8), fp8)
+        check_fp8_shapes(ARCH, ParallelConfig(tensor_parallel=8), fp8)
 
 
 # ------------------------------------------------------------------ no silent fallback

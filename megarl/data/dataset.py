@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megarl.data.toy import toy_rows
 from megarl.errors import MissingDependencyError, UserError
 
 if TYPE_CHECKING:
@@ -336,8 +337,6 @@ class PromptDataset:
     def from_config(cls, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PromptDataset:
         """Load `cfg.path` (the toy task when None) and tokenize it."""
         if cfg.path is None:
-            from megarl.data.toy import toy_rows
-
             return cls(toy_rows(), tokenizer, cfg, source="<toy copy task>")
         return cls(load_rows(cfg.path), tokenizer, cfg, source=cfg.path)
 
@@ -363,7 +362,10 @@ class PromptDataset:
         )
 
 
-def _messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict]:
+def prompt_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict]:
+    """A prompt (a string: one user message, or a list of chat messages) as chat messages,
+    `system_prompt` first unless the prompt opens with a system message; raises `DataError`
+    naming `where` for anything else."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
@@ -386,7 +388,7 @@ def prompt_text(
     tokens), else the string itself after `system_prompt`."""
     use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
     if use_template:
-        messages = _messages(prompt, cfg.system_prompt, where)
+        messages = prompt_messages(prompt, cfg.system_prompt, where)
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text, False
     if isinstance(prompt, str):

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl.data.batch import collate_sequences
-from megarl.data.dataset import DataConfig, DataError, _messages, prompt_text
+from megarl.data.dataset import DataConfig, DataError, prompt_messages, prompt_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -180,7 +180,7 @@ def _response(
     if isinstance(response, str):
         return enc.completion(prompt, response, where)
     turns = _check_messages(response, where, column)
-    head = _messages(prompt, None, where)
+    head = prompt_messages(prompt, None, where)
     return enc.conversation(head + turns, len(head), where, f"{cfg.prompt_key} + {column}")
 
 

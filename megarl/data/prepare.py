@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from megarl import console
 from megarl.data.dataset import DataError, load_rows
 
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
@@ -252,8 +253,6 @@ def prepare(fmt: str, src: str, out: str, *, limit: int | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarl import console
-
     p = argparse.ArgumentParser(
         prog="megarl prepare-data",
         description=__doc__,

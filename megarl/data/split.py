@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from megarl.data.dataset import DataConfig, DataError, PromptDataset, load_rows
+from megarl.data.toy import toy_rows
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ def prompt_sets(data: DataConfig, ev, tokenizer) -> tuple[PromptDataset, PromptD
     if ev.fraction == 0:
         return PromptDataset.from_config(data, tokenizer), None
     if data.path is None:
-        from megarl.data.toy import toy_rows
-
         rows, source = toy_rows(), "<toy copy task>"
     else:
         rows, source = load_rows(data.path), data.path

@@ -9,14 +9,13 @@ below the trainer (losses, advantages, weight sync) receives groups from here an
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
+from megarl.distributed import device
 from megarl.errors import UserError
 
 MINUTE = timedelta(minutes=1)
@@ -215,9 +214,6 @@ class Topology:
                 "without it)"
             )
 
-    def with_parallel(self, **changes) -> Topology:
-        return Topology.create(dataclasses.replace(self.parallel, **changes), self.world_size)
-
     # ----------------------------------------------------------------- process groups
     def initialize(
         self, *, seed: int = 1234, gloo_groups: bool = True, timeout: timedelta | None = None
@@ -231,8 +227,6 @@ class Topology:
         defaults (30 minutes for megatron's groups)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-
-        from megarl.distributed import device
 
         device.setup()
         if not torch.distributed.is_initialized():
@@ -300,14 +294,5 @@ class Groups:
         )
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-
-def world_from_env() -> tuple[int, int]:
-    """(rank, world size) from torchrun's variables, (0, 1) when launched plainly."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
+from megarl.distributed import device
+
 
 class StageTimer:
     """Accumulates seconds per stage name until `reset()`."""
@@ -29,9 +31,7 @@ class StageTimer:
     def __init__(self, *, sync: bool | None = None) -> None:
         """sync: synchronise CUDA around each reading; None = when megarl runs on a GPU."""
         if sync is None:
-            from megarl.distributed.device import use_gpu
-
-            sync = use_gpu()
+            sync = device.use_gpu()
         self.sync = sync
         self._times: dict[str, float] = {}
         self._active: list[str] = []

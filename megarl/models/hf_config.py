@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.errors import UserError
+from megarl.models.specs import require_transformer_engine
 
 # HF `architectures[0]` / `model_type` -> family
 ARCHITECTURES = {
@@ -75,11 +76,6 @@ class ModelArch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
-
-    def same_trunk(self, other: ModelArch) -> bool:
-        """Whether `other` has this model's transformer trunk (everything but the output head)."""
-        head = dict(tie_word_embeddings=False, score_head=False)
-        return dataclasses.replace(self, **head) == dataclasses.replace(other, **head)
 
     def as_classifier(self, pad_token_id: int | None) -> ModelArch:
         """This trunk as a reward model: `<Family>ForSequenceClassification`, one label, a
@@ -319,10 +315,8 @@ def transformer_config(
                 f"precision.fp8={precision.fp8!r} needs a CUDA GPU with Transformer-Engine; "
                 "this process runs on CPU. Set precision.fp8=null."
             )
-        from megarl.models.specs import require_transformer_engine
-
         require_transformer_engine("precision.fp8")
-        _check_fp8_shapes(arch, parallel, precision)
+        check_fp8_shapes(arch, parallel, precision)
     dtype = precision.torch_dtype
     kw = dict(
         num_layers=arch.num_layers,
@@ -397,8 +391,10 @@ def transformer_config(
     return TransformerConfig(**kw)
 
 
-def _check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> None:
-    """TE's FP8 GEMMs need both weight dimensions divisible by 16 (32 for MXFP8); the token
+def check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> None:
+    """Raise `ModelConfigError` unless `arch`'s GEMM weights fit FP8 under `parallel`.
+
+    TE's FP8 GEMMs need both weight dimensions divisible by 16 (32 for MXFP8); the token
     dimension is padded by the trainer (`megarl.models.forward.sequence_multiple`), weights
     cannot be."""
     align = 32 if precision.fp8_recipe == "mxfp8" else 16

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from megarl.metrics.reduce import LocalMetrics
+from megarl.models.builder import unwrap
 
 
 class RoutingReplayError(ValueError):
@@ -81,8 +82,6 @@ def collate_routes(routes: list, seq_len: torch.Tensor, width: int) -> torch.Ten
 # ----------------------------------------------------------------------------- the model side
 def _routers(model) -> list[tuple[int, torch.nn.Module]]:
     """(global layer index, router) of every MoE layer of a chunk, memoized on the chunk."""
-    from megarl.models.builder import unwrap
-
     inner = unwrap(model)
     found = getattr(inner, "_megarl_routers", None)
     if found is None:
@@ -192,8 +191,6 @@ def _check_routes(routes: torch.Tensor, routers) -> None:
 
 
 def _role(model) -> str | None:
-    from megarl.models.builder import unwrap
-
     return getattr(unwrap(model), "megarl_role", None)
 
 
@@ -220,8 +217,6 @@ class RouterStats:
 
 
 def _install_stats(model, routers) -> None:
-    from megarl.models.builder import unwrap
-
     inner = unwrap(model)
     if _role(model) != "actor" or getattr(inner, "megarl_router_stats", None) is not None:
         return
@@ -263,8 +258,6 @@ def moe_metrics(chunks, arch) -> LocalMetrics:
     """The MoE metrics of the actor's forwards since the last call (module docstring), as
     `same` values (already global). Collective over the world for MoE models; resets."""
     import torch.distributed as dist
-
-    from megarl.models.builder import unwrap
 
     out = LocalMetrics()
     if not arch.is_moe:

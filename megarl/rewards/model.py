@@ -36,8 +36,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.mapping import check_hf_names
+from megarl.convert.sharded import load_hf_sharded
+from megarl.data.batch import collate_sequences, split_micro_batches
+from megarl.data.dataset import prompt_text
+from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError, UserError
-from megarl.models.hf_config import ModelArch
+from megarl.models import forward
+from megarl.models.hf_config import ModelArch, arch_from_hf
 
 log = logging.getLogger("megarl")
 
@@ -85,8 +92,6 @@ class ScalarModelSource:
         """Fill this rank's `chunks` (built from `arch` with a scalar head), reading only this
         rank's shards (collective for a megarl checkpoint)."""
         if self.hf:
-            from megarl.convert.sharded import load_hf_sharded
-
             load_hf_sharded(chunks, self.arch, self.path)
         else:
             from megarl.convert.source import load_into
@@ -100,15 +105,11 @@ def open_scalar_model(path: str, key: str, roles: tuple[str, ...] = ("reward",))
     when `path` is not a reward model megarl can build (a causal LM, num_labels != 1, an
     architecture megarl does not build, HF tensors that do not fit the config)."""
     from megarl.convert.source import _has_tokenizer, open_checkpoint
-    from megarl.models.hf_config import arch_from_hf
 
     if not os.path.isdir(path):
         what = "is not a directory" if os.path.exists(path) else "does not exist"
         raise ConfigError(f"{key}={path!r} {what}; accepted: {_ACCEPTED}")
     if os.path.isfile(os.path.join(path, "config.json")):
-        from megarl.convert.hf_io import LazyHFTensors
-        from megarl.convert.mapping import check_hf_names
-
         arch = arch_from_hf(path, where=f"{key}={path}")
         if not arch.score_head:
             archs = arch.hf_config.get("architectures") or [arch.family]
@@ -141,8 +142,6 @@ def open_scalar_model(path: str, key: str, roles: tuple[str, ...] = ("reward",))
 def reward_tokenizer(source: ScalarModelSource, policy_tokenizer):
     """(the reward model's tokenizer, whether the policy's token ids can be scored as they are:
     the same vocabulary, special tokens and chat template)."""
-    from megarl.data.tokenizer import load_tokenizer
-
     if source.tokenizer_dir is None:
         raise ConfigError(
             f"{source.describe()} keeps no tokenizer (tokenizer.json / tokenizer_config.json); "
@@ -226,8 +225,6 @@ class RewardModel:
                 list(p) + list(r)
                 for p, r in zip(rollout.prompt_ids, rollout.response_ids, strict=True)
             ]
-        from megarl.data.dataset import prompt_text
-
         tok, out = self.tokenizer, []
         texts = policy_tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         for i, (text, reason) in enumerate(zip(texts, rollout.finish_reason, strict=True)):
@@ -243,9 +240,6 @@ class RewardModel:
     def score(self, ids: list[list[int]]) -> torch.Tensor:
         """Scores [B] (float32) of the sequences `ids` on every rank of this rank's model-parallel
         group (collective over it)."""
-        from megarl.data.batch import collate_sequences, split_micro_batches
-        from megarl.models import forward
-
         longest = max(len(x) for x in ids)
         if longest > self.arch.max_position_embeddings:
             raise RuntimeError(
@@ -276,10 +270,10 @@ class RewardModel:
         scores = torch.zeros(len(ids), dtype=torch.float32)
         for m in out:
             scores[m["index"]] = m["scores"].float().cpu()
-        box = [scores.tolist()]  # the last stage's scores to every stage
+        last_stage_scores = [scores.tolist()]  # the last stage's scores to every stage
         last = dist.get_global_rank(g.pp, g.pp_size - 1)
-        dist.broadcast_object_list(box, src=last, group=g.pp)
-        return torch.tensor(box[0], dtype=torch.float32)
+        dist.broadcast_object_list(last_stage_scores, src=last, group=g.pp)
+        return torch.tensor(last_stage_scores[0], dtype=torch.float32)
 
     def reward(self, raw: torch.Tensor) -> torch.Tensor:
         """What enters the total reward: `raw`, or normalised by the running statistics (which

@@ -143,9 +143,9 @@ def dry_run(
     except TopologyError as e:  # name the config section, as a real run does
         raise TopologyError(f"parallel: {e}") from e
     if cfg.precision.fp8 is not None:
-        from megarl.models.hf_config import _check_fp8_shapes
+        from megarl.models.hf_config import check_fp8_shapes
 
-        _check_fp8_shapes(arch, cfg.parallel, cfg.precision)
+        check_fp8_shapes(arch, cfg.parallel, cfg.precision)
     if not cfg.algorithm.offline and cfg.rollout.kv_cache_memory_bytes is not None:
         from megarl.rollout.engine import check_kv_cache
 

@@ -135,10 +135,10 @@ def collectives(fig: dict, device: str) -> None:
 
     def objects(group=None):
         def go():
-            box = [{"step": 7, "tensor": torch.arange(3)}] if rank == 0 else [None]
-            dist.broadcast_object_list(box, src=0, group=group)
-            if box[0]["step"] != 7 or box[0]["tensor"].tolist() != [0, 1, 2]:
-                raise AssertionError(f"broadcast_object_list gave {box[0]}")
+            message = [{"step": 7, "tensor": torch.arange(3)}] if rank == 0 else [None]
+            dist.broadcast_object_list(message, src=0, group=group)
+            if message[0]["step"] != 7 or message[0]["tensor"].tolist() != [0, 1, 2]:
+                raise AssertionError(f"broadcast_object_list gave {message[0]}")
 
         return go
 
