@@ -45,11 +45,9 @@ from megarl.config import ConfigError, RunConfig
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import EVAL_SAMPLES_FILE
 from megarl.trainer.samples import gather_rows
+from megarl.trainer.seeds import eval_seed
 
 log = logging.getLogger("megarl")
-
-EVAL_SEED = 1 << 40
-"""Base seed of evaluation sampling (+ trainer.seed), apart from the training steps' seeds."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -119,7 +117,7 @@ class Evaluator:
         rollout = self.dispatcher.generate(
             [self.prompts.prompt_ids[i] for i in mine],
             list(mine),
-            EVAL_SEED + self.cfg.trainer.seed,
+            eval_seed(self.cfg.trainer.seed),
             n=ev.n,
             greedy=greedy,
             temperature=None if greedy else ev.temperature,

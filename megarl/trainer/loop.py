@@ -42,6 +42,7 @@ from megarl.trainer.experience import (
 from megarl.trainer.faults import RunGuard
 from megarl.trainer.run import Run
 from megarl.trainer.samples import step_samples
+from megarl.trainer.seeds import step_seed
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
 
 log = logging.getLogger("megarl")
@@ -111,7 +112,7 @@ def generate(run: Run):
     prompts = run.data.dataset.batch(run.data.sampler.next_step())
     count = len(prompts.prompt_ids)
     positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
-    seed = run.cfg.trainer.seed * 1_000_003 + run.step
+    seed = step_seed(run.cfg.trainer.seed, run.step)
     rollout = run.rollout.dispatcher.generate(prompts.prompt_ids, positions, seed)
     run.rollout.engine.sleep()
     return prompts, rollout
@@ -233,7 +234,7 @@ def advantages(run: Run, batch: StepBatch, scored: Scored) -> None:
 
 
 def update(run: Run, batch: StepBatch) -> LocalMetrics:
-    alg, g, seed = run.cfg.algorithm, run.groups, run.cfg.trainer.seed * 1000003 + run.step
+    alg, g, seed = run.cfg.algorithm, run.groups, step_seed(run.cfg.trainer.seed, run.step)
     actor, critic = run.models.actor, run.models.critic
     metrics = LocalMetrics()
     if critic is not None:
