@@ -494,7 +494,7 @@ def _ppo_run(cfg):
         reference=make("reference", state),
         critic=Trained(critic, critic_opt, critic_sched),
     )
-    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models)
+    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models, pad_to=1)
     loop.forward_passes(run, batch)
     scored = xp.Scored(rewards=torch.tensor(REWARDS), per_function={}, metrics=LocalMetrics(),
                        group_ids=torch.tensor([i // 4 for i in range(len(LENGTHS))]))

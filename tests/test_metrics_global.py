@@ -112,6 +112,7 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
         groups=groups,
         arch=arch,
         step=0,
+        pad_to=1,  # Run.pad_to at TP 1 without FP8
         models=Models(
             actor=Trained(actor, opt, sched),
             reference=make("reference", ref_state),
