@@ -236,6 +236,11 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
             arch=arch,
             groups=groups,
             tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=2),
+            pad_to=forward.sequence_multiple(
+                groups.tp_size,
+                cfg.parallel.sequence_parallel,
+                cfg.precision.fp8 and cfg.precision.fp8_recipe,
+            ),  # Run.pad_to
             models=Models(
                 actor=Trained(actor, None, None), reference=reference if stage.reference else None
             ),

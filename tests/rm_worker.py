@@ -189,6 +189,11 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
                         arch=arch,
                         groups=groups,
                         tokenizer=SimpleNamespace(pad_token_id=pad, eos_token_id=EOS),
+                        pad_to=forward.sequence_multiple(
+                            groups.tp_size,
+                            cfg.parallel.sequence_parallel,
+                            cfg.precision.fp8 and cfg.precision.fp8_recipe,
+                        ),  # Run.pad_to
                         models=Models(reward=Trained(model, None, None)),
                         data=SimpleNamespace(dataset=dataset),
                     )
