@@ -194,7 +194,6 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
     from megarl.distributed import Topology
     from megarl.models import forward
     from megarl.models.builder import build_model
-    from megarl.models.forward import sequence_multiple
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import wire_grad_finalization, zero_grads
     from megarl.trainer import offline
@@ -237,8 +236,11 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
             arch=arch,
             groups=groups,
             tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=2),
-            pad_id=0,
-            pad_to=sequence_multiple(groups.tp_size, cfg.parallel.sequence_parallel, None),
+            pad_to=forward.sequence_multiple(
+                groups.tp_size,
+                cfg.parallel.sequence_parallel,
+                cfg.precision.fp8 and cfg.precision.fp8_recipe,
+            ),  # Run.pad_to
             models=Models(
                 actor=Trained(actor, None, None), reference=reference if stage.reference else None
             ),

@@ -135,7 +135,6 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
     from megarl.distributed import Topology
     from megarl.models import forward
     from megarl.models.builder import build_model
-    from megarl.models.forward import sequence_multiple
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import wire_grad_finalization, zero_grads
     from megarl.rewards.model import RewardModel
@@ -190,10 +189,11 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
                         arch=arch,
                         groups=groups,
                         tokenizer=SimpleNamespace(pad_token_id=pad, eos_token_id=EOS),
-                        pad_id=pad,
-                        pad_to=sequence_multiple(
-                            groups.tp_size, cfg.parallel.sequence_parallel, None
-                        ),
+                        pad_to=forward.sequence_multiple(
+                            groups.tp_size,
+                            cfg.parallel.sequence_parallel,
+                            cfg.precision.fp8 and cfg.precision.fp8_recipe,
+                        ),  # Run.pad_to
                         models=Models(reward=Trained(model, None, None)),
                         data=SimpleNamespace(dataset=dataset),
                     )

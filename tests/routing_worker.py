@@ -54,7 +54,7 @@ def _logprobs(chunks, arch, groups, routes, pad_to):
     )
     return xp.forward_logprobs(
         chunks,
-        batch,
+        batch.fields(),
         micro_batch_size=2,
         vocab_size=arch.vocab_size,
         groups=groups,
@@ -86,19 +86,17 @@ def reference(rank: int, world: int) -> dict:
     # one forward per micro-batch: put each micro-batch's rows back (same split as forward)
     from megarl.data.batch import split_micro_batches
 
-    mbs = split_micro_batches(batch, 2)
-    full = torch.zeros(
-        B, batch["tokens"].shape[1], arch.num_layers, arch.moe_topk, dtype=torch.long
-    )
+    mbs = split_micro_batches(batch.fields(), 2)
+    full = torch.zeros(B, batch.tokens.shape[1], arch.num_layers, arch.moe_topk, dtype=torch.long)
     for layer, parts in natural.items():
         for mb, idx in zip(mbs, parts, strict=True):
             full[mb["index"], : idx.shape[0], layer] = idx.transpose(0, 1)
-    routes = [full[b, : int(batch["seq_len"][b]) - 1].numpy() for b in range(B)]
+    routes = [full[b, : int(batch.seq_len[b]) - 1].numpy() for b in range(B)]
     return {
         "state": gather_full_state(chunks),
         "routes": routes,
         "logprobs": lp,
-        "mask": batch["loss_mask"],
+        "mask": batch.loss_mask,
     }
 
 
@@ -143,7 +141,7 @@ def uneven(rank: int, world: int, ref: dict) -> dict:
     )
     lp = xp.forward_logprobs(
         chunks,
-        batch,
+        batch.fields(),
         micro_batch_size=1,
         vocab_size=arch.vocab_size,
         groups=groups,

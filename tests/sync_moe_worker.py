@@ -150,16 +150,16 @@ def replay_check(chunks, arch, groups, rollout, pad: int) -> dict:
     )
     kw = dict(micro_batch_size=3, vocab_size=arch.vocab_size, groups=groups, temperature=1.0)
     kw["pad_to"] = pad
-    on = xp.forward_logprobs(chunks, batch, **kw)
+    on = xp.forward_logprobs(chunks, batch.fields(), **kw)
     agreement = moe_metrics(chunks, arch).same.get("moe/replay_agreement")
     off = xp.forward_logprobs(
-        chunks, {k: v for k, v in batch.items() if k != "routed_experts"}, **kw
+        chunks, {k: v for k, v in batch.fields().items() if k != "routed_experts"}, **kw
     )
-    out = {"agreement": agreement, "routes_shape": tuple(batch["routed_experts"].shape)}
+    out = {"agreement": agreement, "routes_shape": tuple(batch.routed_experts.shape)}
     if on is not None:
-        mask = batch["loss_mask"].bool()
+        mask = batch.loss_mask.bool()
         for name, lp in (("on", on), ("off", off)):
-            diff = (lp - batch["sampler_logprobs"]).abs()[mask]
+            diff = (lp - batch.sampler_logprobs).abs()[mask]
             out[name] = {"max": float(diff.max()), "mean": float(diff.mean()), "n": diff.numel()}
     return out
 

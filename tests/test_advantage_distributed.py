@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.advantage import (
+    GAEOptions,
     distributed_whiten,
     gae_advantages,
     gather_advantages,
@@ -91,7 +92,11 @@ def _worker(rank: int, world_size: int, cases: list[dict], gae_inputs: dict) -> 
     mask = gae_inputs["mask"][rows]
     out["whiten"] = distributed_whiten(gae_inputs["x"][rows], mask, group=None)
     out["gae"] = gae_advantages(
-        gae_inputs["r"][rows], gae_inputs["v"][rows], mask, gamma=0.99, lam=0.95, group=None
+        gae_inputs["r"][rows],
+        gae_inputs["v"][rows],
+        mask,
+        GAEOptions(gamma=0.99, lam=0.95),
+        group=None,
     )
     return out
 

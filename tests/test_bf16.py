@@ -46,10 +46,10 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
     responses = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
     batch = xp.build_batch([PROMPTS[i // 4] for i in range(len(LENGTHS))], responses,
                            [[-1.0] * n for n in LENGTHS], pad_id=0, pad_to=1)
-    batch["advantages"] = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch["loss_mask"]
-    lp = xp.forward_logprobs(actor, batch, micro_batch_size=4, vocab_size=arch.vocab_size,
+    batch.advantages = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch.loss_mask
+    lp = xp.forward_logprobs(actor, batch.fields(), micro_batch_size=4, vocab_size=arch.vocab_size,
                              groups=groups, temperature=1.0)
-    batch["old_logprobs"] = lp
+    batch.old_logprobs = lp
     model = unwrap(actor[0])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     inner = getattr(opt, "chained_optimizers", [opt])  # megatron chains dense / expert ones
@@ -191,13 +191,11 @@ def sync_job(rank: int, world: int) -> dict:
     batch = xp.build_batch([PROMPTS[i] for i in rollout.prompt_index], rollout.response_ids,
                            rollout.response_logprobs, pad_id=0, pad_to=1)
     kw = dict(micro_batch_size=4, vocab_size=arch.vocab_size, groups=groups, temperature=1.0)
-    actor_lp = xp.forward_logprobs(actor, batch, **kw)
-    ref_lp = xp.forward_logprobs(reference, batch, **kw)
-    mask = batch["loss_mask"].bool()
-    gap_before = (actor_lp - batch["sampler_logprobs"]).abs()[mask]
-    batch["advantages"] = torch.linspace(-1, 1, len(rollout.response_ids))[:, None] * batch[
-        "loss_mask"]
-    batch["old_logprobs"] = None
+    actor_lp = xp.forward_logprobs(actor, batch.fields(), **kw)
+    ref_lp = xp.forward_logprobs(reference, batch.fields(), **kw)
+    mask = batch.loss_mask.bool()
+    gap_before = (actor_lp - batch.sampler_logprobs).abs()[mask]
+    batch.advantages = torch.linspace(-1, 1, len(rollout.response_ids))[:, None] * batch.loss_mask
     update.train_policy(actor, opt, sched, batch, alg=cfg.algorithm, rollout=cfg.rollout,
                         vocab_size=arch.vocab_size, groups=groups, seed=1)
     ws.sync()

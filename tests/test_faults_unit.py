@@ -432,9 +432,7 @@ def test_the_update_takes_its_policy_loss_from_the_registry(monkeypatch):
         return losses.policy_loss(*args, **kwargs)
 
     monkeypatch.setitem(losses._POLICY_LOSSES, "marked", marked)
-    alg = SimpleNamespace(kl_coef=0.0, kl_in="loss", policy_loss="marked", entropy_coef=0.0,
-                          clip_low=0.2, clip_high=0.2, dual_clip=None, agg_mode="token-mean",
-                          tis_cap=None, kl_kind="k3")
+    alg = SimpleNamespace(policy_loss="marked", policy_loss_options=losses.PolicyLossOptions())
     rollout = SimpleNamespace(temperature=1.0, max_tokens=4)
     groups = SimpleNamespace(tp=None)
     fn = update._policy_loss_fn(alg, rollout, 8, groups, tokens=3.0, seqs=1.0)
@@ -454,7 +452,7 @@ def critic_job(rank: int, world: int) -> dict:
     from tests.test_metrics_global import _config  # the tiny PPO setup of the DP1/DP2 test
 
     run, batch = _ppo_run(_config("ppo"))
-    batch["returns"] = torch.full_like(batch["returns"], float("nan"))  # a diverged critic
+    batch.returns = torch.full_like(batch.returns, float("nan"))  # a diverged critic
     metrics = loop.update(run, batch).reduce(run.groups.dp)
     counter = SimpleNamespace(bad_steps=0, step=1, cfg=run.cfg)
     count_bad_step(counter, metrics)
@@ -464,6 +462,7 @@ def critic_job(rank: int, world: int) -> dict:
 def _ppo_run(cfg):
     from megarl.convert.layout import load_full_state
     from megarl.distributed import Topology
+    from megarl.metrics.reduce import LocalMetrics
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
@@ -498,8 +497,9 @@ def _ppo_run(cfg):
     )
     run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models, pad_to=1)
     loop.forward_passes(run, batch)
-    loop.advantages(run, batch, torch.tensor(REWARDS), torch.tensor([i // 4 for i in
-                                                                     range(len(LENGTHS))]))
+    scored = xp.Scored(rewards=torch.tensor(REWARDS), per_function={}, metrics=LocalMetrics(),
+                       group_ids=torch.tensor([i // 4 for i in range(len(LENGTHS))]))
+    loop.advantages(run, batch, scored)
     return run, batch
 
 

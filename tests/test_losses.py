@@ -9,6 +9,8 @@ import torch
 
 from megarl.algorithms.losses import (
     AGG_MODES,
+    PolicyLossOptions,
+    ValueLossOptions,
     aggregate,
     get_policy_loss,
     global_denominators,
@@ -134,11 +136,10 @@ def test_ppo_matches_reference(dual_clip, tis_cap, clips):
         old,
         adv,
         mask,
-        clip_low=clips[0],
-        clip_high=clips[1],
-        dual_clip=dual_clip,
+        PolicyLossOptions(
+            clip_low=clips[0], clip_high=clips[1], dual_clip=dual_clip, tis_cap=tis_cap
+        ),
         sampler_logprobs=sampler,
-        tis_cap=tis_cap,
         global_tokens=mask.sum().item(),
     )
     exp = ref_aggregate(per_token, mask, "token-mean")
@@ -156,19 +157,22 @@ def test_ppo_pinned_clipping():
     lp = torch.tensor([[0.5, 0.0, -0.5]])
     old = torch.zeros(1, 3)
     mask = torch.ones(1, 3)
-    pos, m_pos = policy_loss(lp, old, torch.ones(1, 3), mask, global_tokens=3)
+    opts = PolicyLossOptions()
+    pos, m_pos = policy_loss(lp, old, torch.ones(1, 3), mask, opts, global_tokens=3)
     # A>0: token0 clipped to 1.2, token1 1.0, token2 unclipped e^{-0.5} (min picks it)
     assert pos.item() == pytest.approx(-(1.2 + 1.0 + math.exp(-0.5)) / 3, rel=1e-12)
     assert m_pos["clip_frac"].item() == pytest.approx(1 / 3)
-    neg, _m_neg = policy_loss(lp, old, -torch.ones(1, 3), mask, global_tokens=3)
+    neg, _m_neg = policy_loss(lp, old, -torch.ones(1, 3), mask, opts, global_tokens=3)
     # A<0: token0 unclipped e^{0.5}, token1 1.0, token2 clipped to 0.8
     assert neg.item() == pytest.approx((math.exp(0.5) + 1.0 + 0.8) / 3, rel=1e-12)
     # dual clip at 1.5 caps token0's e^{0.5} = 1.65 at 1.5
-    dual, m_dual = policy_loss(lp, old, -torch.ones(1, 3), mask, dual_clip=1.5, global_tokens=3)
+    dual_opts = PolicyLossOptions(dual_clip=1.5)
+    dual, m_dual = policy_loss(lp, old, -torch.ones(1, 3), mask, dual_opts, global_tokens=3)
     assert dual.item() == pytest.approx((1.5 + 1.0 + 0.8) / 3, rel=1e-12)
     assert m_dual["dual_clip_frac"].item() == pytest.approx(1 / 3)
     # clip-higher 0.7: token0's ratio 1.65 is no longer clipped for A>0
-    hi, _ = policy_loss(lp, old, torch.ones(1, 3), mask, clip_high=0.7, global_tokens=3)
+    hi_opts = PolicyLossOptions(clip_high=0.7)
+    hi, _ = policy_loss(lp, old, torch.ones(1, 3), mask, hi_opts, global_tokens=3)
     assert hi.item() == pytest.approx(-(math.exp(0.5) + 1.0 + math.exp(-0.5)) / 3, rel=1e-12)
 
 
@@ -179,7 +183,7 @@ def test_gspo_matches_sequence_objective():
     old = lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
     lp1 = lp.clone().requires_grad_(True)
     loss, _ = get_policy_loss("gspo")(
-        lp1, old, adv, mask, agg_mode="seq-mean-token-mean", global_seqs=4
+        lp1, old, adv, mask, PolicyLossOptions(agg_mode="seq-mean-token-mean"), global_seqs=4
     )
     loss.backward()
     lp2 = lp.clone().requires_grad_(True)
@@ -197,17 +201,15 @@ def test_entropy_and_kl_terms():
     ref_lp = lp - 0.1
     entropy = torch.rand(lp.shape, generator=torch.Generator().manual_seed(1))
     kw = {"global_tokens": mask.sum().item()}
-    base, _ = policy_loss(lp, old, adv, mask, **kw)
+    base, _ = policy_loss(lp, old, adv, mask, PolicyLossOptions(), **kw)
     loss, metrics = policy_loss(
         lp,
         old,
         adv,
         mask,
+        PolicyLossOptions(entropy_coef=0.01, kl_coef=0.1, kl_kind="k1"),
         entropy=entropy,
-        entropy_coef=0.01,
         ref_logprobs=ref_lp,
-        kl_coef=0.1,
-        kl_kind="k1",
         **kw,
     )
     # k1 = lp - ref = 0.1 on every token
@@ -221,23 +223,23 @@ def test_policy_loss_errors():
     lp, old, adv, mask = _batch()
     kw = {"global_tokens": 10}
     with pytest.raises(ValueError, match="ratio_level"):
-        policy_loss(lp, old, adv, mask, ratio_level="seq", **kw)
+        policy_loss(lp, old, adv, mask, PolicyLossOptions(ratio_level="seq"), **kw)
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        policy_loss(lp, old, adv, mask, dual_clip=0.5, **kw)
+        policy_loss(lp, old, adv, mask, PolicyLossOptions(dual_clip=0.5), **kw)
     with pytest.raises(ValueError, match="sampler_logprobs"):
-        policy_loss(lp, old, adv, mask, tis_cap=2.0, **kw)
+        policy_loss(lp, old, adv, mask, PolicyLossOptions(tis_cap=2.0), **kw)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(lp, old, adv, mask, kl_coef=0.1, **kw)
+        policy_loss(lp, old, adv, mask, PolicyLossOptions(kl_coef=0.1), **kw)
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(lp, old, adv, mask, entropy_coef=0.1, **kw)
+        policy_loss(lp, old, adv, mask, PolicyLossOptions(entropy_coef=0.1), **kw)
     with pytest.raises(ValueError, match="needs global_tokens"):
-        policy_loss(lp, old, adv, mask)
+        policy_loss(lp, old, adv, mask, PolicyLossOptions())
 
 
 def test_policy_loss_registry():
     lp, old, adv, mask = _batch()
-    a, _ = get_policy_loss("ppo")(lp, old, adv, mask, global_tokens=12)
-    b, _ = policy_loss(lp, old, adv, mask, global_tokens=12)
+    a, _ = get_policy_loss("ppo")(lp, old, adv, mask, PolicyLossOptions(), global_tokens=12)
+    b, _ = policy_loss(lp, old, adv, mask, PolicyLossOptions(), global_tokens=12)
     assert a.item() == b.item()
     with pytest.raises(ValueError, match=r"unknown policy loss 'grpo'.*'gspo', 'ppo'"):
         get_policy_loss("grpo")
@@ -248,7 +250,7 @@ def test_policy_loss_registry():
 def test_empty_mask_is_finite():
     lp, old, adv, _ = _batch()
     mask = torch.zeros_like(lp, dtype=torch.bool)
-    loss, metrics = policy_loss(lp, old, adv, mask, global_tokens=5)
+    loss, metrics = policy_loss(lp, old, adv, mask, PolicyLossOptions(), global_tokens=5)
     assert loss.item() == 0.0
     assert all(torch.isfinite(v) for v in metrics.values())
 
@@ -260,20 +262,21 @@ def test_value_loss_pinned():
     returns = torch.tensor([[0.0, 1.0, 2.0]])
     mask = torch.tensor([[1, 1, 0]])
     # token0: unclipped (1-0)^2 = 1, clipped V=0.7 -> 0.49, max 1; token1: 1 and 1
-    loss, _m = value_loss(values, old, returns, mask, clip=0.2, global_tokens=2)
+    clip, no_clip = ValueLossOptions(clip=0.2), ValueLossOptions(clip=None)
+    loss, _m = value_loss(values, old, returns, mask, clip, global_tokens=2)
     assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
     # token0 with V moving toward the target: V=0.1 from old 0.5 -> clipped 0.3, err 0.09 vs 0.01
-    loss2, m2 = value_loss(values - 0.9, old, returns, mask, clip=0.2, global_tokens=2)
+    loss2, m2 = value_loss(values - 0.9, old, returns, mask, clip, global_tokens=2)
     assert loss2.item() == pytest.approx(0.5 * (0.09 + (1 + 0.9) ** 2) / 2)
     assert m2["vf_clip_frac"].item() == pytest.approx(0.5)
-    loss3, _ = value_loss(values - 0.9, old, returns, mask, clip=None, global_tokens=2)
+    loss3, _ = value_loss(values - 0.9, old, returns, mask, no_clip, global_tokens=2)
     assert loss3.item() == pytest.approx(0.5 * (0.01 + 1.9**2) / 2)
 
 
 def test_outcome_advantages_broadcast():
     lp, old, adv, mask = _batch()
-    per_token, _ = policy_loss(lp, old, adv, mask, global_tokens=12)
-    per_seq, _ = policy_loss(lp, old, adv[:, 0], mask, global_tokens=12)
+    per_token, _ = policy_loss(lp, old, adv, mask, PolicyLossOptions(), global_tokens=12)
+    per_seq, _ = policy_loss(lp, old, adv[:, 0], mask, PolicyLossOptions(), global_tokens=12)
     assert per_seq.item() == per_token.item()
 
 
@@ -284,25 +287,20 @@ def test_garbage_in_padding_does_not_leak(ratio_level):
     dirty = lp.masked_fill(~mask, float("-inf"))
     dirty_old = old.masked_fill(~mask, float("nan"))
     dirty_ent = torch.rand(lp.shape).masked_fill(~mask, float("nan"))
-    kw = {
-        "ratio_level": ratio_level,
-        "global_tokens": 12,
-        "entropy_coef": 0.01,
-        "ref_logprobs": old,
-        "kl_coef": 0.1,
-        "agg_mode": "seq-mean-token-mean",
-        "global_seqs": 4,
-    }
+    opts = PolicyLossOptions(
+        ratio_level=ratio_level, entropy_coef=0.01, kl_coef=0.1, agg_mode="seq-mean-token-mean"
+    )
+    kw = {"global_tokens": 12, "ref_logprobs": old, "global_seqs": 4}
     results = []
     for a, b, e in ((lp, old, dirty_ent.nan_to_num(0.0)), (dirty, dirty_old, dirty_ent)):
         x = a.clone().requires_grad_(True)
-        loss, metrics = policy_loss(x, b, adv, mask, entropy=e, **kw)
+        loss, metrics = policy_loss(x, b, adv, mask, opts, entropy=e, **kw)
         loss.backward()
         results.append((loss, x.grad))
         assert all(torch.isfinite(v) for v in metrics.values()), metrics
     assert results[0][0].item() == results[1][0].item()
     assert torch.equal(results[0][1], results[1][1])
     v, _ = value_loss(
-        lp.masked_fill(~mask, float("nan")), old, old, mask, clip=0.2, global_tokens=12
+        lp.masked_fill(~mask, float("nan")), old, old, mask, ValueLossOptions(), global_tokens=12
     )
     assert torch.isfinite(v)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from megarl.algorithms.losses import (
     AGG_MODES,
+    PolicyLossOptions,
+    ValueLossOptions,
     get_policy_loss,
     global_denominators,
     value_loss,
@@ -67,7 +69,6 @@ def share(
     logp = torch.log_softmax(mb["x"] @ w.T, dim=-1)  # [b, T, V]
     lp = logp.gather(-1, mb["tokens"].unsqueeze(-1)).squeeze(-1)
     denominators = {
-        "agg_mode": mode,
         "global_tokens": tokens,
         "global_seqs": seqs,
         "max_len": MAX_LEN,
@@ -78,7 +79,7 @@ def share(
             mb["old_values"],
             mb["returns"],
             mb["mask"],
-            clip=0.2,
+            ValueLossOptions(clip=0.2, agg_mode=mode),
             **denominators,
         )
         return loss
@@ -88,16 +89,19 @@ def share(
         mb["old"],
         mb["adv"],
         mb["mask"],
-        clip_low=0.2,
-        clip_high=0.28,
-        dual_clip=3.0,
+        PolicyLossOptions(
+            clip_low=0.2,
+            clip_high=0.28,
+            dual_clip=3.0,
+            agg_mode=mode,
+            tis_cap=2.0,
+            entropy_coef=0.01,
+            kl_coef=0.05,
+            kl_kind="k3",
+        ),
         sampler_logprobs=mb["sampler"],
-        tis_cap=2.0,
         entropy=entropy,
-        entropy_coef=0.01,
         ref_logprobs=mb["ref"],
-        kl_coef=0.05,
-        kl_kind="k3",
         **denominators,
     )
     return loss

@@ -65,7 +65,6 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     from megarl.distributed import Topology
     from megarl.metrics.reduce import LocalMetrics
     from megarl.models.builder import build_model
-    from megarl.models.forward import sequence_multiple
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
     from megarl.rollout.engine import Rollout
@@ -107,13 +106,13 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     )
     rewards = torch.tensor([REWARDS[i] for i in rows])
     group_ids = torch.tensor([prompt_of[i] for i in rows])  # global prompt ids
-    scored = LocalMetrics()
+    reward_metrics = LocalMetrics()
     run = SimpleNamespace(
         cfg=cfg,
         groups=groups,
         arch=arch,
         step=0,
-        pad_to=sequence_multiple(groups.tp_size, cfg.parallel.sequence_parallel, None),
+        pad_to=1,  # Run.pad_to at TP 1 without FP8
         models=Models(
             actor=Trained(actor, opt, sched),
             reference=make("reference", ref_state),
@@ -121,18 +120,22 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
         ),
         rollout=SimpleNamespace(dispatcher=SimpleNamespace(samples_generated=len(rows))),
     )
-    scored.add_ratio("reward/toy", rewards.sum(), len(rewards))
+    reward_metrics.add_ratio("reward/toy", rewards.sum(), len(rewards))
+    scored = xp.Scored(
+        rewards=rewards,
+        per_function={"toy": rewards.clone()},
+        metrics=reward_metrics,
+        group_ids=group_ids,
+    )
     if balanced:
-        rollout, rewards, group_ids, _ = loop.balance(
-            run, rollout, rewards, group_ids, {"toy": rewards.clone()}, scored
-        )
+        rollout, scored = loop.balance(run, rollout, scored)
     batch = xp.build_batch(
         rollout.prompt_ids, rollout.response_ids, rollout.response_logprobs, pad_id=0, pad_to=1
     )
     loop.forward_passes(run, batch)
-    loop.advantages(run, batch, rewards, group_ids)
+    loop.advantages(run, batch, scored)
     train = loop.update(run, batch)
-    out = loop.collect_metrics(run, batch, rewards, scored, train, {"train": 1.0}, 1.0)
+    out = loop.collect_metrics(run, batch, scored, train, {"train": 1.0}, 1.0)
     return out
 
 

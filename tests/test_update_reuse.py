@@ -74,12 +74,11 @@ def job(rank: int, world: int, layout: dict) -> dict:
         load_full_state(actor, _state(arch))
         opt, sched = build_optimizer(actor, cfg.optim, dtype="fp32", total_steps=2)
         batch = xp.build_batch(prompts, responses, sampler, pad_id=0, pad_to=1)
-        batch["advantages"] = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch["loss_mask"]
-        batch["old_logprobs"] = None
+        batch.advantages = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch.loss_mask
         if mode.startswith("recompute"):
-            batch["old_logprobs"] = xp.forward_logprobs(
+            batch.old_logprobs = xp.forward_logprobs(
                 actor,
-                batch,
+                batch.fields(),
                 micro_batch_size=3,
                 vocab_size=arch.vocab_size,
                 groups=groups,
@@ -98,9 +97,9 @@ def job(rank: int, world: int, layout: dict) -> dict:
         ).reduce(groups.dp)
         out[mode] = {
             "metrics": metrics,
-            "old": batch["old_logprobs"],
+            "old": batch.old_logprobs,
             "grads": grads[mode],
-            "mask": batch["loss_mask"],
+            "mask": batch.loss_mask,
         }
     return out
 

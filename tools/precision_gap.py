@@ -145,9 +145,9 @@ def megatron_job(rank: int, world: int, hf: str, seqs, starts, dtype: str, fp32_
     responses = [s[st:] for s, st in zip(seqs, starts, strict=True)]
     batch = xp.build_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=0,
                            pad_to=1)  # fmt: skip
-    lp = xp.forward_logprobs(chunks, batch, micro_batch_size=1, vocab_size=arch.vocab_size,
+    lp = xp.forward_logprobs(chunks, batch.fields(), micro_batch_size=1, vocab_size=arch.vocab_size,
                              groups=groups, temperature=1.0)  # fmt: skip
-    mask = batch["loss_mask"].bool()
+    mask = batch.loss_mask.bool()
     return [lp[b][mask[b]].tolist() for b in range(len(seqs))]
 
 

@@ -18,12 +18,14 @@ Conventions shared by every estimator (the tests pin them against plain-loop ref
 
 The estimators are stateless; the distributed stage (`distributed_advantage.py`) gathers the
 global batch and calls the same objects, which is what makes it bitwise equal to this module.
-GAE (`compute_gae`) works on per-token rewards and critic values of right-padded sequences.
+GAE (`compute_gae`) works on per-token rewards and critic values of right-padded sequences;
+its knobs travel as `GAEOptions`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -260,6 +262,16 @@ def whiten(
     if not shift_mean:
         out = out + mean
     return torch.where(valid, out, 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GAEOptions:
+    """The knobs of GAE (`AlgorithmConfig.gae_options`)."""
+
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 0.95
+    """GAE's lambda: 0 = one-step TD, 1 = Monte Carlo returns."""
 
 
 def compute_gae(

@@ -1,18 +1,34 @@
 """The `algorithm` section: which stage runs (RL: grpo, ppo; offline: sft, dpo, rm) and the
 knobs of its advantages, losses, KL and batching. Names are checked against the registries of
 `megarl.algorithms` (advantages, policy losses, preference losses).
+
+The YAML keys are flat (`algorithm.clip_low`, ...); the math takes them grouped per family,
+built here: `policy_loss_options`, `value_loss_options`, `kl_options`, `gae_options`,
+`preference_options` (frozen dataclasses defined next to the functions that read them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megarl.algorithms.advantages import GAEOptions, available_advantages
+from megarl.algorithms.kl import KL_PLACEMENT, KLOptions
+from megarl.algorithms.losses import (
+    AGG_MODES,
+    PolicyLossOptions,
+    ValueLossOptions,
+    available_policy_losses,
+)
+from megarl.algorithms.preference import (
+    PreferenceOptions,
+    available_preference_losses,
+    get_preference_loss,
+)
 from megarl.errors import ConfigError
 
 ALGORITHMS = ("grpo", "ppo", "sft", "dpo", "rm")
 OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
 """Trained on a fixed dataset by `megarl.trainer.offline`: no rollout engine, no rewards."""
-KL_PLACEMENT = ("loss", "reward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,10 +120,6 @@ class AlgorithmConfig:
                 f"algorithm.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}; "
                 "accepted: null or >= 1"
             )
-        from megarl.algorithms.advantages import available_advantages
-        from megarl.algorithms.kl import kl_penalty  # noqa: F401 - validated at use
-        from megarl.algorithms.losses import AGG_MODES, available_policy_losses
-
         if self.advantage not in available_advantages():
             raise ConfigError(
                 f"algorithm.advantage={self.advantage!r}; accepted: {available_advantages()}"
@@ -124,8 +136,6 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")
 
     def _check_preference(self) -> None:
-        from megarl.algorithms.preference import available_preference_losses, get_preference_loss
-
         if self.dpo_loss not in available_preference_losses():
             raise ConfigError(
                 f"algorithm.dpo_loss={self.dpo_loss!r}; accepted: {available_preference_losses()}"
@@ -148,8 +158,6 @@ class AlgorithmConfig:
     def needs_reference(self) -> bool:
         """Whether the run builds the frozen reference model: for the KL term of an RL run
         (kl_coef > 0), or for a reference-based preference loss (dpo, all but simpo)."""
-        from megarl.algorithms.preference import get_preference_loss
-
         if self.name == "dpo":
             return get_preference_loss(self.dpo_loss).reference
         return self.name in ("grpo", "ppo") and self.kl_coef > 0
@@ -158,3 +166,48 @@ class AlgorithmConfig:
     def offline(self) -> bool:
         """Trained on a fixed dataset (no rollout engine): `OFFLINE_ALGORITHMS`."""
         return self.name in OFFLINE_ALGORITHMS
+
+    @property
+    def kl_options(self) -> KLOptions:
+        """kl_coef, kl_kind and kl_in as `megarl.algorithms.kl.KLOptions`."""
+        return KLOptions(coef=self.kl_coef, kind=self.kl_kind, placement=self.kl_in)
+
+    @property
+    def policy_loss_options(self) -> PolicyLossOptions:
+        """clip_low, clip_high, dual_clip, agg_mode, tis_cap, entropy_coef and the KL term (its
+        coefficient only when kl_in=loss) as `megarl.algorithms.losses.PolicyLossOptions`; the
+        ratio level comes with the loss `policy_loss` names (`get_policy_loss`)."""
+        kl = self.kl_options
+        return PolicyLossOptions(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            agg_mode=self.agg_mode,
+            tis_cap=self.tis_cap,
+            entropy_coef=self.entropy_coef,
+            kl_coef=kl.coef if kl.in_loss else 0.0,
+            kl_kind=kl.kind,
+        )
+
+    @property
+    def value_loss_options(self) -> ValueLossOptions:
+        """value_clip and agg_mode as `megarl.algorithms.losses.ValueLossOptions` (value_coef
+        weighs the loss in the trainer)."""
+        return ValueLossOptions(clip=self.value_clip, agg_mode=self.agg_mode)
+
+    @property
+    def gae_options(self) -> GAEOptions:
+        """gamma and lam as `megarl.algorithms.advantages.GAEOptions`."""
+        return GAEOptions(gamma=self.gamma, lam=self.lam)
+
+    @property
+    def preference_options(self) -> PreferenceOptions:
+        """dpo_loss, dpo_beta, dpo_label_smoothing, simpo_gamma and dpo_length_norm as
+        `megarl.algorithms.preference.PreferenceOptions`."""
+        return PreferenceOptions(
+            kind=self.dpo_loss,
+            beta=self.dpo_beta,
+            label_smoothing=self.dpo_label_smoothing,
+            gamma=self.simpo_gamma,
+            length_norm=self.dpo_length_norm,
+        )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.algorithms.advantages import compute_gae, get_advantage
+from megarl.algorithms.advantages import GAEOptions, compute_gae, get_advantage
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
@@ -194,18 +194,18 @@ def gae_advantages(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
+    opts: GAEOptions,
     *,
-    gamma: float,
-    lam: float,
     group: dist.ProcessGroup | None,
     whiten_advantages: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level PPO advantages with a critic on this rank's `[B_local, T]` sequences.
+    """Token-level PPO advantages with a critic on this rank's `[B_local, T]` sequences
+    (`token_rewards`, `values`, `mask`: `[B_local, T]`; gamma and lambda from `opts`).
 
     GAE is per sequence, so only the whitening of the advantages is global (over every valid
     token of the DP group). Returns are left unwhitened (they are the critic's targets).
     """
-    adv, returns = compute_gae(token_rewards, values, mask, gamma, lam)
+    adv, returns = compute_gae(token_rewards, values, mask, opts.gamma, opts.lam)
     if whiten_advantages:
         adv = distributed_whiten(adv, mask, group=group)
     return adv, returns

@@ -11,14 +11,42 @@ practice): one token with a collapsed reference probability must not produce inf
 dominate a batch. The clamps only bite at |d| > ~2.4 (k3 > 10), far outside normal training.
 
 The penalty is used either as a per-token reward penalty (`apply_kl_penalty`, no gradient) or
-as a loss term (`policy_loss(..., kl_coef=...)`, differentiated through `logprobs`).
+as a loss term (`PolicyLossOptions.kl_coef` of `policy_loss`, differentiated through
+`logprobs`); `KLOptions` says which, with the coefficient and the estimator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+KL_PLACEMENT = ("loss", "reward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLOptions:
+    """The KL-to-reference knobs (`AlgorithmConfig.kl_options`)."""
+
+    coef: float = 0.0
+    """Coefficient of the KL term; 0 disables it (and the reference model)."""
+    kind: str = "k3"
+    """Estimator: a key of `KL_ESTIMATORS` (k1, k2, k3, abs)."""
+    placement: str = "loss"
+    """`KL_PLACEMENT`: a loss term (`policy_loss`) or a per-token reward penalty
+    (`apply_kl_penalty`, before GAE)."""
+
+    @property
+    def in_loss(self) -> bool:
+        """Whether the KL is a term of the policy loss (coef > 0, placement loss)."""
+        return self.coef > 0 and self.placement == "loss"
+
+    @property
+    def in_reward(self) -> bool:
+        """Whether the KL is a per-token reward penalty (coef > 0, placement reward)."""
+        return self.coef > 0 and self.placement == "reward"
+
 
 _K3_LOG_RATIO_CLAMP = 20.0
 _K3_VALUE_CLAMP = 10.0

@@ -23,7 +23,9 @@ averages them over micro-batches and ranks. They are diagnostics, not shares.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -117,33 +119,62 @@ def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x[valid].max()
 
 
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossOptions:
+    """The knobs of `policy_loss` (`AlgorithmConfig.policy_loss_options`); the data tensors and
+    the global denominators are `policy_loss`'s arguments."""
+
+    ratio_level: str = "token"
+    """'token' (PPO: one ratio per token) or 'sequence' (GSPO); the registered losses 'ppo' and
+    'gspo' (`get_policy_loss`) set it themselves."""
+    clip_low: float = 0.2
+    """Clip range below 1: the ratio is clipped at `1 - clip_low`."""
+    clip_high: float = 0.2
+    """Clip range above 1: `1 + clip_high`; > clip_low is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip constant c (> 1): for A < 0 the loss is capped at `-A c`; None = off."""
+    agg_mode: str = "token-mean"
+    """One of `AGG_MODES` (module docstring)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap against the sampler's logprobs; None = off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (needs the per-token entropy)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL-to-reference loss term (needs `ref_logprobs`); 0 = no term."""
+    kl_kind: str = "k3"
+    """KL estimator of that term (`megarl.algorithms.kl`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueLossOptions:
+    """The knobs of `value_loss` (`AlgorithmConfig.value_loss_options`)."""
+
+    clip: float | None = 0.2
+    """Value clip range around the rollout's values; None drops the clipped term."""
+    agg_mode: str = "token-mean"
+    """One of `AGG_MODES` (module docstring)."""
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    opts: PolicyLossOptions,
     *,
-    ratio_level: str = "token",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg_mode: str = "token-mean",
     global_tokens: Number | None = None,
     global_seqs: Number | None = None,
     max_len: int | None = None,
     sampler_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (token ratio) or GSPO (sequence ratio), as a share (see module).
 
     logprobs: `[B, T]` current policy (differentiated); old_logprobs: `[B, T]` of the policy
     that the advantages refer to (recomputed by the trainer); advantages: `[B, T]` (GAE, or
     outcome advantages broadcast over tokens) or `[B]` (broadcast here); mask: `[B, T]`.
+    The knobs come from `opts` (`PolicyLossOptions`):
 
     - ratio_level='token': `r_t = exp(lp_t - old_t)`. 'sequence' (GSPO): every token of row b
       carries `s_b = exp(mean_t(lp - old))` with the gradient of the token's own logprob
@@ -160,20 +191,20 @@ def policy_loss(
     pg_loss, clip_frac, approx_kl (0.5 * mean (lp - old)^2), ratio_mean, ratio_max, and as
     applicable dual_clip_frac, tis_weight_mean, mismatch_kl, entropy, kl.
     """
-    if ratio_level not in ("token", "sequence"):
-        raise ValueError(f"ratio_level must be 'token' or 'sequence'; got {ratio_level!r}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None; got {dual_clip!r}")
-    if tis_cap is not None and sampler_logprobs is None:
+    if opts.ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level must be 'token' or 'sequence'; got {opts.ratio_level!r}")
+    if opts.dual_clip is not None and opts.dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None; got {opts.dual_clip!r}")
+    if opts.tis_cap is not None and sampler_logprobs is None:
         raise ValueError("tis_cap is set but sampler_logprobs is None; pass the sampler logprobs")
-    if entropy_coef and entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy tensor")
-    if kl_coef and ref_logprobs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    if opts.entropy_coef and entropy is None:
+        raise ValueError(f"entropy_coef={opts.entropy_coef} needs the per-token entropy tensor")
+    if opts.kl_coef and ref_logprobs is None:
+        raise ValueError(f"kl_coef={opts.kl_coef} needs ref_logprobs")
     agg = partial(
         aggregate,
         mask=mask,
-        mode=agg_mode,
+        mode=opts.agg_mode,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         max_len=max_len,
@@ -184,25 +215,25 @@ def policy_loss(
     if adv.dim() == 1:
         adv = adv[:, None].expand_as(logprobs)
     log_ratio = (logprobs - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    if ratio_level == "sequence":
+    if opts.ratio_level == "sequence":
         seq_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
         log_ratio = (logprobs - logprobs.detach() + seq_log_ratio).clamp(max=_LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
 
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -adv * ratio.clamp(1.0 - opts.clip_low, 1.0 + opts.clip_high)
     pg = torch.maximum(unclipped, clipped)
     metrics = {"clip_frac": masked_mean((clipped > unclipped).to(pg.dtype), mask)}
-    if dual_clip is not None:
-        cap = -adv * dual_clip
+    if opts.dual_clip is not None:
+        cap = -adv * opts.dual_clip
         dual_active = (adv < 0) & (pg > cap)
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
         metrics["dual_clip_frac"] = masked_mean(dual_active.to(pg.dtype), mask)
     if sampler_logprobs is not None:
         d = (sampler_logprobs.detach() - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         metrics["mismatch_kl"] = masked_mean(torch.exp(d) - d - 1, mask)
-        if tis_cap is not None:
-            weight = torch.exp(-d).clamp(max=tis_cap)
+        if opts.tis_cap is not None:
+            weight = torch.exp(-d).clamp(max=opts.tis_cap)
             pg = pg * weight
             metrics["tis_weight_mean"] = masked_mean(weight, mask)
 
@@ -210,13 +241,13 @@ def policy_loss(
     metrics["pg_loss"] = masked_mean(pg.detach(), mask)
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
-        if entropy_coef:
-            loss = loss - entropy_coef * agg(entropy)
+        if opts.entropy_coef:
+            loss = loss - opts.entropy_coef * agg(entropy)
     if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs.detach(), kl_kind)
+        kl = kl_penalty(logprobs, ref_logprobs.detach(), opts.kl_kind)
         metrics["kl"] = masked_mean(kl.detach(), mask)
-        if kl_coef:
-            loss = loss + kl_coef * agg(kl)
+        if opts.kl_coef:
+            loss = loss + opts.kl_coef * agg(kl)
     lr = (logprobs - old).detach()
     metrics["approx_kl"] = masked_mean(0.5 * lr.square(), mask)
     metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
@@ -229,9 +260,8 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
+    opts: ValueLossOptions,
     *,
-    clip: float | None = 0.2,
-    agg_mode: str = "token-mean",
     global_tokens: Number | None = None,
     global_seqs: Number | None = None,
     max_len: int | None = None,
@@ -239,16 +269,16 @@ def value_loss(
     """Clipped critic loss `0.5 * agg(max((V - R)^2, (V_clip - R)^2))`, as a share.
 
     values: `[B, T]` current critic (differentiated); old_values: `[B, T]` critic at rollout;
-    returns: `[B, T]` targets (GAE returns). `V_clip = old + clip(V - old, -clip, clip)`;
-    clip=None drops the clipped term. Metrics (local means): vf_clip_frac, value_mean,
+    returns: `[B, T]` targets (GAE returns). `V_clip = old + clip(V - old, -clip, clip)` with
+    `opts.clip`; None drops the clipped term. Metrics (local means): vf_clip_frac, value_mean,
     value_error (mean squared error).
     """
     target = returns.detach()
     err = (values - target).square()
     metrics = {}
-    if clip is not None:
+    if opts.clip is not None:
         old = old_values.detach()
-        clipped_values = old + (values - old).clamp(-clip, clip)
+        clipped_values = old + (values - old).clamp(-opts.clip, opts.clip)
         err_clipped = (clipped_values - target).square()
         metrics["vf_clip_frac"] = masked_mean((err_clipped > err).to(err.dtype), mask)
         per_token = torch.maximum(err, err_clipped)
@@ -257,7 +287,7 @@ def value_loss(
     loss = 0.5 * aggregate(
         per_token,
         mask,
-        agg_mode,
+        opts.agg_mode,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         max_len=max_len,
@@ -272,7 +302,8 @@ _POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Register a policy loss with `policy_loss`'s signature under `name` (duplicates raise)."""
+    """Register a policy loss with `policy_loss`'s signature (data tensors, `PolicyLossOptions`,
+    keyword denominators and optional tensors) under `name` (duplicates raise)."""
 
     def wrap(fn: PolicyLoss) -> PolicyLoss:
         if name in _POLICY_LOSSES:
@@ -296,5 +327,15 @@ def get_policy_loss(name: str) -> PolicyLoss:
         raise ValueError(f"unknown policy loss {name!r}; known: {sorted(_POLICY_LOSSES)}") from None
 
 
-register_policy_loss("ppo")(partial(policy_loss, ratio_level="token"))
-register_policy_loss("gspo")(partial(policy_loss, ratio_level="sequence"))
+def _at_ratio_level(level: str) -> PolicyLoss:
+    """`policy_loss` with `opts.ratio_level` set to `level`."""
+
+    def loss(logprobs, old_logprobs, advantages, mask, opts: PolicyLossOptions, **kwargs):
+        opts = dataclasses.replace(opts, ratio_level=level)
+        return policy_loss(logprobs, old_logprobs, advantages, mask, opts, **kwargs)
+
+    return loss
+
+
+register_policy_loss("ppo")(_at_ratio_level("token"))
+register_policy_loss("gspo")(_at_ratio_level("sequence"))

@@ -102,6 +102,32 @@ def simpo_loss(h, *, beta, label_smoothing=0.0, gamma=0.0):
     return _smoothed_logsigmoid(beta * h - gamma, label_smoothing)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PreferenceOptions:
+    """The knobs of `preference_loss` (`AlgorithmConfig.preference_options`)."""
+
+    kind: str = "sigmoid"
+    """A registered preference loss (`available_preference_losses`)."""
+    beta: float = 0.1
+    """Strength of the implicit KL to the reference (SimPO: the reward scale)."""
+    label_smoothing: float = 0.0
+    """cDPO's assumed fraction of flipped labels (losses registered with smoothing only)."""
+    gamma: float = 0.0
+    """SimPO's target reward margin (ignored by the other losses)."""
+    length_norm: bool = False
+    """Compare mean token logprobs instead of sums (always on for a length-normalised loss)."""
+
+    @property
+    def mean(self) -> bool:
+        """Whether the sequence logprobs are means (`sequence_logps(mean=...)`)."""
+        return self.length_norm or get_preference_loss(self.kind).length_normalized
+
+    @property
+    def reference(self) -> bool:
+        """Whether the loss compares log-ratios to the reference model."""
+        return get_preference_loss(self.kind).reference
+
+
 def sequence_logps(logprobs: torch.Tensor, mask: torch.Tensor, *, mean: bool) -> torch.Tensor:
     """Per-sequence sum (or mean) of the trained tokens' logprobs: [B, T], [B, T] -> [B]."""
     valid = mask.bool()
@@ -116,19 +142,18 @@ def preference_loss(
     rejected: torch.Tensor,
     ref_chosen: torch.Tensor | None,
     ref_rejected: torch.Tensor | None,
+    opts: PreferenceOptions,
     *,
-    kind: str,
-    beta: float,
     global_pairs: Number,
-    label_smoothing: float = 0.0,
-    gamma: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro-batch's share of the step's mean preference loss `kind` (module docstring).
+    """This micro-batch's share of the step's mean preference loss `opts.kind` (module
+    docstring), with `opts.beta`, `opts.label_smoothing` and `opts.gamma`.
 
     chosen, rejected: `[P]` sequence log-probabilities of the policy (differentiated), already
-    length-normalised where asked (`sequence_logps`); ref_chosen, ref_rejected: `[P]` the same
-    under the reference (None for a reference-free loss). Returns `(loss, metrics)`, both
-    shares over `global_pairs` (> 0)."""
+    length-normalised where asked (`sequence_logps(mean=opts.mean)`); ref_chosen, ref_rejected:
+    `[P]` the same under the reference (None for a reference-free loss). Returns
+    `(loss, metrics)`, both shares over `global_pairs` (> 0)."""
+    kind, beta, label_smoothing = opts.kind, opts.beta, opts.label_smoothing
     spec = get_preference_loss(kind)
     if not isinstance(global_pairs, torch.Tensor) and global_pairs <= 0:
         raise ValueError(f"preference_loss: global_pairs must be > 0; got {global_pairs!r}")
@@ -142,7 +167,7 @@ def preference_loss(
     else:
         chosen_ratio, rejected_ratio = chosen, rejected
     h = chosen_ratio - rejected_ratio
-    losses = spec.fn(h, beta=beta, label_smoothing=label_smoothing, gamma=gamma)
+    losses = spec.fn(h, beta=beta, label_smoothing=label_smoothing, gamma=opts.gamma)
     loss = losses.sum() / global_pairs
 
     def share(x: torch.Tensor) -> torch.Tensor:

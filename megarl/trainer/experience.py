@@ -1,18 +1,98 @@
 """From rollouts to a training batch: collate, forward passes (old / reference logprobs, values).
 
-All per-token tensors are `[B, S]` aligned with `targets`: position t holds quantities about the
+The step's data is one `StepBatch` (the collated tensors, then the fields the named steps of
+`megarl.trainer.loop` set: forward passes, advantages) and its rewards one `Scored`. All
+per-token tensors are `[B, S]` aligned with `targets`: position t holds quantities about the
 token at t + 1 (its logprob, the value of the state before it, its advantage). `loss_mask` is 1
 exactly where that token is a response token. Forward passes go through megatron's schedule
-(`megarl.models.forward.run`, forward-only), so they work at any TP/PP; their results exist on the
-last pipeline stage only (None elsewhere), which is the only stage that computes losses.
+(`megarl.models.forward.run`, forward-only), so they work at any TP/PP; their results exist on
+the last pipeline stage only (None elsewhere), which is the only stage that computes losses.
+Micro-batches are the plain dicts `split_micro_batches(batch.fields(), ...)` makes: megatron's
+data-iterator items.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from megarl.data.batch import collate, split_micro_batches
+from megarl.metrics.reduce import LocalMetrics
 from megarl.models import forward
+from megarl.models.routing import collate_routes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scored:
+    """This rank's scored samples (`megarl.trainer.loop.score`), in the rollout's order: what
+    balancing, the advantages, the metrics and `samples.jsonl` read."""
+
+    rewards: torch.Tensor
+    """[B]: each sample's total reward."""
+    per_function: dict[str, torch.Tensor]
+    """{reward function (and "rm"): [B]}: each function's value per sample, NaN where it does
+    not apply."""
+    metrics: LocalMetrics
+    """The reward metrics of the step (reward/<name>, reward_errors, ...)."""
+    group_ids: torch.Tensor
+    """[B] long: each sample's global prompt id (its advantage group)."""
+
+
+@dataclass(kw_only=True)
+class StepBatch:
+    """One RL step's batch on this rank: B sequences, right-padded to width S.
+
+    The collated fields come from `build_batch`; the forward-pass outputs and the advantages
+    are None until `megarl.trainer.loop.forward_passes` / `advantages` (or
+    `megarl.trainer.update.train_policy`, for `old_logprobs`) set them, and stay None off the
+    last pipeline stage."""
+
+    tokens: torch.Tensor
+    """[B, S] long: prompt + response token ids, `pad_id` after `seq_len`."""
+    targets: torch.Tensor
+    """[B, S] long: `tokens` shifted left by one (the token each position predicts)."""
+    loss_mask: torch.Tensor
+    """[B, S] float32: 1 where the target is a response token."""
+    prompt_len: torch.Tensor
+    """[B] long: prompt tokens."""
+    response_len: torch.Tensor
+    """[B] long: response tokens."""
+    seq_len: torch.Tensor
+    """[B] long: prompt + response tokens."""
+    sampler_logprobs: torch.Tensor
+    """[B, S] float32: the sampler's (vLLM's) logprob of each response token, 0 elsewhere."""
+    routed_experts: torch.Tensor | None = None
+    """[B, S, layers, top_k] long: the sampler's MoE routes (routing replay); None without."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, S] float32: the old policy's logprobs (`forward_passes`, or the update's own forward:
+    `megarl.trainer.update.recompute_old_logprobs`)."""
+    ref_logprobs: torch.Tensor | None = None
+    """[B, S] float32: the reference model's logprobs (when there is a reference)."""
+    old_values: torch.Tensor | None = None
+    """[B, S] float32: the critic's values at rollout (PPO)."""
+    advantages: torch.Tensor | None = None
+    """[B, S]: per-token advantages, 0 outside `loss_mask` (`loop.advantages`)."""
+    returns: torch.Tensor | None = None
+    """[B, S]: GAE returns, the critic's targets (PPO)."""
+
+    def __len__(self) -> int:
+        """B, the number of sequences."""
+        return self.tokens.shape[0]
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The fields that are set, by name: what `split_micro_batches` cuts into micro-batch
+        dicts (`megarl.models.forward`'s data-iterator items)."""
+        return {
+            f.name: value
+            for f in dataclasses.fields(self)
+            if (value := getattr(self, f.name)) is not None
+        }
+
+    def select(self, rows: torch.Tensor) -> StepBatch:
+        """The batch of the sequences `rows` ([b] long), in that order."""
+        return StepBatch(**{k: v[rows] for k, v in self.fields().items()})
 
 
 def build_batch(
@@ -23,22 +103,20 @@ def build_batch(
     pad_id: int,
     pad_to: int,
     routed_experts: list | None = None,
-) -> dict:
+) -> StepBatch:
     """Collate prompts + responses and place the sampler's logprobs on the loss-mask positions;
     with MoE routing replay also the sampler's routes, as `routed_experts` [B, S, layers, top_k]
     (`megarl.models.routing.collate_routes`)."""
-    batch = collate(prompt_ids, response_ids, pad_id, pad_to_multiple=pad_to)
+    collated = collate(prompt_ids, response_ids, pad_id, pad_to_multiple=pad_to)
+    routes = None
     if routed_experts is not None:
-        from megarl.models.routing import collate_routes
-
-        width = batch["tokens"].shape[1]
-        batch["routed_experts"] = collate_routes(routed_experts, batch["seq_len"], width)
-    sampler = torch.zeros_like(batch["loss_mask"])
+        width = collated["tokens"].shape[1]
+        routes = collate_routes(routed_experts, collated["seq_len"], width)
+    sampler = torch.zeros_like(collated["loss_mask"])
     for b, lps in enumerate(response_logprobs):
-        start = int(batch["prompt_len"][b]) - 1
+        start = int(collated["prompt_len"][b]) - 1
         sampler[b, start : start + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    batch["sampler_logprobs"] = sampler
-    return batch
+    return StepBatch(**collated, sampler_logprobs=sampler, routed_experts=routes)
 
 
 def _assemble(outputs: list[dict], key: str, shape: torch.Size) -> torch.Tensor:
@@ -61,7 +139,9 @@ def forward_logprobs(
     pad_to: int = 1,
     max_tokens: int | None = None,
 ) -> torch.Tensor | None:
-    """Per-token logprobs of `targets` under `chunks` (no grad). [B, S] on the last PP stage."""
+    """Per-token logprobs of `targets` under `chunks` (no grad). [B, S] on the last PP stage.
+
+    `batch`: the batch's fields by name (`StepBatch.fields()`, or an offline stage's batch)."""
 
     def loss_fn(mb, logits):
         lp = forward.vocab_parallel_logprobs(
@@ -86,7 +166,8 @@ def forward_logprobs(
 def forward_values(
     chunks, batch: dict, *, micro_batch_size: int, groups, pad_to: int = 1, max_tokens=None
 ):
-    """Critic values [B, S] (no grad) on the last PP stage, None elsewhere."""
+    """Critic values [B, S] (no grad) on the last PP stage, None elsewhere. `batch`: the batch's
+    fields by name (`StepBatch.fields()`)."""
 
     def loss_fn(mb, values):
         return torch.zeros(()), {"index": mb["index"], "values": values.squeeze(-1).detach()}

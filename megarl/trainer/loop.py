@@ -25,14 +25,22 @@ from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
 from megarl.distributed import device
 from megarl.metrics.progress import StepProgress
-from megarl.metrics.reduce import LocalMetrics
+from megarl.metrics.reduce import LocalMetrics, from_last_stage
 from megarl.metrics.sinks import SAMPLES_FILE
 from megarl.metrics.throughput import flops_per_token, precision_mfu
 from megarl.metrics.timer import StageTimer
 from megarl.models.routing import moe_metrics
-from megarl.trainer import experience as xp
 from megarl.trainer import recipe
+from megarl.trainer.balance import balance_over_dp
 from megarl.trainer.evaluate import evaluate
+from megarl.trainer.experience import (
+    Scored,
+    StepBatch,
+    build_batch,
+    final_token_rewards,
+    forward_logprobs,
+    forward_values,
+)
 from megarl.trainer.faults import RunGuard
 from megarl.trainer.finish import finish, stop_if_diverged
 from megarl.trainer.run import Run
@@ -59,14 +67,11 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         with timer("rollout"):
             prompts, rollout = generate(run)
         with timer("reward"):
-            rewards, reward_metrics, reward_parts = score(run, prompts, rollout)
-        group_ids = torch.tensor([prompts.indices[i] for i in rollout.prompt_index])
+            scored = score(run, prompts, rollout)
         if cfg.algorithm.balance_dp_tokens and run.groups.dp_size > 1:
             with timer("balance"):
-                rollout, rewards, group_ids, reward_parts = balance(
-                    run, rollout, rewards, group_ids, reward_parts, reward_metrics
-                )
-        batch = xp.build_batch(
+                rollout, scored = balance(run, rollout, scored)
+        batch = build_batch(
             rollout.prompt_ids,
             rollout.response_ids,
             rollout.response_logprobs,
@@ -77,24 +82,18 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         with timer("logprobs"):
             forward_passes(run, batch)
         with timer("advantage"):
-            advantages(run, batch, rewards, group_ids)
+            advantages(run, batch, scored)
         with timer("train"):
             train_metrics = update(run, batch)
         with timer("sync"):
             run.rollout.sync_weights()
         run.step += 1
         metrics = collect_metrics(
-            run,
-            batch,
-            rewards,
-            reward_metrics,
-            train_metrics,
-            timer.step_times(),
-            time.perf_counter() - t0,
+            run, batch, scored, train_metrics, timer.step_times(), time.perf_counter() - t0
         )
         timer.reset()
         metrics.update(evaluate(run))  # every eval.every steps and after the last
-        samples = step_samples(run, rollout, rewards, reward_parts, group_ids, batch)
+        samples = step_samples(run, rollout, scored, batch)
         run.logger.log_samples(run.step, samples, file=SAMPLES_FILE)
         run.logger.log(run.step, metrics)
         bar.update(run.step, metrics, samples if cfg.logging.show_samples else ())
@@ -119,21 +118,27 @@ def generate(run: Run):
     return prompts, rollout
 
 
-def score(run: Run, prompts, rollout) -> tuple[torch.Tensor, LocalMetrics, dict]:
-    """Rewards [B] for this rank's samples: the weighted reward functions (TRL protocol;
+def score(run: Run, prompts, rollout) -> Scored:
+    """This rank's samples scored: rewards [B], the weighted reward functions (TRL protocol;
     dataset columns passed through) plus the weighted reward model's score (`reward.model`),
     less `reward.truncated_penalty` for responses cut without EOS; each function's mean over the
     samples it applies to (None = not applicable) as metrics, the reward model's as `reward/rm`;
-    and each function's value per sample ({name: [B]}, NaN where it does not apply, the reward
-    model's raw score as "rm": `samples.jsonl`)."""
+    each function's value per sample ({name: [B]}, NaN where it does not apply, the reward
+    model's raw score as "rm": `samples.jsonl`); and each sample's global prompt id."""
     completions = run.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
     scores = run.scorer.score(prompts, rollout, completions)
-    return scores.total, scores.metrics, scores.per_function
+    group_ids = torch.tensor([prompts.indices[i] for i in rollout.prompt_index])
+    return Scored(
+        rewards=scores.total,
+        per_function=scores.per_function,
+        metrics=scores.metrics,
+        group_ids=group_ids,
+    )
 
 
-def forward_passes(run: Run, batch: dict) -> None:
+def forward_passes(run: Run, batch: StepBatch) -> None:
     """Old-policy (when the update needs them first: `recompute_old_logprobs`) and reference
-    logprobs, and critic values, into `batch` (last PP stage)."""
+    logprobs, and critic values, into `batch`'s fields (last PP stage; None elsewhere)."""
     alg, g, m = run.cfg.algorithm, run.groups, run.models
     split = dict(
         micro_batch_size=alg.micro_batch_size,
@@ -142,63 +147,67 @@ def forward_passes(run: Run, batch: dict) -> None:
         max_tokens=alg.max_tokens_per_micro_batch,
     )
     kw = dict(split, vocab_size=run.arch.vocab_size, temperature=run.cfg.rollout.temperature)
-    batch["old_logprobs"] = None  # the update's own forward provides them (one epoch, one mb)
+    # without the pass, the update's own forward provides the old logprobs (one epoch, one mb)
     if recompute_old_logprobs(run.cfg.algorithm) or not _trains_policy(run):
-        batch["old_logprobs"] = xp.forward_logprobs(m.actor.chunks, batch, **kw)
+        batch.old_logprobs = forward_logprobs(m.actor.chunks, batch.fields(), **kw)
     if m.reference is not None:
-        batch["ref_logprobs"] = xp.forward_logprobs(m.reference, batch, **kw)
+        batch.ref_logprobs = forward_logprobs(m.reference, batch.fields(), **kw)
     if m.critic is not None:
-        batch["old_values"] = xp.forward_values(m.critic.chunks, batch, **split)
+        batch.old_values = forward_values(m.critic.chunks, batch.fields(), **split)
 
 
-def balance(run: Run, rollout, rewards, group_ids, parts: dict, metrics: LocalMetrics):
-    """Equal tokens per DP rank (`megarl.trainer.balance`), each sample's reward and per-function
-    values travelling with it; logs the imbalance before/after."""
-    from megarl.trainer.balance import balance_over_dp
-
+def balance(run: Run, rollout, scored: Scored):
+    """Equal tokens per DP rank (`megarl.trainer.balance`), each sample's reward, per-function
+    values and prompt id travelling with it; logs the imbalance before/after (into the scored
+    metrics). Returns (rollout, scored) of this rank's new samples."""
+    rewards, parts = scored.rewards, scored.per_function
     stacked = torch.stack([rewards, *(v.to(rewards.dtype) for v in parts.values())], 1)
-    rollout, stacked, group_ids, m = balance_over_dp(rollout, stacked, group_ids, run.groups.dp)
+    rollout, stacked, group_ids, m = balance_over_dp(
+        rollout, stacked, scored.group_ids, run.groups.dp
+    )
     for k, v in m.items():
-        metrics.add_same(k, v)
+        scored.metrics.add_same(k, v)
     parts = {k: stacked[:, j + 1] for j, k in enumerate(parts)}
-    return rollout, stacked[:, 0], group_ids, parts
+    return rollout, Scored(
+        rewards=stacked[:, 0], per_function=parts, metrics=scored.metrics, group_ids=group_ids
+    )
 
 
-def advantages(run: Run, batch: dict, rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
-    """GRPO family: group-relative, gathered across DP by global prompt id (`group_ids` [b]).
-    PPO: GAE with the critic."""
+def advantages(run: Run, batch: StepBatch, scored: Scored) -> None:
+    """`batch.advantages` [B, S]. GRPO family: group-relative, gathered across DP by global
+    prompt id (`scored.group_ids`). PPO: GAE with the critic, and `batch.returns`."""
     alg, g = run.cfg.algorithm, run.groups
-    mask = batch["loss_mask"]
+    mask = batch.loss_mask
     if alg.name == "ppo":
         if not g.is_last_stage:
             return
-        token_rewards = xp.final_token_rewards(rewards, mask)
-        if alg.kl_coef > 0 and alg.kl_in == "reward":
+        token_rewards = final_token_rewards(scored.rewards, mask)
+        kl = alg.kl_options
+        if kl.in_reward:
             token_rewards, _ = apply_kl_penalty(
                 token_rewards,
-                batch["old_logprobs"],
-                batch["ref_logprobs"],
+                batch.old_logprobs,
+                batch.ref_logprobs,
                 mask,
-                coef=alg.kl_coef,
-                kind=alg.kl_kind,
+                coef=kl.coef,
+                kind=kl.kind,
             )
-        adv, ret = gae_advantages(
-            token_rewards, batch["old_values"], mask, gamma=alg.gamma, lam=alg.lam, group=g.dp
+        batch.advantages, batch.returns = gae_advantages(
+            token_rewards, batch.old_values, mask, alg.gae_options, group=g.dp
         )
-        batch["advantages"], batch["returns"] = adv, ret
         return
     adv = gather_advantages(
-        rewards,
-        group_ids,
+        scored.rewards,
+        scored.group_ids,
         estimator=alg.advantage,
         num_generations=run.cfg.rollout.n,
         scale=alg.scale,
         group=g.dp,
     )
-    batch["advantages"] = adv[:, None] * mask
+    batch.advantages = adv[:, None] * mask
 
 
-def update(run: Run, batch: dict) -> LocalMetrics:
+def update(run: Run, batch: StepBatch) -> LocalMetrics:
     alg, g, seed = run.cfg.algorithm, run.groups, step_seed(run.cfg.trainer.seed, run.step)
     actor, critic = run.models.actor, run.models.critic
     metrics = LocalMetrics()
@@ -240,51 +249,40 @@ def _trains_policy(run: Run) -> bool:
 
 def collect_metrics(
     run: Run,
-    batch,
-    rewards,
-    reward_metrics: LocalMetrics,
+    batch: StepBatch,
+    scored: Scored,
     train_metrics: LocalMetrics,
     times,
     step_s,
 ) -> dict:
     """Global metrics (the values one process holding the whole batch would log), delivered
     to global rank 0."""
-    from megatron.core import parallel_state as ps
-
-    g, mask = run.groups, batch["loss_mask"]
-    r = rewards.double()
+    g, mask = run.groups, batch.loss_mask
+    r = scored.rewards.double()
     local = LocalMetrics()
     local.add_ratio("reward_mean", r.sum(), len(r))
-    local.add_ratio("_reward_sq", r.square().sum(), len(r))
-    local.add_ratio("response_len", batch["response_len"].sum(), len(r))
-    local.add_sum("tokens", batch["seq_len"].sum())
-    local.update(reward_metrics)
+    local.add_ratio("response_len", batch.response_len.sum(), len(r))
+    local.add_sum("tokens", batch.seq_len.sum())
+    local.update(scored.metrics)
     local.update(train_metrics)
     # router load balance, aux loss (MoE only)
     local.update(moe_metrics(run.models.actor.chunks, run.arch))
     if g.is_last_stage:
-        old, valid = batch["old_logprobs"], mask.bool()
-        diff = (old.double() - batch["sampler_logprobs"].double()).abs()[valid]
+        old, valid = batch.old_logprobs, mask.bool()
+        diff = (old.double() - batch.sampler_logprobs.double()).abs()[valid]
         local.add_ratio("logprob_mismatch", diff.sum(), diff.numel())
         local.add_max("logprob_mismatch_max", diff.max() if diff.numel() else 0.0)
         kl = 0.0
-        if "ref_logprobs" in batch:
-            kl = kl_penalty(old, batch["ref_logprobs"], "k3")[valid].double().sum()
+        if batch.ref_logprobs is not None:
+            kl = kl_penalty(old, batch.ref_logprobs, "k3")[valid].double().sum()
         local.add_ratio("kl", kl, valid.sum())
-    local.add_sum("_samples", len(r))
     merged = local.reduce(g.dp)
-    n, mean = merged.pop("_samples"), merged["reward_mean"]
-    var = (merged.pop("_reward_sq") - mean * mean) * n / max(n - 1, 1)  # unbiased, as torch.std
-    merged["reward_std"] = math.sqrt(max(var, 0.0))
+    merged["reward_std"] = reward_std(r, merged["reward_mean"], g.dp)
     # every prompt generated once: samples generated in the world = prompts x n
-    made = torch.tensor([float(run.rollout.dispatcher.samples_generated)], dtype=torch.float64)
-    dist.all_reduce(made)
-    merged["rollout/samples_generated"] = made.item()
-    # the last stage's view reaches rank 0 through the pipeline group
-    box = [merged]
-    pp = ps.get_pipeline_model_parallel_group()
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pp, g.pp_size - 1), group=pp)
-    out = box[0]
+    generated = torch.tensor([float(run.rollout.dispatcher.samples_generated)], dtype=torch.float64)
+    dist.all_reduce(generated)
+    merged["rollout/samples_generated"] = generated.item()
+    out = from_last_stage(merged, g.pp, g.pp_size)  # reaches rank 0 through the pipeline group
     out["time_s"] = {**times, "step": step_s}
     tokens = out.pop("tokens")
     out["tokens_per_s"] = tokens / step_s
@@ -292,13 +290,25 @@ def collect_metrics(
     return out
 
 
-def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: dict) -> dict:
+def reward_std(rewards: torch.Tensor, mean: float, group) -> float:
+    """The unbiased std (as `torch.std`) of the step's rewards over the DP `group`, from this
+    rank's rewards [b] and the global mean (collective over `group`)."""
+    moments = LocalMetrics()
+    moments.add_ratio("reward_sq", rewards.double().square().sum(), len(rewards))
+    moments.add_sum("samples", len(rewards))
+    reduced = moments.reduce(group)
+    n = reduced["samples"]
+    var = (reduced["reward_sq"] - mean * mean) * n / max(n - 1, 1)
+    return math.sqrt(max(var, 0.0))
+
+
+def _train_mfu(run: Run, tokens: float, train_s: float | None, batch: StepBatch) -> dict:
     """Model FLOPs utilisation of the policy-update stage (GPU only: needs a known peak); see
     `megarl.metrics.throughput.precision_mfu`."""
     if not train_s or not device.use_gpu():
         return {}
     prec = run.cfg.precision
-    seq = float(batch["seq_len"].float().mean())
+    seq = float(batch.seq_len.float().mean())
     fpt = flops_per_token(run.arch, seq_len=int(seq), training=True, causal=True)
     achieved = tokens * run.cfg.algorithm.ppo_epochs * fpt / train_s
     return precision_mfu(

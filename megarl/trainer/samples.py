@@ -24,8 +24,9 @@ from __future__ import annotations
 import hashlib
 import math
 
-import torch
 import torch.distributed as dist
+
+from megarl.trainer.experience import Scored, StepBatch
 
 
 def gather_rows(rows: list[dict] | None) -> list[dict]:
@@ -78,11 +79,10 @@ def pick(rows: list[dict], m: int) -> list[dict]:
     return out
 
 
-def step_samples(
-    run, rollout, rewards: torch.Tensor, parts: dict, group_ids: torch.Tensor, batch
-) -> list:
+def step_samples(run, rollout, scored: Scored, batch: StepBatch) -> list:
     """This step's picked rows on global rank 0 ([] elsewhere, and when
-    `logging.samples_per_step` is 0). Collective over the world."""
+    `logging.samples_per_step` is 0): the samples of `rollout`, their rewards and prompt ids
+    from `scored`, their advantages from `batch`. Collective over the world."""
     m = run.cfg.logging.samples_per_step
     if m == 0:
         return []
@@ -90,15 +90,15 @@ def step_samples(
     rows = None
     cp_rank = dist.get_rank(g.cp) if g.cp is not None else 0
     if g.is_last_stage and g.tp_rank == 0 and cp_rank == 0:
-        ids = [int(i) for i in group_ids]
+        ids = [int(i) for i in scored.group_ids]
         prios = [
             priority(run.cfg.trainer.seed, run.step, p, r)
             for p, r in zip(ids, rollout.response_ids, strict=True)
         ]
-        totals = rewards.double().tolist()
+        totals = scored.rewards.double().tolist()
         chosen = candidates(totals, prios, m)
-        mask = batch["loss_mask"][chosen].double()
-        adv = (batch["advantages"][chosen].double() * mask).sum(1) / mask.sum(1).clamp(min=1)
+        mask = batch.loss_mask[chosen].double()
+        adv = (batch.advantages[chosen].double() * mask).sum(1) / mask.sum(1).clamp(min=1)
         prompts = run.data.dataset.batch([ids[i] for i in chosen])
         responses = [rollout.response_ids[i] for i in chosen]
         texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -110,7 +110,7 @@ def step_samples(
                     "prompt_id": ids[i],
                     "prompt": prompts.prompts[j],
                     "completion": texts[j],
-                    "rewards": {k: _value(v[i]) for k, v in parts.items()},
+                    "rewards": {k: _value(v[i]) for k, v in scored.per_function.items()},
                     "reward": totals[i],
                     "advantage": float(adv[j]),
                     "length": len(responses[j]),

@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from megarl.algorithms.preference import (
     bradley_terry_loss,
-    get_preference_loss,
     preference_loss,
     sequence_logps,
 )
@@ -382,9 +381,9 @@ class DPO(_PolicyStage):
 
     def __init__(self, alg):
         super().__init__(alg)
-        self.spec = get_preference_loss(alg.dpo_loss)
+        self.opts = alg.preference_options
         self.reference = alg.needs_reference
-        self.mean = alg.dpo_length_norm or self.spec.length_normalized
+        self.mean = self.opts.mean
 
     read = staticmethod(read_preferences)
 
@@ -419,8 +418,6 @@ class DPO(_PolicyStage):
         )
 
     def loss_fn(self, run, denominator: float):
-        alg = self.alg
-
         def loss_fn(micro, logits):
             n = len(micro["index"])  # rows beyond n pad the micro-batch (pipeline shapes)
             _check_pairs(micro)
@@ -432,11 +429,8 @@ class DPO(_PolicyStage):
                 seq[1::2],
                 ref[0::2] if ref is not None else None,
                 ref[1::2] if ref is not None else None,
-                kind=alg.dpo_loss,
-                beta=alg.dpo_beta,
+                self.opts,
                 global_pairs=denominator,
-                label_smoothing=alg.dpo_label_smoothing,
-                gamma=alg.simpo_gamma,
             )
             return loss, {"loss": loss.detach(), **m}
 

@@ -10,11 +10,18 @@ mini-batch's global token mean (x its valid tokens / the global count), so summi
 micro-batches and DP ranks gives what one process would log; maxima are maxima. The update
 functions return `LocalMetrics` (mean over the optimizer steps of this rank's shares), which
 the trainer reduces over DP (`megarl.metrics.reduce`).
+
+The batch is the step's `StepBatch` (`megarl.trainer.experience`); its micro-batches are the
+plain dicts of `StepBatch.fields()` that megatron's data iterator hands to the loss functions.
+The loss knobs come from the algorithm config's option groups (`alg.policy_loss_options`,
+`alg.value_loss_options`); the walk over the batch from a `Schedule`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,6 +31,7 @@ from megarl.data.batch import split_micro_batches
 from megarl.metrics.reduce import LocalMetrics
 from megarl.models import forward
 from megarl.models.optim import zero_grads
+from megarl.trainer.experience import StepBatch
 
 # metrics that are maxima over tokens, not token means
 MAX_METRICS = ("ratio_max",)
@@ -42,7 +50,52 @@ def recompute_old_logprobs(alg) -> bool:
     forward provides as well. The pass is kept when something reads the old logprobs before the
     update or across optimizer steps: several epochs or mini-batches, the KL penalty in the
     reward."""
-    return alg.ppo_epochs > 1 or alg.mini_batches > 1 or (alg.kl_coef > 0 and alg.kl_in == "reward")
+    return alg.ppo_epochs > 1 or alg.mini_batches > 1 or alg.kl_options.in_reward
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """How an update walks this rank's batch: `epochs` passes of `mini_batches` optimizer steps,
+    each mini-batch split into micro-batches (`split_micro_batches`)."""
+
+    epochs: int
+    """Passes over the batch (`algorithm.ppo_epochs`)."""
+    mini_batches: int
+    """Optimizer steps per pass (`algorithm.mini_batches`)."""
+    micro_batch_size: int
+    """Most sequences per micro-batch (`algorithm.micro_batch_size`)."""
+    max_tokens: int | None
+    """Token budget of a micro-batch (`algorithm.max_tokens_per_micro_batch`)."""
+    pad_to: int
+    """Micro-batch widths are multiples of this (`Run.pad_to`)."""
+    seed: int
+    """Seed of the mini-batch order of the first epoch (epoch e: seed + e)."""
+
+    @classmethod
+    def of(cls, alg, *, seed: int, pad_to: int) -> Schedule:
+        """The schedule of the `algorithm` section `alg`."""
+        return cls(
+            epochs=alg.ppo_epochs,
+            mini_batches=alg.mini_batches,
+            micro_batch_size=alg.micro_batch_size,
+            max_tokens=alg.max_tokens_per_micro_batch,
+            pad_to=pad_to,
+            seed=seed,
+        )
+
+
+LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What an update minimises: `make_loss_fn(global tokens, global sequences)` -> the loss_fn
+    of one mini-batch (`megarl.models.forward` contract); `loss_key`, the metric holding a
+    micro-batch's share of the mini-batch loss; `prefix`, the prefix of the step results."""
+
+    make_loss_fn: Callable[[float, float], LossFn]
+    loss_key: str
+    prefix: str
 
 
 def mini_batches(num_rows: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -52,14 +105,6 @@ def mini_batches(num_rows: int, count: int, seed: int) -> list[torch.Tensor]:
         raise ValueError(f"algorithm.mini_batches={count} > {num_rows} local sequences per step")
     perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
     return list(perm.chunk(count))
-
-
-def _select(batch: dict, rows: torch.Tensor) -> dict:
-    n = batch["tokens"].shape[0]
-    return {
-        k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n else v)
-        for k, v in batch.items()
-    }
 
 
 def _shares(metrics: dict, loss: torch.Tensor, mask: torch.Tensor, tokens: float) -> dict:
@@ -107,8 +152,9 @@ def _has_loss_scaler(optimizer) -> bool:
 
 
 def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: float):
-    """loss_fn(micro_batch, logits) -> (share of the mini-batch policy loss, metrics)."""
-    use_ref = alg.kl_coef > 0 and alg.kl_in == "loss"
+    """loss_fn(micro_batch, logits) -> (share of the mini-batch policy loss, metrics): the loss
+    `alg.policy_loss` with `alg.policy_loss_options`."""
+    opts = alg.policy_loss_options
     loss_of = get_policy_loss(alg.policy_loss)  # the registry: a name it lacks raises here
 
     def loss_fn(micro, logits):
@@ -120,28 +166,21 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
             temperature=rollout.temperature,
         )
         ent = None
-        if alg.entropy_coef > 0:
+        if opts.entropy_coef > 0:
             ent = forward.vocab_parallel_entropy(logits, vocab_size=vocab_size, tp_group=groups.tp)
-        old = micro["old_logprobs"]
+        old = micro.get("old_logprobs")
         loss, m = loss_of(
             lp,
             lp.detach() if old is None else old,  # see recompute_old_logprobs
             micro["advantages"],
             micro["loss_mask"],
-            clip_low=alg.clip_low,
-            clip_high=alg.clip_high,
-            dual_clip=alg.dual_clip,
-            agg_mode=alg.agg_mode,
+            opts,
             global_tokens=tokens,
             global_seqs=seqs,
             max_len=rollout.max_tokens,
-            sampler_logprobs=micro["sampler_logprobs"] if alg.tis_cap else None,
-            tis_cap=alg.tis_cap,
+            sampler_logprobs=micro["sampler_logprobs"] if opts.tis_cap else None,
             entropy=ent,
-            entropy_coef=alg.entropy_coef,
-            ref_logprobs=micro["ref_logprobs"] if use_ref else None,
-            kl_coef=alg.kl_coef if use_ref else 0.0,
-            kl_kind=alg.kl_kind,
+            ref_logprobs=micro["ref_logprobs"] if opts.kl_coef > 0 else None,
         )
         out = _shares(m, loss, micro["loss_mask"], tokens)
         if old is None:  # the old logprobs, for the metrics (mismatch, KL to the reference)
@@ -152,7 +191,9 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
 
 
 def _value_loss_fn(alg, tokens: float, seqs: float):
-    """loss_fn(micro_batch, values) -> (share of the mini-batch value loss, metrics)."""
+    """loss_fn(micro_batch, values) -> (share of the mini-batch value loss, metrics): the value
+    loss with `alg.value_loss_options`, weighted by `alg.value_coef`."""
+    opts = alg.value_loss_options
 
     def loss_fn(micro, values):
         loss, m = value_loss(
@@ -160,8 +201,7 @@ def _value_loss_fn(alg, tokens: float, seqs: float):
             micro["old_values"],
             micro["returns"],
             micro["loss_mask"],
-            clip=alg.value_clip,
-            agg_mode=alg.agg_mode,
+            opts,
             global_tokens=tokens,
             global_seqs=seqs,
             max_len=None,
@@ -178,7 +218,7 @@ def train_policy(
     actor,
     optimizer,
     scheduler,
-    batch: dict,
+    batch: StepBatch,
     *,
     alg,
     rollout,
@@ -188,32 +228,25 @@ def train_policy(
     pad_to: int = 1,
 ) -> LocalMetrics:
     """PPO/GRPO-family policy update on this rank's batch; returns this rank's metrics (shares
-    on the last stage; optimizer figures on every rank). Without `old_logprobs` in the batch
+    on the last stage; optimizer figures on every rank). Without `batch.old_logprobs`
     (`recompute_old_logprobs` false: one epoch, one mini-batch) the update's own detached
-    logprobs serve as the old ones, and are stored into `batch["old_logprobs"]` (last stage)."""
-    reuse = batch.get("old_logprobs") is None and groups.is_last_stage
+    logprobs serve as the old ones, and are stored into `batch.old_logprobs` (last stage)."""
+    reuse = batch.old_logprobs is None and groups.is_last_stage
     if reuse and (alg.ppo_epochs > 1 or alg.mini_batches > 1):
         raise ValueError("train_policy: old_logprobs are required with several epochs/mini-batches")
 
     def keep_old_logprobs(out: list[dict], rows: torch.Tensor) -> None:
         if reuse:
-            batch["old_logprobs"] = _assemble_rows(out, rows, batch["tokens"].shape)
+            batch.old_logprobs = _assemble_rows(out, rows, batch.tokens.shape)
 
-    return _optimizer_steps(
-        actor,
-        optimizer,
-        scheduler,
-        batch,
-        alg=alg,
-        groups=groups,
-        seed=seed,
-        pad_to=pad_to,
-        make_loss_fn=lambda tokens, seqs: _policy_loss_fn(
-            alg, rollout, vocab_size, groups, tokens, seqs
-        ),
+    objective = Objective(
+        lambda tokens, seqs: _policy_loss_fn(alg, rollout, vocab_size, groups, tokens, seqs),
         loss_key="loss",
         prefix="",
-        on_output=keep_old_logprobs,
+    )
+    schedule = Schedule.of(alg, seed=seed, pad_to=pad_to)
+    return _optimizer_steps(
+        actor, optimizer, scheduler, batch, schedule, objective, groups, keep_old_logprobs
     )
 
 
@@ -221,42 +254,39 @@ def _optimizer_steps(
     model,
     optimizer,
     scheduler,
-    batch: dict,
-    *,
-    alg,
+    batch: StepBatch,
+    schedule: Schedule,
+    objective: Objective,
     groups,
-    seed: int,
-    pad_to: int,
-    make_loss_fn,
-    loss_key: str,
-    prefix: str,
-    on_output=None,
+    on_output: Callable[[list[dict], torch.Tensor], None] | None = None,
 ) -> LocalMetrics:
-    """`alg.ppo_epochs` x `alg.mini_batches` optimizer steps of `model` on `batch`.
+    """`schedule.epochs` x `schedule.mini_batches` optimizer steps of `model` on `batch`.
 
-    make_loss_fn(global tokens, global sequences) -> loss_fn for one mini-batch; `loss_key` is
-    the metric holding a micro-batch's share of the mini-batch loss (a non-finite sum on any
-    rank drops that step's gradients). Besides the loss metrics, every rank gets the step
-    results under `prefix`: grad_norm (mean over steps), skipped_steps (dropped for a non-finite
-    loss), overflow_steps (fp16 loss-scale back-offs, when any) and lr."""
+    A non-finite sum of `objective.loss_key` (the micro-batch shares of the mini-batch loss) on
+    any rank drops that step's gradients. Besides the loss metrics, every rank gets the step
+    results under `objective.prefix`: grad_norm (mean over steps), skipped_steps (dropped for a
+    non-finite loss), overflow_steps (fp16 loss-scale back-offs, when any) and lr.
+    `on_output(micro-batch outputs, the mini-batch's rows)` sees each step's outputs."""
     metrics = LocalMetrics()
     steps = []
-    total = alg.ppo_epochs * alg.mini_batches
-    for epoch in range(alg.ppo_epochs):
-        for rows in mini_batches(batch["tokens"].shape[0], alg.mini_batches, seed + epoch):
-            mb = _select(batch, rows)
-            tokens, seqs = global_denominators([mb["loss_mask"]], group=groups.dp)
-            loss_fn = make_loss_fn(tokens, seqs)
+    prefix = objective.prefix
+    total = schedule.epochs * schedule.mini_batches
+    for epoch in range(schedule.epochs):
+        order = mini_batches(len(batch), schedule.mini_batches, schedule.seed + epoch)
+        for rows in order:
+            mb = batch.select(rows)
+            tokens, seqs = global_denominators([mb.loss_mask], group=groups.dp)
+            loss_fn = objective.make_loss_fn(tokens, seqs)
             zero_grads(model, optimizer)
             micro = split_micro_batches(
-                mb,
-                alg.micro_batch_size,
-                pad_to_multiple=pad_to,
-                max_tokens=alg.max_tokens_per_micro_batch,
+                mb.fields(),
+                schedule.micro_batch_size,
+                pad_to_multiple=schedule.pad_to,
+                max_tokens=schedule.max_tokens,
             )
             out = forward.run(model, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
             # the mini-batch loss is the sum of the micro-batch shares
-            loss = sum(float(m[loss_key]) for m in out) if out else 0.0
+            loss = sum(float(m[objective.loss_key]) for m in out) if out else 0.0
             steps.append(optimizer_step(optimizer, scheduler, math.isfinite(loss), groups))
             metrics.update(step_metrics(out, total))
             if on_output is not None:
@@ -285,20 +315,15 @@ def _assemble_rows(outputs: list[dict], rows: torch.Tensor, shape) -> torch.Tens
 
 
 def train_value(
-    critic, optimizer, scheduler, batch: dict, *, alg, groups, seed: int, pad_to: int = 1
+    critic, optimizer, scheduler, batch: StepBatch, *, alg, groups, seed: int, pad_to: int = 1
 ) -> LocalMetrics:
     """Critic regression to the GAE returns; returns this rank's metric shares (last stage) and
     the critic's step results as value_grad_norm, value_skipped_steps, value_lr (every rank)."""
-    return _optimizer_steps(
-        critic,
-        optimizer,
-        scheduler,
-        batch,
-        alg=alg,
-        groups=groups,
-        seed=seed + 7919,  # the critic's own mini-batch order
-        pad_to=pad_to,
-        make_loss_fn=lambda tokens, seqs: _value_loss_fn(alg, tokens, seqs),
+    objective = Objective(
+        lambda tokens, seqs: _value_loss_fn(alg, tokens, seqs),
         loss_key="value_loss",
         prefix="value_",
     )
+    # seed + 7919: the critic's own mini-batch order
+    schedule = Schedule.of(alg, seed=seed + 7919, pad_to=pad_to)
+    return _optimizer_steps(critic, optimizer, scheduler, batch, schedule, objective, groups)

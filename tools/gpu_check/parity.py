@@ -31,13 +31,14 @@ def cpu_parity(fig, st, scratch: str) -> None:
     batch = common.random_batch(
         pa, prompt_len=sh["parity_prompt"], resp_lens=sh["parity_resp"], seed=2
     )
-    mask = batch["loss_mask"]
+    mask = batch.loss_mask
     kw = dict(
         micro_batch_size=sh["mbs"], vocab_size=pa.vocab_size, groups=st.groups, temperature=1.0
     )
-    lp = forward_logprobs(actor, batch, **kw)
+    lp = forward_logprobs(actor, batch.fields(), **kw)
     noise = 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3))
-    batch.update(old_logprobs=(lp + noise) * mask, advantages=rl.grpo_advantages(st.groups, batch))
+    batch.old_logprobs = (lp + noise) * mask
+    batch.advantages = rl.grpo_advantages(st.groups, batch)
     alg = dict(name="grpo", micro_batch_size=sh["mbs"])
     state = {n: p.detach().cpu() for n, p in unwrap(actor[0]).named_parameters()}
     src = os.path.join(scratch, "parity_in.pt")
@@ -88,7 +89,7 @@ def cpu_parity(fig, st, scratch: str) -> None:
     valid = mask.bool()
     d = (lp - ref["logprobs"]).abs()[valid]
     loss, loss_ref = float(m["loss"]), float(ref["loss"])
-    adv_abs = float(batch["advantages"].abs()[valid].mean())
+    adv_abs = float(batch.advantages.abs()[valid].mean())
     bf16 = st.dtype != "fp32"
     lp_tol = 0.02 if bf16 else 1e-4
     loss_tol = (5e-3 * (adv_abs + abs(loss_ref))) if bf16 else (1e-5 + 1e-4 * abs(loss_ref))
@@ -132,7 +133,7 @@ def parity_ref(src: str, dst: str) -> None:
     batch = d["batch"]
     lp = forward_logprobs(
         actor,
-        batch,
+        batch.fields(),
         micro_batch_size=d["mbs"],
         vocab_size=a.vocab_size,
         groups=groups,
@@ -145,7 +146,7 @@ def parity_ref(src: str, dst: str) -> None:
             sched,
             batch,
             alg=AlgorithmConfig(**d["alg"]),
-            rollout=rl.rollout_cfg(batch["tokens"].shape[0], d["max_tokens"]),
+            rollout=rl.rollout_cfg(len(batch), d["max_tokens"]),
             vocab_size=a.vocab_size,
             groups=groups,
             seed=0,

@@ -64,7 +64,7 @@ def grpo_advantages(groups, batch):
 
     from megarl.algorithms.distributed_advantage import gather_advantages
 
-    n = batch["tokens"].shape[0]
+    n = len(batch)
     adv = gather_advantages(
         torch.tensor(REWARDS[:n]),
         torch.zeros(n, dtype=torch.long),
@@ -73,4 +73,4 @@ def grpo_advantages(groups, batch):
         scale="group",
         group=groups.dp,
     )
-    return adv[:, None] * batch["loss_mask"]
+    return adv[:, None] * batch.loss_mask

@@ -91,7 +91,7 @@ def measure(fig, name: str, device: str, rec) -> None:
             t0 = time.perf_counter()
             old = forward_logprobs(
                 actor,
-                batch,
+                batch.fields(),
                 micro_batch_size=mbs,
                 vocab_size=a.vocab_size,
                 groups=groups,
@@ -99,8 +99,8 @@ def measure(fig, name: str, device: str, rec) -> None:
             )
             common.sync(device)
             fwd_s = time.perf_counter() - t0
-            adv = torch.linspace(-1, 1, rows)[:, None] * batch["loss_mask"]
-            batch.update(old_logprobs=old, advantages=adv)
+            adv = torch.linspace(-1, 1, rows)[:, None] * batch.loss_mask
+            batch.old_logprobs, batch.advantages = old, adv
 
             def step(batch=batch, alg=alg, rollout=rollout):
                 train_policy(

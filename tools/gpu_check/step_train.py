@@ -22,6 +22,7 @@ of 1.4k-2k tokens, collated on the host as the trainer does (`forward.run` moves
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from types import SimpleNamespace
@@ -92,20 +93,21 @@ def forward(fig, st) -> None:
 
     sh, v = st.shape, st.a.vocab_size
     st.batch = common.random_batch(st.a, prompt_len=sh["prompt"], resp_lens=sh["resp"], seed=1)
-    mask = st.batch["loss_mask"].bool()
+    mask = st.batch.loss_mask.bool()
     kw = dict(micro_batch_size=sh["mbs"], vocab_size=v, groups=st.groups, temperature=1.0)
     t0 = time.perf_counter()
-    st.old = forward_logprobs(st.actor, st.batch, **kw)
+    st.old = forward_logprobs(st.actor, st.batch.fields(), **kw)
     common.sync(st.device)
     fig["logprobs_s"] = time.perf_counter() - t0
-    st.ref = forward_logprobs(st.reference, st.batch, **kw)
-    st.values = forward_values(st.critic, st.batch, micro_batch_size=sh["mbs"], groups=st.groups)
+    st.ref = forward_logprobs(st.reference, st.batch.fields(), **kw)
+    fields = st.batch.fields()
+    st.values = forward_values(st.critic, fields, micro_batch_size=sh["mbs"], groups=st.groups)
     for name, x in (("logprobs", st.old), ("ref_logprobs", st.ref), ("values", st.values)):
         if x is None:
             raise common.Fail(f"{name} is None: this rank is not the last pipeline stage?")
-        if tuple(x.shape) != tuple(st.batch["tokens"].shape):
+        if tuple(x.shape) != tuple(st.batch.tokens.shape):
             raise common.Fail(
-                f"{name} shape {tuple(x.shape)} != tokens {tuple(st.batch['tokens'].shape)}"
+                f"{name} shape {tuple(x.shape)} != tokens {tuple(st.batch.tokens.shape)}"
             )
         if x.device.type != "cpu":
             raise common.Fail(f"{name} came back on {x.device}; the loop keeps results on the host")
@@ -114,8 +116,8 @@ def forward(fig, st) -> None:
     lp = st.old[mask]
     diff = float((st.old - st.ref)[mask].abs().max())
     fig.update(
-        shape=list(st.batch["tokens"].shape),
-        tokens=int(st.batch["seq_len"].sum()),
+        shape=list(st.batch.tokens.shape),
+        tokens=int(st.batch.seq_len.sum()),
         logprob_mean=float(lp.mean()),
         uniform_logprob=-math.log(v),
         actor_vs_reference_max_abs=diff,
@@ -134,7 +136,7 @@ def grpo_update(fig, st) -> None:
     from megarl.config import AlgorithmConfig
     from megarl.trainer.update import train_policy
 
-    batch = dict(
+    batch = dataclasses.replace(
         st.batch,
         old_logprobs=st.old,
         ref_logprobs=st.ref,
@@ -186,18 +188,25 @@ def grpo_update(fig, st) -> None:
 def ppo_update(fig, st) -> None:
     import torch
 
+    from megarl.algorithms.advantages import GAEOptions
     from megarl.algorithms.distributed_advantage import gae_advantages
     from megarl.config import AlgorithmConfig
     from megarl.trainer.experience import final_token_rewards
     from megarl.trainer.update import train_policy, train_value
 
     b = st.batch
-    mask = b["loss_mask"]
-    rewards = torch.tensor(rl.REWARDS[: b["tokens"].shape[0]])
+    mask = b.loss_mask
+    rewards = torch.tensor(rl.REWARDS[: len(b)])
     adv, ret = gae_advantages(
-        final_token_rewards(rewards, mask), st.values, mask, gamma=1.0, lam=0.95, group=st.groups.dp
+        final_token_rewards(rewards, mask),
+        st.values,
+        mask,
+        GAEOptions(gamma=1.0, lam=0.95),
+        group=st.groups.dp,
     )
-    batch = dict(b, old_logprobs=st.old, old_values=st.values, returns=ret, advantages=adv)
+    batch = dataclasses.replace(
+        b, old_logprobs=st.old, old_values=st.values, returns=ret, advantages=adv
+    )
     alg = AlgorithmConfig(name="ppo", micro_batch_size=st.shape["mbs"])
     snap = rl.snapshot(st.critic)
     t0 = time.perf_counter()
