@@ -216,9 +216,9 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
+    from megarl.distributed.process_group import init_distributed
     from megarl.trainer import loop, offline
     from megarl.trainer.loop import TrainingDiverged
-    from megarl.trainer.run import init_distributed
 
     train = offline.train if cfg.algorithm.offline else loop.train
 
@@ -285,7 +285,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from megarl.trainer.run import init_distributed
+    from megarl.distributed.process_group import init_distributed
 
     init_distributed()
     stem = os.path.splitext(os.path.basename(os.path.normpath(target)))[0]

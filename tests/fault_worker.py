@@ -93,7 +93,8 @@ def _at_stage(where: str, fn):
 
 def install() -> None:
     from megarl import console
-    from megarl.trainer import checkpoint, loop
+    from megarl.checkpoint import training
+    from megarl.trainer import loop
     from megarl.trainer.run import Run
 
     _, events, rank, attempt = _env()
@@ -120,14 +121,14 @@ def install() -> None:
         return run
 
     Run.create = staticmethod(create_then_act)
-    commit = checkpoint._commit
+    commit = training._commit
 
     def commit_with_faults(tmp: str, final: str) -> None:
         step = int(re.search(r"step_(\d+)$", final).group(1))
         _act("commit", step, os.path.dirname(os.path.dirname(final)))
         commit(tmp, final)
 
-    checkpoint._commit = commit_with_faults
+    training._commit = commit_with_faults
     end = console.end_process
 
     def record_exit(code: int):

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ConfigError, RunConfig
+from megarl.distributed.process_group import init_distributed
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import EVAL_SAMPLES_FILE
 from megarl.trainer.samples import gather_rows
@@ -318,7 +319,7 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     from megarl.trainer.models import _initial_state
 
     require_held_out(cfg)
-    _, world = R.init_distributed()
+    _, world = init_distributed()
     R.check_paths(cfg)
     cfg = resolve_model(cfg)  # a GGUF file -> its cached HF dir; a run dir -> its checkpoint
     arch = R.load_arch(cfg)

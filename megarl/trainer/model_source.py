@@ -30,7 +30,10 @@ import uuid
 
 import torch.distributed as dist
 
+from megarl.checkpoint.reader import TRAINER, open_checkpoint
 from megarl.config import ConfigError, RunConfig
+from megarl.convert.gguf import cache_root, cached_hf_dir
+from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.errors import UserError
 
 log = logging.getLogger("megarl")
@@ -47,8 +50,6 @@ def resolve_model(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> RunCon
     if m.hf is not None and os.path.isfile(m.hf):
         m = dataclasses.replace(m, hf=_gguf_on_rank0(m.hf))
     if m.mcore_ckpt is not None:
-        from megarl.convert.source import TRAINER, open_checkpoint
-
         try:
             source = open_checkpoint(m.mcore_ckpt, roles)
         except UserError as e:
@@ -77,8 +78,6 @@ def _rank() -> int:
 
 def _gguf_on_rank0(path: str) -> str:
     """The cached HF directory of GGUF file `path`, converted by global rank 0 only."""
-    from megarl.convert.gguf import cache_root, cached_hf_dir
-
     box: list = [None, None, False]  # (directory, error message, a user error?)
     failed = None
     if _rank() == 0:
@@ -109,8 +108,6 @@ def keep_tokenizer(tokenizer, source_dir: str | None, out_dir: str) -> str:
     """Rank 0: make `out_dir/tokenizer` hold the run's tokenizer files (copied from
     `source_dir`, or saved from `tokenizer` when the directory has none; `source_dir` None: the
     toy tokenizer, already saved there). Written under a temporary name and renamed."""
-    from megarl.convert.hf_io import copy_tokenizer_files
-
     dst = os.path.join(out_dir, "tokenizer")
     if source_dir is None or os.path.abspath(source_dir) == os.path.abspath(dst):
         return dst

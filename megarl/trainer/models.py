@@ -214,7 +214,7 @@ def _initial_state(
 
         load_hf_sharded(chunks, arch, m.hf)
     elif m.mcore_ckpt is not None:
-        from megarl.convert.source import load_into, open_checkpoint
+        from megarl.checkpoint.reader import load_into, open_checkpoint
 
         load_into(chunks, open_checkpoint(m.mcore_ckpt, roles))
 

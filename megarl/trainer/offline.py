@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megarl.config import ConfigError, RunConfig
 from megarl.data.batch import split_micro_batches
 from megarl.distributed import device
+from megarl.distributed.process_group import init_distributed
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import set_aside_previous_run
@@ -48,7 +49,6 @@ from megarl.trainer.run import (
     build_topology,
     check_paths,
     check_policy_arch,
-    init_distributed,
     load_arch,
     load_tokenizer,
     write_config,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -24,15 +23,19 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from megarl.checkpoint import training, vetting
+from megarl.checkpoint.files import CheckpointError
+from megarl.checkpoint.reader import open_checkpoint
+from megarl.checkpoint.vetting import check_dcp_metadata
 from megarl.config import ConfigError, RunConfig, to_dict
 from megarl.distributed import Topology, device
+from megarl.distributed.process_group import init_distributed
 from megarl.distributed.topology import Groups, TopologyError
 from megarl.metrics.sinks import set_aside_previous_run
 from megarl.models.forward import sequence_multiple
 from megarl.models.hf_config import ModelArch, arch_from_hf
-from megarl.trainer import checkpoint
 from megarl.trainer.evaluate import Evaluator, check_eval
-from megarl.trainer.faults import attempt_store, collective_timeout
+from megarl.trainer.faults import collective_timeout
 from megarl.trainer.model_source import keep_tokenizer, resolve_model
 from megarl.trainer.models import (
     Models,
@@ -57,41 +60,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("megarl")
 
 
-def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, int]:
-    """torch.distributed from torchrun's environment, or a one-process group when run plainly.
-    `timeout`: of every collective on the default group (None: torch's default;
-    `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's)."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            from megarl.distributed.launch import free_port
-
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-            )
-        device.setup()
-        _checkpoint_queue()  # before the group's sockets exist: the forked manager holds none
-        dist.init_process_group(device.backend(), timeout=timeout, **attempt_store(timeout))
-    _checkpoint_queue()  # a group made by the caller (made once: a no-op after the one above)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _checkpoint_queue() -> None:
-    """On CPU, megatron's checkpoint-writer queue forked before any model exists (its
-    docstring says why)."""
-    if not device.use_gpu():
-        from megarl.convert.checkpoint import fork_write_results_queue
-
-        fork_write_results_queue()
-
-
 def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
     """The model's architecture from its small files: `model.config`, `model.hf`'s config.json
     (a GGUF file not converted yet, as in a dry run: its metadata), or the checkpoint of
-    `model.mcore_ckpt` (its first role of `roles`; `megarl.convert.source`)."""
+    `model.mcore_ckpt` (its first role of `roles`; `megarl.checkpoint.reader`)."""
     m = cfg.model
     if m.config is not None:
         return arch_from_hf(m.config, where="model.config")
@@ -101,8 +73,6 @@ def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
 
             return arch_from_hf(gguf_hf_config(m.hf), where=f"model.hf={m.hf}")
         return arch_from_hf(m.hf)
-    from megarl.convert.source import open_checkpoint
-
     return open_checkpoint(m.mcore_ckpt, roles).arch
 
 
@@ -269,7 +239,7 @@ class Run:
         return state
 
     def save(self) -> str:
-        path = checkpoint.save(
+        path = training.save(
             self.out_dir,
             self.step,
             self.models.checkpointed(),
@@ -286,7 +256,7 @@ class Run:
             return
         path, state = self.resume
         m = self.models
-        checkpoint.load_models(path, m.checkpointed())
+        training.load_models(path, m.checkpointed())
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.data.sampler.load_state_dict(state["sampler"])
@@ -448,20 +418,18 @@ def _check_model_files(cfg: RunConfig, arch: ModelArch) -> None:
         lazy = LazyHFTensors(m.hf)
         check_hf_names(arch, lazy.names, shape_of=lazy.shape)
     elif m.mcore_ckpt is not None:
-        from megarl.convert.checkpoint import check_dcp_metadata
-
         check_dcp_metadata(m.mcore_ckpt)
 
 
 def _resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler, roles: dict):
     """(newest complete checkpoint of `out_dir`, its trainer state), or None when there is none
-    or `trainer.resume` is off (damaged ones are skipped: `checkpoint.resumable`). Its small
+    or `trainer.resume` is off (damaged ones are skipped: `vetting.resumable`). Its small
     files are read and checked now, before the models exist: the model config (and that of
     each trained role, `roles` {role: ModelArch}), the data order, that its metadata is safe to
     unpickle and that its tensor files are whole."""
     if not cfg.trainer.resume:
         return None
-    return checkpoint.resumable(
+    return vetting.resumable(
         out_dir, lambda path, state: _check_resumable(cfg, path, state, arch, sampler, roles)
     )
 
@@ -474,7 +442,7 @@ def _check_resumable(
     cfg: RunConfig, path: str, state: dict, arch: ModelArch, sampler, roles: dict
 ) -> None:
     if state["arch"] != arch.hf_config:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"checkpoint {path} was written for a different model config (differs in "
             f"{_changed(state['arch'], arch.hf_config)[:8]}); resume with the same model, or use "
             "a new run directory (--out) or trainer.resume=false"
@@ -482,14 +450,14 @@ def _check_resumable(
     for role, role_arch in roles.items():
         if f"{role}_sched" not in state:
             has = sorted(k[: -len("_sched")] for k in state if k.endswith("_sched"))
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} holds no {role} (it trained {has}) but algorithm.name="
                 f"{cfg.algorithm.name} trains one; resume with the algorithm that wrote it, or "
                 "use a new run directory (--out)"
             )
         written = (state.get("archs") or {}).get(role, state["arch"])
         if written != role_arch.hf_config:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path}: its {role} was built from another model (differs in "
                 f"{_changed(written, role_arch.hf_config)[:8]}); keep model.critic_init as it "
                 "was, or use a new run directory (--out)"
@@ -497,7 +465,7 @@ def _check_resumable(
     try:  # on a copy: the run's sampler takes the state in maybe_resume, with the rest
         copy.copy(sampler).load_state_dict(state["sampler"])
     except ValueError as e:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"checkpoint {path} cannot continue this run's prompt order: {e}; keep data.* as it "
             "was, or use a new run directory (--out) or trainer.resume=false"
         ) from e
