@@ -15,8 +15,10 @@ they are (architecture, tokenizer, weight files, the rollout engine's model dire
   `trainer.resume`). Its kept tokenizer is the default
   `model.tokenizer`.
 
-`keep_tokenizer` (rank 0) copies the run's tokenizer files (chat template and generation config
-included) into `RUN/tokenizer`, from where every checkpoint and HF export takes them.
+`check_shape_source` checks that what a dry run and `megarl plan` read (the model's shape)
+exists on this machine. `keep_tokenizer` (rank 0) copies the run's tokenizer files (chat
+template and generation config included) into `RUN/tokenizer`, from where every checkpoint and
+HF export takes them.
 """
 
 from __future__ import annotations
@@ -102,6 +104,26 @@ def _gguf_on_rank0(path: str) -> str:
             "`megarl convert gguf-to-hf` and set model.hf to the directory"
         )
     return box[0]
+
+
+def check_shape_source(cfg: RunConfig) -> None:
+    """The one input a dry run (`megarl.trainer.dry_run`) and `megarl plan` read, the model's
+    shape: raise `ConfigError` naming the key when its file or directory is not on this
+    machine."""
+    m = cfg.model
+    if m.hf is not None and not os.path.isdir(m.hf) and not os.path.isfile(m.hf):
+        raise ConfigError(
+            f"model.hf={m.hf!r} does not exist on this machine; the dry run reads the model's "
+            "shape from it. Accepted: a directory holding the model's config.json (nothing else "
+            "in it is read), or a GGUF file (its metadata is read)"
+        )
+    if m.mcore_ckpt is not None and not os.path.isdir(m.mcore_ckpt):
+        raise ConfigError(
+            f"model.mcore_ckpt={m.mcore_ckpt!r} does not exist on this machine; --dry-run and "
+            "`megarl plan` read the model's shape from its small files (trainer_state.json or "
+            "megarl_model.json). Accepted: that directory, or --set model.mcore_ckpt=null --set "
+            "model.hf=DIR with DIR holding the model's config.json"
+        )
 
 
 def keep_tokenizer(tokenizer, source_dir: str | None, out_dir: str) -> str:
