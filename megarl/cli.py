@@ -35,7 +35,6 @@ from functools import partial
 from megarl import console
 from megarl.convert import command as convert
 from megarl.errors import ConfigError
-from megarl.trainer import faults
 
 # Each command imports what it runs (torch, 2 s, and with it megarl.config and the trainer) in
 # its function: `megarl --help` and argument errors import none of it (tests/test_cli.py), and
@@ -213,13 +212,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
 
+    from megarl.trainer import faults  # deferred: imports torch (2 s)
+
     faults.install_stop_signals()  # from here on SIGTERM / SIGUSR1 ask for a clean stop
 
     import torch.distributed as dist
 
+    from megarl.distributed.process_group import init_distributed  # deferred: imports torch (2 s)
     from megarl.trainer import loop, offline  # deferred: imports torch (2 s)
     from megarl.trainer.finish import TrainingDiverged  # deferred: imports torch (2 s)
-    from megarl.trainer.run import init_distributed  # deferred: imports torch (2 s)
 
     train = offline.train if cfg.algorithm.offline else loop.train
 
@@ -291,7 +292,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from megarl.trainer.run import init_distributed  # deferred: imports torch (2 s)
+    from megarl.distributed.process_group import init_distributed  # deferred: imports torch (2 s)
 
     init_distributed()
     stem = os.path.splitext(os.path.basename(os.path.normpath(target)))[0]

@@ -96,7 +96,8 @@ def _at_stage(where: str, fn):
 
 def install() -> None:
     from megarl import console
-    from megarl.trainer import checkpoint, loop, recipe
+    from megarl.checkpoint import training
+    from megarl.trainer import loop, recipe
 
     _, events, rank, attempt = _env()
     os.makedirs(events, exist_ok=True)
@@ -122,14 +123,14 @@ def install() -> None:
         return run
 
     recipe.build_run = build_then_act
-    commit = checkpoint._commit
+    commit = training._commit
 
     def commit_with_faults(tmp: str, final: str) -> None:
         step = int(re.search(r"step_(\d+)$", final).group(1))
         _act("commit", step, os.path.dirname(os.path.dirname(final)))
         commit(tmp, final)
 
-    checkpoint._commit = commit_with_faults
+    training._commit = commit_with_faults
     end = console.end_process
 
     def record_exit(code: int):

@@ -5,6 +5,7 @@
 - nothing in `megarl.convert` imports `megarl.trainer` (the converter is below the trainer);
 - no module imports another module's private (`_name`) names, by `from x import _y` or as
   `module._y`;
+- every imported megarl module exists;
 - a function-local import of one of megarl's own modules is marked `# deferred: <why>` (on its
   line or the line above): it defers a heavy optional dependency (vLLM, megatron-core,
   Transformer Engine), and says so.
@@ -31,6 +32,8 @@ class Module:
     """`line: what` for each private name it takes from another module."""
     unmarked: list[str] = field(default_factory=list)
     """`line: module` for each function-local megarl import without the marker."""
+    missing: list[str] = field(default_factory=list)
+    """`line: module` for each import of a megarl module that does not exist."""
 
 
 def _modules() -> dict[str, Module]:
@@ -71,6 +74,8 @@ def _read(mod: Module, mods: dict) -> None:
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("megarl"):
+                    if a.name not in mods:
+                        mod.missing.append(f"{where}: {a.name}")
                     found.append(a.name)
                     if a.asname:
                         aliases[a.asname] = a.name
@@ -78,6 +83,8 @@ def _read(mod: Module, mods: dict) -> None:
             base = base_of(node)
             if not base.startswith("megarl"):
                 return
+            if base not in mods:
+                mod.missing.append(f"{where}: {base}")
             for a in node.names:
                 full = f"{base}.{a.name}"
                 if full in mods:  # a submodule
@@ -182,6 +189,11 @@ def test_no_private_names_across_modules():
     assert [p for m in _graph().values() for p in m.private] == []
 
 
+def test_every_imported_module_exists():
+    """(Nothing is imported here, so a stale path after a move would pass the checks above.)"""
+    assert [x for m in _graph().values() for x in m.missing] == []
+
+
 def test_function_local_imports_are_marked():
     assert [u for m in _graph().values() for u in m.unmarked] == []
 
@@ -193,7 +205,7 @@ def test_the_checker_sees_what_it_forbids(tmp_path):
         "megarl.a": Module(
             "megarl.a",
             str(tmp_path / "megarl/a.py"),
-            ["from megarl.b import _hidden", "def f():", "    import megarl.b"],
+            ["from megarl.b import _hidden", "def f():", "    import megarl.b", "import megarl.c"],
         ),
         "megarl.b": Module("megarl.b", str(tmp_path / "megarl/b.py"), ["import megarl.a"]),
     }
@@ -202,3 +214,4 @@ def test_the_checker_sees_what_it_forbids(tmp_path):
     assert _circles(mods) == [["megarl.a", "megarl.b"]]
     assert len(mods["megarl.a"].private) == 1
     assert len(mods["megarl.a"].unmarked) == 1
+    assert [x.rsplit(" ", 1)[1] for x in mods["megarl.a"].missing] == ["megarl.c"]

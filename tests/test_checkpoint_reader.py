@@ -79,9 +79,9 @@ def test_actor_export_is_complete_and_matches_megatron(actor_hf):
 
 def critic_worker(rank, world, run: str, out: str):
     """World 1: the critic of `run` -> HF, values compared; then a role the run does not have."""
-    from megarl.convert.checkpoint import CheckpointError
+    from megarl.checkpoint.files import CheckpointError
+    from megarl.checkpoint.reader import open_checkpoint
     from megarl.convert.pipeline import mcore_to_hf
-    from megarl.convert.source import open_checkpoint
     from megarl.convert.verify import verify
 
     summary = mcore_to_hf(run, out, role="critic", progress=False)

@@ -15,8 +15,9 @@ import pickle
 import pytest
 import torch
 
-from megarl.convert.checkpoint import CheckpointError, check_dcp_metadata
-from megarl.trainer import checkpoint
+from megarl.checkpoint import files
+from megarl.checkpoint.files import CheckpointError
+from megarl.checkpoint.vetting import check_dcp_metadata
 
 
 class _Payload:
@@ -47,13 +48,13 @@ def _plain_state() -> dict:
 def test_trainer_state_is_json_and_exact(tmp_path):
     torch.manual_seed(7)
     rng = torch.get_rng_state()
-    checkpoint._write_trainer_state(str(tmp_path / checkpoint.STATE_FILE), _plain_state())
-    with open(tmp_path / checkpoint.STATE_FILE) as f:
-        assert json.load(f)["format"] == checkpoint.STATE_FORMAT
-    state = checkpoint.read_trainer_state(str(tmp_path))
+    files.write_trainer_state(str(tmp_path / files.STATE_FILE), _plain_state())
+    with open(tmp_path / files.STATE_FILE) as f:
+        assert json.load(f)["format"] == files.STATE_FORMAT
+    state = files.read_trainer_state(str(tmp_path))
     assert torch.equal(state.pop("torch_rng"), rng)
     assert {k: state[k] for k in _plain_state()} == _plain_state()
-    torch.set_rng_state(checkpoint.read_trainer_state(str(tmp_path))["torch_rng"])
+    torch.set_rng_state(files.read_trainer_state(str(tmp_path))["torch_rng"])
     a = torch.rand(4)
     torch.set_rng_state(rng)
     assert torch.equal(a, torch.rand(4))
@@ -61,15 +62,15 @@ def test_trainer_state_is_json_and_exact(tmp_path):
 
 def test_a_value_that_is_not_plain_fails_at_save(tmp_path):
     with pytest.raises(TypeError):
-        checkpoint._write_trainer_state(str(tmp_path / "s.json"), {"x": object()})
+        files.write_trainer_state(str(tmp_path / "s.json"), {"x": object()})
 
 
 def test_old_pt_state_is_read_without_pickle_code(tmp_path):
     torch.save({**_plain_state(), "torch_rng": torch.get_rng_state()},
-               tmp_path / checkpoint.LEGACY_STATE_FILE)
-    state = checkpoint.read_trainer_state(str(tmp_path))
+               tmp_path / files.LEGACY_STATE_FILE)
+    state = files.read_trainer_state(str(tmp_path))
     assert state["step"] == 3 and state["arch"] == _plain_state()["arch"]
-    assert checkpoint.list_checkpoints(str(tmp_path)) == []  # not under checkpoints/step_N
+    assert files.list_checkpoints(str(tmp_path)) == []  # not under checkpoints/step_N
 
 
 def test_tampered_old_pt_state_is_refused(tmp_path):
@@ -77,25 +78,25 @@ def test_tampered_old_pt_state_is_refused(tmp_path):
     pickle.loads(pickle.dumps(_Payload(control)))
     assert control.exists(), "the payload must be live for this test to mean anything"
     marker = tmp_path / "pwned"
-    write_payload_pickle(tmp_path / checkpoint.LEGACY_STATE_FILE, marker)
+    write_payload_pickle(tmp_path / files.LEGACY_STATE_FILE, marker)
     with pytest.raises(CheckpointError) as e:
-        checkpoint.read_trainer_state(str(tmp_path))
+        files.read_trainer_state(str(tmp_path))
     assert not marker.exists()
     msg = str(e.value)
-    assert str(tmp_path / checkpoint.LEGACY_STATE_FILE) in msg and "refusing to load" in msg
+    assert str(tmp_path / files.LEGACY_STATE_FILE) in msg and "refusing to load" in msg
     assert "it refers to getattr" in msg  # how the payload reaches Path.touch
 
 
 def test_malformed_json_state_names_the_file(tmp_path):
-    (tmp_path / checkpoint.STATE_FILE).write_text('{"format": "megarl-trainer-state/1", "step"')
+    (tmp_path / files.STATE_FILE).write_text('{"format": "megarl-trainer-state/1", "step"')
     with pytest.raises(CheckpointError, match="trainer_state.json: not a readable"):
-        checkpoint.read_trainer_state(str(tmp_path))
-    (tmp_path / checkpoint.STATE_FILE).write_text('{"format": "something-else"}')
+        files.read_trainer_state(str(tmp_path))
+    (tmp_path / files.STATE_FILE).write_text('{"format": "something-else"}')
     with pytest.raises(CheckpointError, match="format 'something-else'"):
-        checkpoint.read_trainer_state(str(tmp_path))
-    os.remove(tmp_path / checkpoint.STATE_FILE)
+        files.read_trainer_state(str(tmp_path))
+    os.remove(tmp_path / files.STATE_FILE)
     with pytest.raises(CheckpointError, match="not a complete megarl checkpoint"):
-        checkpoint.read_trainer_state(str(tmp_path))
+        files.read_trainer_state(str(tmp_path))
 
 
 def test_dcp_metadata_is_vetted(tmp_path):

@@ -25,8 +25,8 @@ def _queue_job(rank, world):
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megarl.convert.checkpoint import fork_write_results_queue
-    from megarl.trainer.run import init_distributed
+    from megarl.distributed.process_group import init_distributed
+    from megarl.distributed.writer_queue import fork_write_results_queue
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # as the trainer's stop handler does
     before = filesystem_async._results_queue
@@ -68,7 +68,7 @@ def test_the_forked_manager_ends_with_a_rank_that_ends_without_atexit(tmp_path):
     code = (
         "import os\n"
         "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
-        "from megarl.trainer.run import init_distributed\n"
+        "from megarl.distributed.process_group import init_distributed\n"
         "init_distributed()\n"
         "print(fa._results_queue._manager._process.pid, flush=True)\n"
         "os._exit(0)\n"

@@ -135,7 +135,8 @@ def convert_worker(rank, world, hf_dirs: dict, out: str, tokens: torch.Tensor):
 def layouts_worker(rank, world, ckpts: dict, out: str, tokens: torch.Tensor):
     """World 2: logits after loading at TP=2, PP=2 (and EP=2 for MoE); then a checkpoint saved
     from the first multi-rank layout is reloaded at the last one and gathered whole."""
-    from megarl.convert.checkpoint import read_checkpoint_arch, save_model_checkpoint
+    from megarl.checkpoint.reader import read_checkpoint_arch
+    from megarl.checkpoint.writer import save_model_checkpoint
     from megarl.convert.layout import gather_full_state
     from megarl.convert.verify import forward_logits, load_megatron
 
@@ -156,7 +157,7 @@ def layouts_worker(rank, world, ckpts: dict, out: str, tokens: torch.Tensor):
         _, chunks, _ = load_megatron(resaved, layout=layout, world=world)
         res[(name, "resaved_" + tag)] = gather_full_state(chunks, to_all=False)
     # the trainer's models: a DDP-wrapped actor, and a critic whose value head stays initialised
-    from megarl.convert.checkpoint import load_model_checkpoint
+    from megarl.checkpoint.reader import load_model_checkpoint
     from megarl.models.builder import build_model
     from megarl.models.hf_config import PrecisionConfig
 
@@ -171,7 +172,7 @@ def layouts_worker(rank, world, ckpts: dict, out: str, tokens: torch.Tensor):
 
 
 def _setup(ckpt, layout, world):
-    from megarl.convert.checkpoint import read_checkpoint_arch
+    from megarl.checkpoint.reader import read_checkpoint_arch
     from megarl.distributed import ParallelConfig, Topology
 
     arch = read_checkpoint_arch(ckpt)

@@ -267,15 +267,15 @@ def _fake_checkpoint(root, step: int) -> str:
     """A real torch.distributed.checkpoint directory with megatron's side files and a state."""
     import torch.distributed.checkpoint as dcp
 
-    from megarl.trainer import checkpoint
+    from megarl.checkpoint import files
 
     path = os.path.join(root, "checkpoints", f"step_{step:06d}")
     dcp.save({"w": torch.arange(4096, dtype=torch.float32) + step}, checkpoint_id=path,
              no_dist=True)
     for name in ("metadata.json", "common.pt"):
         open(os.path.join(path, name), "w").close()
-    checkpoint._write_trainer_state(
-        os.path.join(path, checkpoint.STATE_FILE),
+    files.write_trainer_state(
+        os.path.join(path, files.STATE_FILE),
         {"step": step, "sampler": {}, "actor_sched": {}, "arch": {"v": 1}},
     )
     return path
@@ -287,8 +287,8 @@ class _Payload:
 
 
 def resume_job(rank: int, world: int, tmp: str) -> dict:
-    from megarl.convert.checkpoint import CheckpointError
-    from megarl.trainer import checkpoint
+    from megarl.checkpoint import files, vetting
+    from megarl.checkpoint.files import CheckpointError
 
     out = {}
     run = os.path.join(tmp, "run")
@@ -299,14 +299,14 @@ def resume_job(rank: int, world: int, tmp: str) -> dict:
     with open(os.path.join(ck(7), shard), "r+b") as f:
         f.truncate(100)  # cut short
     os.remove(os.path.join(ck(6), shard))  # missing
-    with open(os.path.join(ck(5), checkpoint.STATE_FILE), "w") as f:
+    with open(os.path.join(ck(5), files.STATE_FILE), "w") as f:
         f.write('{"format": "megarl-trainer-state/1", "st')  # unreadable
     seen, warnings = [], []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger(checkpoint.__name__).addHandler(handler)
-    found = checkpoint.resumable(run, lambda path, state: seen.append(state["step"]))
-    logging.getLogger(checkpoint.__name__).removeHandler(handler)
+    logging.getLogger(vetting.__name__).addHandler(handler)
+    found = vetting.resumable(run, lambda path, state: seen.append(state["step"]))
+    logging.getLogger(vetting.__name__).removeHandler(handler)
     out["warnings"], out["run"] = warnings, run
     out["found"] = (found[0], found[1]["step"])
     out["seen"] = seen
@@ -315,20 +315,20 @@ def resume_job(rank: int, world: int, tmp: str) -> dict:
     bad = os.path.join(tmp, "bad")
     p = _fake_checkpoint(bad, 3)
     os.remove(os.path.join(p, "common.pt"))
-    out["none"] = checkpoint.resumable(bad)
+    out["none"] = vetting.resumable(bad)
     # a tampered .metadata is refused, not skipped
     evil = os.path.join(tmp, "evil")
     p = _fake_checkpoint(evil, 3)
     with open(os.path.join(p, ".metadata"), "wb") as f:
         pickle.dump(_Payload(), f)
     try:
-        checkpoint.resumable(evil)
+        vetting.resumable(evil)
         out["evil"] = "loaded"
     except CheckpointError as e:
         out["evil"] = (type(e).__name__, str(e))
     # a whole checkpoint the caller refuses (another model, say) stops the run as before
     try:
-        checkpoint.resumable(run, lambda path, state: (_ for _ in ()).throw(
+        vetting.resumable(run, lambda path, state: (_ for _ in ()).throw(
             CheckpointError(f"{path}: another model")))
         out["refused"] = "resumed"
     except CheckpointError as e:
@@ -372,15 +372,15 @@ def test_skip_warning_names_both_checkpoints(resumed):
 
 
 def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
-    from megarl.trainer import checkpoint
+    from megarl.checkpoint import files, training
 
     for s in (1, 2, 8):  # 8: left by an older run in the same directory (trainer.resume=false)
         os.makedirs(tmp_path / "checkpoints" / f"step_{s:06d}")
-        (tmp_path / "checkpoints" / f"step_{s:06d}" / checkpoint.STATE_FILE).write_text("{}")
+        (tmp_path / "checkpoints" / f"step_{s:06d}" / files.STATE_FILE).write_text("{}")
     new = tmp_path / "checkpoints" / "step_000003"
     os.makedirs(new)
-    (new / checkpoint.STATE_FILE).write_text("{}")
-    checkpoint._prune(str(tmp_path), str(new), keep_last=1)
+    (new / files.STATE_FILE).write_text("{}")
+    training._prune(str(tmp_path), str(new), keep_last=1)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000003"]
 
 

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from megarl.trainer import checkpoint
+from megarl.checkpoint import files
 from tests.test_trainer_e2e import _metrics, _train
 
 SFT = "examples/sft_copy_cpu.yaml"
@@ -56,9 +56,9 @@ def test_sft_at_tp2_learns_evaluates_saves_and_exports(sft):
     assert (sft / "loss.png").exists() and (sft / "hf" / "config.json").exists()
     assert "vllm" not in _log(sft).lower()  # no engine was built
     # the checkpoint a GRPO run writes: the same trainer state keys, the actor's tensors
-    ckpt = checkpoint.latest_checkpoint(str(sft))
-    state = checkpoint.read_trainer_state(ckpt)
-    assert set(checkpoint.STATE_KEYS) <= set(state) and "critic_sched" not in state
+    ckpt = files.latest_checkpoint(str(sft))
+    state = files.read_trainer_state(ckpt)
+    assert set(files.STATE_KEYS) <= set(state) and "critic_sched" not in state
     with open(os.path.join(ckpt, "metadata.json")) as f:
         assert json.load(f)["sharded_backend"] == "torch_dist"
 

@@ -124,8 +124,8 @@ def test_the_comparison_can_fail(reference):
 
 
 def roundtrip_worker(rank, world, dirs: dict, out: str):
+    from megarl.checkpoint.reader import open_checkpoint
     from megarl.convert.pipeline import hf_to_mcore, mcore_to_hf
-    from megarl.convert.source import open_checkpoint
 
     roles = {}
     for name, hf in dirs.items():

@@ -179,8 +179,8 @@ def updates(args) -> int:
 
     import megarl.trainer.loop as loop
     from megarl.config import load_config
+    from megarl.distributed.process_group import init_distributed
     from megarl.models.builder import unwrap
-    from megarl.trainer.run import init_distributed
 
     cfg = load_config(args.config, [*args.overrides, f"trainer.steps={args.steps}",
                                     "trainer.save_every=0", "logging.progress=false"])  # fmt: skip

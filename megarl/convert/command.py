@@ -10,6 +10,9 @@
 then runs transformers and megatron (or, for gguf-to-hf, transformers on the GGUF file and on the
 written directory) on the same token ids and exits with status 3 when max |delta logit| exceeds
 `--tol`.
+
+`megarl --help` builds its parser from this module, so it imports no torch: each command
+imports the module that does the work when it runs (2 s of torch, not paid by `--help`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+from megarl.errors import ConfigError
 
 CKPT_HELP = (
     "checkpoint to read: a trainer checkpoint RUN/checkpoints/step_N, a run directory RUN (its "
@@ -115,7 +120,7 @@ def convert(args: argparse.Namespace) -> int:
     os.environ["MEGARL_DEVICE"] = "cpu"  # conversion never needs a GPU (and must not require one)
     text = _read_text(args.verify_text) if args.verify and args.verify_text else None
     if args.conversion == "gguf-to-hf":
-        from megarl.convert.gguf import gguf_to_hf
+        from megarl.convert.gguf import gguf_to_hf  # deferred: imports torch (2 s)
 
         if args.no_progress:
             from transformers.utils import logging as hf_logging
@@ -130,7 +135,7 @@ def convert(args: argparse.Namespace) -> int:
             seq_len=args.verify_len,
         )
     elif args.conversion == "hf-to-mcore":
-        from megarl.convert.pipeline import hf_to_mcore
+        from megarl.convert.pipeline import hf_to_mcore  # deferred: imports torch (2 s)
 
         summary = hf_to_mcore(
             args.hf,
@@ -143,7 +148,7 @@ def convert(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     else:
-        from megarl.convert.pipeline import mcore_to_hf
+        from megarl.convert.pipeline import mcore_to_hf  # deferred: imports torch (2 s)
 
         summary = mcore_to_hf(
             args.ckpt,
@@ -159,7 +164,7 @@ def convert(args: argparse.Namespace) -> int:
     if not args.verify:
         return 0
     if res is None:
-        from megarl.convert.verify import verify
+        from megarl.convert.verify import verify  # deferred: imports torch (2 s)
 
         hf_dir, ckpt = (
             (args.hf, args.out) if args.conversion == "hf-to-mcore" else (args.out, args.ckpt)
@@ -182,8 +187,6 @@ def report_verify(res: dict, tol: float) -> int:
 
 
 def _read_text(path: str) -> str:
-    from megarl.config import ConfigError
-
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -192,8 +195,7 @@ def _read_text(path: str) -> str:
 
 
 def fetch(args: argparse.Namespace) -> int:
-    from megarl.config import ConfigError
-    from megarl.convert.fetch import KNOWN_MODELS, fetch_model
+    from megarl.convert.fetch import KNOWN_MODELS, fetch_model  # deferred: imports torch (2 s)
 
     if args.list:
         for name, m in KNOWN_MODELS.items():

@@ -27,6 +27,7 @@ import shutil
 import time
 
 from megarl.convert.hf_io import AtomicDir
+from megarl.convert.verify import compare_logits, hf_logits, sample_tokens
 from megarl.errors import UserError
 from megarl.models.hf_config import ARCHITECTURES, MODEL_TYPES, ModelConfigError, arch_from_hf
 
@@ -186,8 +187,6 @@ def gguf_to_hf(
         _readable(out.tmp)
         checked = {}
         if verify:  # the directory as written, loaded back
-            from megarl.convert.verify import compare_logits, hf_logits
-
             checked = compare_logits(ref, hf_logits(out.tmp, tokens))
             checked["tokens"] = int(tokens.shape[1])
         out.commit()
@@ -209,8 +208,6 @@ def gguf_to_hf(
 def _verify_tokens(config, tokenizer, text: str | None, seq_len: int | None):
     """[1, s] token ids: the first `seq_len` of `text`, or `seq_len` seeded random ones."""
     import torch
-
-    from megarl.convert.verify import sample_tokens
 
     longest = min(seq_len or config.max_position_embeddings, config.max_position_embeddings)
     if text is None:

@@ -168,7 +168,7 @@ def gather_full_state(
             shards = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
             dist.all_gather(shards, t.contiguous(), group=group)
             t = merge_tp(name, shards, p.partition_dim)
-        if name in _VOCAB and _is_tp_sharded(p):  # (not the critic's value head)
+        if name in VOCAB_PARAMS and _is_tp_sharded(p):  # (not the critic's value head)
             t = t[: _vocab_size(chunks)]
         if expert_owner if is_expert(p) else dense_owner:
             local[name] = t.float().cpu() if grads else t.cpu()
@@ -194,9 +194,9 @@ def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]
         if name not in full:
             raise KeyError(f"canonical state has no tensor for {name!r} (local {local_name!r})")
         t = full[name]
-        if name in _VOCAB and _is_tp_sharded(p):
+        if name in VOCAB_PARAMS and _is_tp_sharded(p):
             tp = ps.get_tensor_model_parallel_world_size()
-            t = _pad_rows(t, p.shape[0] * tp)
+            t = pad_rows(t, p.shape[0] * tp)
         if _is_tp_sharded(p):
             group = _tp_group_for(p)
             t = split_tp(name, t, p.partition_dim, dist.get_world_size(group), dist.get_rank(group))
@@ -206,15 +206,17 @@ def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]
     _sync_tied_output(chunks, full)
 
 
-_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""The parameters with a row per vocabulary entry (padded to megatron's vocab size)."""
 
 
 def _vocab_size(chunks) -> int:
     return unwrap(chunks[0]).megarl_vocab_size
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero rows for megatron's vocab padding (never sampled: logits are cut to vocab_size)."""
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` cut or padded to `rows` rows; the zero rows are megatron's vocab padding (never
+    sampled: logits are cut to vocab_size)."""
     if t.shape[0] >= rows:
         return t[:rows]
     pad = torch.zeros(rows - t.shape[0], *t.shape[1:], dtype=t.dtype)
@@ -230,5 +232,5 @@ def _sync_tied_output(chunks, full) -> None:
         if getattr(model, "share_embeddings_and_output_weights", False) and model.post_process:
             w = model.shared_embedding_or_output_weight()
             tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-            src = _pad_rows(full["embedding.word_embeddings.weight"], w.shape[0] * tp)
+            src = pad_rows(full["embedding.word_embeddings.weight"], w.shape[0] * tp)
             w.data.copy_(src.chunk(tp, 0)[r].to(w.dtype))

@@ -21,21 +21,30 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.convert.checkpoint import (
-    CheckpointError,
-    save_model_checkpoint,
-)
+from megarl.checkpoint.files import CheckpointError
+from megarl.checkpoint.reader import load_into, open_checkpoint
+from megarl.checkpoint.writer import save_model_checkpoint
+from megarl.convert.export import critic_tensors, export_config, finish_hf_dir
 from megarl.convert.hf_io import (
     AtomicDir,
     LazyHFTensors,
     looks_like_checkpoint,
     write_hf_files,
 )
-from megarl.convert.layout import _VOCAB, _pad_rows, local_params, split_tp
+from megarl.convert.layout import VOCAB_PARAMS, local_params, pad_rows, split_tp
 from megarl.convert.mapping import canonical_to_hf, check_hf_names, hf_to_canonical
+from megarl.distributed import ParallelConfig, Topology, TopologyError
+from megarl.distributed.launch import free_port
 from megarl.errors import OutputExistsError
-from megarl.models.builder import unwrap
-from megarl.models.hf_config import DTYPES, ModelArch, arch_from_hf, load_hf_config
+from megarl.models.builder import BuildConfig, build_gpt_chunk, unwrap
+from megarl.models.hf_config import (
+    DTYPES,
+    ModelArch,
+    PrecisionConfig,
+    arch_from_hf,
+    load_hf_config,
+    transformer_config,
+)
 
 log = logging.getLogger(__name__)
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -43,9 +52,6 @@ _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def init_single_process(seed: int = 0):
     """torch.distributed with one gloo rank and megatron's parallel state at TP=PP=1, on CPU."""
-    from megarl.distributed import ParallelConfig, Topology
-    from megarl.distributed.launch import free_port
-
     os.environ["MEGARL_DEVICE"] = "cpu"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -66,10 +72,6 @@ def build_chunks(
     must exist). Used where every weight is overwritten next: conversion and verification.
     `role="critic"` / `"reward"`: with a scalar head instead of the LM head."""
     from megatron.core import parallel_state as ps
-
-    from megarl.distributed import ParallelConfig
-    from megarl.models.builder import BuildConfig, build_gpt_chunk
-    from megarl.models.hf_config import PrecisionConfig, transformer_config
 
     parallel = parallel or ParallelConfig()
     config = transformer_config(arch, parallel, PrecisionConfig(dtype=dtype), gpu=False)
@@ -127,12 +129,12 @@ def fill_from_canonical(
     for name, t in items:
         if name == "embedding.word_embeddings.weight":
             for w in tied_out:  # last stage's own copy of a tied embedding
-                w.copy_(_pad_rows(t, w.shape[0] * tp).chunk(tp, 0)[tp_rank])
+                w.copy_(pad_rows(t, w.shape[0] * tp).chunk(tp, 0)[tp_rank])
         if name not in targets:
             continue
         local, p = targets[name]
-        if name in _VOCAB:
-            t = _pad_rows(t, p.shape[0] * tp)
+        if name in VOCAB_PARAMS:
+            t = pad_rows(t, p.shape[0] * tp)
         if getattr(p, "tensor_model_parallel", False) and getattr(p, "partition_dim", -1) >= 0:
             allreduce = getattr(p, "allreduce", True)
             group = (
@@ -160,7 +162,7 @@ def local_canonical(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.
     vocab = unwrap(chunks[0]).megarl_vocab_size
     for name, _, p in local_params(chunks):
         t = p.detach()
-        yield name, (t[:vocab] if name in _VOCAB else t)
+        yield name, (t[:vocab] if name in VOCAB_PARAMS else t)
 
 
 class _Progress:
@@ -214,8 +216,6 @@ def hf_to_mcore(
 
     `dtype` None = the HF config's dtype. Must run in a process with no other torch.distributed
     job (a one-rank gloo group is created)."""
-    from megarl.distributed import ParallelConfig, Topology, TopologyError
-
     t0 = time.perf_counter()
     _refuse_existing(out_dir, overwrite)
     hf_cfg = load_hf_config(hf_dir)
@@ -279,12 +279,9 @@ def mcore_to_hf(
     progress: bool = True,
 ) -> dict:
     """Convert role `role` of a megarl checkpoint (trainer or converter, any layout; see
-    `megarl.convert.source`) into a complete HF directory (`megarl.convert.export`); `dtype`
+    `megarl.checkpoint.reader`) into a complete HF directory (`megarl.convert.export`); `dtype`
     None = the checkpoint's dtype. A critic becomes a sequence-classification model (value
     head `score.weight`)."""
-    from megarl.convert.export import critic_tensors, export_config, finish_hf_dir
-    from megarl.convert.source import load_into, open_checkpoint
-
     t0 = time.perf_counter()
     _refuse_existing(out_dir, overwrite)
     source = open_checkpoint(ckpt_dir, role)  # also vets the metadata, before the model is built

@@ -40,9 +40,9 @@ import zlib
 
 import torch
 
-from megarl.convert.checkpoint import _has_value_head
+from megarl.checkpoint.keys import has_value_head
 from megarl.convert.hf_io import LazyHFTensors
-from megarl.convert.layout import _VOCAB, local_params, tp_shard
+from megarl.convert.layout import VOCAB_PARAMS, local_params, tp_shard
 from megarl.convert.mapping import (
     MappedTensor,
     MappingError,
@@ -120,7 +120,7 @@ class SeededHFTensors:
 def _load_sharded(chunks: list[torch.nn.Module], arch: ModelArch, lazy) -> None:
     check_hf_names(arch, lazy.names, shape_of=lazy.shape)
     items = mapped_tensors(arch)
-    scalar = any(_has_value_head(unwrap(c)) for c in chunks)  # also where no head is held
+    scalar = any(has_value_head(unwrap(c)) for c in chunks)  # also where no head is held
     if arch.score_head and not scalar:
         raise MappingError(
             f"{lazy.dir} is a sequence classifier (a score head, no LM head): it loads into a "
@@ -168,7 +168,9 @@ def _read_shard(lazy: LazyHFTensors, arch: ModelArch, item: MappedTensor, p) -> 
         return gate_up_to_megatron(gate, up)
     if item.kind != "copy":
         raise MappingError(f"{item.canonical!r}: rule kind {item.kind!r} cannot be TP-split")
-    return _rows_padded(lazy, item.hf[0], r * p.shape[0], p.shape[0], item.canonical in _VOCAB)
+    return _rows_padded(
+        lazy, item.hf[0], r * p.shape[0], p.shape[0], item.canonical in VOCAB_PARAMS
+    )
 
 
 def _rows_padded(lazy: LazyHFTensors, hf_name: str, start: int, rows: int, vocab: bool):
@@ -206,7 +208,7 @@ def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None
         s_model, d_model = unwrap(s_chunk), unwrap(d_chunk)
         have = dict(s_model.named_parameters())
         head = getattr(d_model, "output_layer", None)
-        from_policy = not _has_value_head(s_model)
+        from_policy = not has_value_head(s_model)
         for name, p in d_model.named_parameters():
             if isinstance(head, ValueHead) and from_policy and name.startswith("output_layer."):
                 p.data.zero_()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megarl.convert.export import export_config, finish_hf_dir
 from megarl.convert.hf_io import AtomicDir, StreamingShardWriter
-from megarl.convert.layout import _VOCAB, is_contributor, local_params, merge_tp, tp_shard
+from megarl.convert.layout import VOCAB_PARAMS, is_contributor, local_params, merge_tp, tp_shard
 from megarl.convert.mapping import canonical_names_for, canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import ModelArch
 
@@ -197,6 +197,6 @@ def _receive_and_write(arch, plan, mine, writer, order) -> str | None:
 def _merge(arch: ModelArch, name: str, dim: int, parts: list[torch.Tensor]) -> torch.Tensor:
     """The canonical tensor from its TP pieces (vocab padding rows cut)."""
     t = parts[0] if len(parts) == 1 else merge_tp(name, parts, dim)
-    if name in _VOCAB:
+    if name in VOCAB_PARAMS:
         t = t[: arch.vocab_size]
     return t

@@ -15,6 +15,12 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.reader import load_into, open_checkpoint
+from megarl.convert.pipeline import build_chunks, init_single_process
+from megarl.data.tokenizer import load_tokenizer
+from megarl.distributed import ParallelConfig, Topology
+from megarl.models import forward
+
 log = logging.getLogger(__name__)
 
 
@@ -44,8 +50,6 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 def text_tokens(hf_dir: str, text: str, *, max_len: int) -> torch.Tensor:
     """The first `max_len` token ids [1, s] of `text` under `hf_dir`'s tokenizer."""
-    from megarl.data.tokenizer import load_tokenizer
-
     ids = load_tokenizer(hf_dir)(text, add_special_tokens=False)["input_ids"][:max_len]
     if not ids:
         raise ValueError("verify: the text has no tokens")
@@ -56,12 +60,8 @@ def load_megatron(
     ckpt_dir: str, *, layout: dict | None = None, world: int = 1, role: str | None = None
 ):
     """Initialise megatron at `layout` (ParallelConfig fields) over `world` ranks and load role
-    `role` of `ckpt_dir` (any megarl checkpoint, `megarl.convert.source`) into fp32 chunks.
+    `role` of `ckpt_dir` (any megarl checkpoint, `megarl.checkpoint.reader`) into fp32 chunks.
     Collective. Returns (arch, chunks, groups)."""
-    from megarl.convert.pipeline import build_chunks
-    from megarl.convert.source import load_into, open_checkpoint
-    from megarl.distributed import ParallelConfig, Topology
-
     source = open_checkpoint(ckpt_dir, role)
     arch = source.arch
     par = ParallelConfig(**(layout or {}))
@@ -76,7 +76,6 @@ def load_megatron(
 
 def forward_logits(chunks, arch, groups, tokens: torch.Tensor) -> torch.Tensor:
     """Full-vocab fp32 logits [b, s, vocab] of `tokens` [b, s]; every rank gets them."""
-    from megarl.models import forward
 
     def loss_fn(mb, out):
         if out.shape[-1] == 1:  # a value head: replicated over TP
@@ -134,9 +133,6 @@ def verify(
 
     Returns the `compare_logits` dict plus `tokens` (the sequence length), `tol` and `ok`
     (max |delta| <= tol)."""
-    from megarl.convert.pipeline import init_single_process
-    from megarl.convert.source import open_checkpoint
-
     arch = open_checkpoint(ckpt_dir, role).arch
     if not dist.is_initialized():
         init_single_process()

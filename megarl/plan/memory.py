@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from megarl.config import ConfigError, RunConfig
 from megarl.distributed import TopologyError
 from megarl.plan import formulas as fm
+from megarl.trainer.dry_run import dry_run
+from megarl.trainer.model_source import check_shape_source, load_arch
 
 PHASES = ("rollout", "logprobs", "train", "sync")
 ALL = PHASES
@@ -114,8 +116,6 @@ def plan(
     """The memory plan of `cfg` on `gpus` GPUs of `gpu_mem_gib` GiB in `nodes` nodes (default:
     8 GPUs per node). `device="cpu"` plans a CPU run (local layers, vLLM's CPU KV cache, no CUDA
     runtime) for comparison with measurements. User errors raise `ConfigError`."""
-    from megarl.trainer.dry_run import _check_model_source, dry_run
-    from megarl.trainer.recipe import load_arch
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: accepted: a number of GPUs >= 1")
@@ -125,7 +125,7 @@ def plan(
         nodes = gpus // 8 if gpus % 8 == 0 and gpus >= 8 else 1
     if nodes < 1 or gpus % nodes:
         raise ConfigError(f"--nodes {nodes} does not divide --gpus {gpus}; accepted: a divisor")
-    _check_model_source(cfg)  # the one input a plan reads: the model's shape
+    check_shape_source(cfg)  # the one input a plan reads: the model's shape
     arch = load_arch(cfg)
     base = dict(
         config_path=config_path,

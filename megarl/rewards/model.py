@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.reader import has_tokenizer, load_into, open_checkpoint
 from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.mapping import check_hf_names
 from megarl.convert.sharded import load_hf_sharded
@@ -82,7 +83,7 @@ class ScalarModelSource:
     hf: bool
     """An HF directory (else a megarl checkpoint, `checkpoint`)."""
     checkpoint: object | None
-    """`megarl.convert.source.CheckpointSource` of a megarl checkpoint."""
+    """`megarl.checkpoint.reader.CheckpointSource` of a megarl checkpoint."""
     tokenizer_dir: str | None
 
     def describe(self) -> str:
@@ -94,8 +95,6 @@ class ScalarModelSource:
         if self.hf:
             load_hf_sharded(chunks, self.arch, self.path)
         else:
-            from megarl.convert.source import load_into
-
             load_into(chunks, self.checkpoint)
 
 
@@ -104,7 +103,6 @@ def open_scalar_model(path: str, key: str, roles: tuple[str, ...] = ("reward",))
     checkpoint is read as the first of `roles` it holds. Raises a `UserError` naming the key
     when `path` is not a reward model megarl can build (a causal LM, num_labels != 1, an
     architecture megarl does not build, HF tensors that do not fit the config)."""
-    from megarl.convert.source import _has_tokenizer, open_checkpoint
 
     if not os.path.isdir(path):
         what = "is not a directory" if os.path.exists(path) else "does not exist"
@@ -122,7 +120,7 @@ def open_scalar_model(path: str, key: str, roles: tuple[str, ...] = ("reward",))
             check_hf_names(arch, lazy.names, shape_of=lazy.shape)
         except UserError as e:
             raise ConfigError(f"{key}={path!r}: {e}") from e
-        tok = path if _has_tokenizer(path) else None
+        tok = path if has_tokenizer(path) else None
         return ScalarModelSource(key, path, arch, True, None, tok)
     try:
         source = open_checkpoint(path, roles)

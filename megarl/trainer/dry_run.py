@@ -26,7 +26,14 @@ import torch.distributed as dist
 from megarl.config import ConfigError, RunConfig
 from megarl.distributed import Topology, TopologyError, device
 from megarl.models.builder import BuildConfig, build_gpt_chunk, num_params
-from megarl.models.hf_config import ModelArch, PrecisionConfig, transformer_config
+from megarl.models.hf_config import (
+    ModelArch,
+    PrecisionConfig,
+    check_fp8_shapes,
+    transformer_config,
+)
+from megarl.rollout.engine import check_kv_cache
+from megarl.trainer.model_source import check_shape_source, load_arch
 
 # parameter names -> the part of the model they belong to (GPTModel's attribute names)
 PARTS = (
@@ -129,13 +136,11 @@ def dry_run(
 ) -> DryRun:
     """Validate `cfg`'s layout for `world_size` ranks and build rank `rank`'s chunks on the meta
     device; raises `TopologyError` / `ConfigError` (user errors) for what cannot work."""
-    from megarl.trainer.recipe import load_arch
-
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size}: accepted: a number of ranks >= 1")
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank {rank}: accepted: 0 to {world_size - 1} (--world-size)")
-    _check_model_source(cfg)
+    check_shape_source(cfg)
     arch = load_arch(cfg)
     try:
         topo = Topology.for_model(cfg.parallel, world_size, arch)
@@ -143,12 +148,8 @@ def dry_run(
     except TopologyError as e:  # name the config section, as a real run does
         raise TopologyError(f"parallel: {e}") from e
     if cfg.precision.fp8 is not None:
-        from megarl.models.hf_config import check_fp8_shapes
-
         check_fp8_shapes(arch, cfg.parallel, cfg.precision)
     if not cfg.algorithm.offline and cfg.rollout.kv_cache_memory_bytes is not None:
-        from megarl.rollout.engine import check_kv_cache
-
         # the run's own check of a set KV budget (a null one is sized from the GPU at start)
         check_kv_cache(arch, cfg.rollout, dtype=cfg.precision.dtype, gpu=True)
     if dist.is_initialized():
@@ -187,24 +188,6 @@ def dry_run(
         dtype=cfg.precision.dtype,
         notes=_notes(cfg),
     )
-
-
-def _check_model_source(cfg: RunConfig) -> None:
-    """The one input a dry run reads: the model's shape."""
-    m = cfg.model
-    if m.hf is not None and not os.path.isdir(m.hf) and not os.path.isfile(m.hf):
-        raise ConfigError(
-            f"model.hf={m.hf!r} does not exist on this machine; the dry run reads the model's "
-            "shape from it. Accepted: a directory holding the model's config.json (nothing else "
-            "in it is read), or a GGUF file (its metadata is read)"
-        )
-    if m.mcore_ckpt is not None and not os.path.isdir(m.mcore_ckpt):
-        raise ConfigError(
-            f"model.mcore_ckpt={m.mcore_ckpt!r} does not exist on this machine; --dry-run and "
-            "`megarl plan` read the model's shape from its small files (trainer_state.json or "
-            "megarl_model.json). Accepted: that directory, or --set model.mcore_ckpt=null --set "
-            "model.hf=DIR with DIR holding the model's config.json"
-        )
 
 
 def _coordinates() -> dict[str, int]:

@@ -39,11 +39,9 @@ longer) is set `COLLECTIVE_MARGIN` above the step timeout, so the watchdog, whic
 stage, fires first.
 
 Dead ranks. torchrun `--max-restarts` starts the worker group again after a failure, and megarl
-resumes from the newest checkpoint. torch 2.13's agent keeps one TCP store for every attempt
-(the static rendezvous, and the c10d one while it shares its store), so the restarted workers
-find the keys the dead attempt's process groups wrote there and connect to addresses that no
-longer exist: they hang or fail at their first process group. `attempt_store` gives each
-attempt its own key prefix in that store.
+resumes from the newest checkpoint. Each attempt joins its process group under keys of its own
+in torchrun's rendezvous store (`megarl.distributed.process_group.attempt_store`), so restarted
+workers never meet the dead attempt's addresses.
 """
 
 from __future__ import annotations
@@ -59,6 +57,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+
+from megarl.checkpoint.files import latest_checkpoint
+from megarl.distributed.process_group import init_distributed
 
 log = logging.getLogger("megarl")
 
@@ -115,29 +116,6 @@ def collective_timeout(trainer) -> timedelta | None:
     if not trainer.step_timeout_minutes:
         return None
     return timedelta(minutes=trainer.step_timeout_minutes) + COLLECTIVE_MARGIN
-
-
-def attempt_store(timeout: timedelta | None) -> dict:
-    """`init_process_group` keywords for a worker under torchrun: the rendezvous store of
-    `MASTER_ADDR:MASTER_PORT`, its keys prefixed with torchrun's restart count (module doc);
-    {} outside torchrun (torch's env:// rendezvous as before)."""
-    import torch.distributed as dist
-
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return {}
-    env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
-        world,
-        is_master=rank == 0 and not agent_hosts,
-        timeout=timeout or timedelta(minutes=30),
-        multi_tenant=True,
-    )
-    prefix = f"megarl/attempt_{env['TORCHELASTIC_RESTART_COUNT']}"
-    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
 
 
 class RunStopped(Exception):
@@ -231,8 +209,6 @@ class RunGuard:
         when a stop is already requested; it keeps an earlier attempt's `stopped.json` (or
         writes one), so a launcher that restarted the run still sees why it stopped. Otherwise
         remove that file: this attempt runs."""
-        from megarl.trainer.run import init_distributed
-
         install_stop_signals()
         init_distributed(collective_timeout(trainer))
         guard = cls(trainer, out_dir, **kwargs)
@@ -325,8 +301,6 @@ class RunGuard:
 
     def _write_stopped(self, step: int | None, why: str, path: str | None) -> None:
         """`RUN/stopped.json` (rank 0): what a batch script reads to requeue the job."""
-        from megarl.trainer.checkpoint import latest_checkpoint
-
         d = self.deadlines
         record = {
             "step": step,

@@ -15,8 +15,10 @@ they are (architecture, tokenizer, weight files, the rollout engine's model dire
   `trainer.resume`). Its kept tokenizer is the default
   `model.tokenizer`.
 
-`keep_tokenizer` (rank 0) copies the run's tokenizer files (chat template and generation config
-included) into `RUN/tokenizer`, from where every checkpoint and HF export takes them.
+`check_shape_source` checks that what a dry run and `megarl plan` read (the model's shape)
+exists on this machine. `keep_tokenizer` (rank 0) copies the run's tokenizer files (chat
+template and generation config included) into `RUN/tokenizer`, from where every checkpoint and
+HF export takes them.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ import uuid
 
 import torch.distributed as dist
 
+from megarl.checkpoint.reader import TRAINER, open_checkpoint
 from megarl.config import ConfigError, RunConfig
+from megarl.convert.gguf import cache_root, cached_hf_dir, gguf_hf_config
+from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.errors import UserError
+from megarl.models.hf_config import ModelArch, arch_from_hf
 
 log = logging.getLogger("megarl")
 CONVERT_TIMEOUT = datetime.timedelta(hours=4)
@@ -47,8 +53,6 @@ def resolve_model(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> RunCon
     if m.hf is not None and os.path.isfile(m.hf):
         m = dataclasses.replace(m, hf=_gguf_on_rank0(m.hf))
     if m.mcore_ckpt is not None:
-        from megarl.convert.source import TRAINER, open_checkpoint
-
         try:
             source = open_checkpoint(m.mcore_ckpt, roles)
         except UserError as e:
@@ -77,8 +81,6 @@ def _rank() -> int:
 
 def _gguf_on_rank0(path: str) -> str:
     """The cached HF directory of GGUF file `path`, converted by global rank 0 only."""
-    from megarl.convert.gguf import cache_root, cached_hf_dir
-
     box: list = [None, None, False]  # (directory, error message, a user error?)
     failed = None
     if _rank() == 0:
@@ -105,12 +107,44 @@ def _gguf_on_rank0(path: str) -> str:
     return box[0]
 
 
+def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
+    """The model's architecture from its small files: `model.config`, `model.hf`'s config.json
+    (a GGUF file not converted yet, as in a dry run: its metadata), or the checkpoint of
+    `model.mcore_ckpt` (its first role of `roles`; `megarl.checkpoint.reader`)."""
+    m = cfg.model
+    if m.config is not None:
+        return arch_from_hf(m.config, where="model.config")
+    if m.hf is not None:
+        if os.path.isfile(m.hf):
+            return arch_from_hf(gguf_hf_config(m.hf), where=f"model.hf={m.hf}")
+        return arch_from_hf(m.hf)
+    return open_checkpoint(m.mcore_ckpt, roles).arch
+
+
+def check_shape_source(cfg: RunConfig) -> None:
+    """The one input a dry run (`megarl.trainer.dry_run`) and `megarl plan` read, the model's
+    shape: raise `ConfigError` naming the key when its file or directory is not on this
+    machine."""
+    m = cfg.model
+    if m.hf is not None and not os.path.isdir(m.hf) and not os.path.isfile(m.hf):
+        raise ConfigError(
+            f"model.hf={m.hf!r} does not exist on this machine; the dry run reads the model's "
+            "shape from it. Accepted: a directory holding the model's config.json (nothing else "
+            "in it is read), or a GGUF file (its metadata is read)"
+        )
+    if m.mcore_ckpt is not None and not os.path.isdir(m.mcore_ckpt):
+        raise ConfigError(
+            f"model.mcore_ckpt={m.mcore_ckpt!r} does not exist on this machine; --dry-run and "
+            "`megarl plan` read the model's shape from its small files (trainer_state.json or "
+            "megarl_model.json). Accepted: that directory, or --set model.mcore_ckpt=null --set "
+            "model.hf=DIR with DIR holding the model's config.json"
+        )
+
+
 def keep_tokenizer(tokenizer, source_dir: str | None, out_dir: str) -> str:
     """Rank 0: make `out_dir/tokenizer` hold the run's tokenizer files (copied from
     `source_dir`, or saved from `tokenizer` when the directory has none; `source_dir` None: the
     toy tokenizer, already saved there). Written under a temporary name and renamed."""
-    from megarl.convert.hf_io import copy_tokenizer_files
-
     dst = os.path.join(out_dir, "tokenizer")
     if source_dir is None or os.path.abspath(source_dir) == os.path.abspath(dst):
         return dst

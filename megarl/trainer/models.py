@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.config import ConfigError, RunConfig
 from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
-from megarl.convert.source import load_into, open_checkpoint
 from megarl.models.builder import BuildConfig, ValueHead, build_model, unwrap
 from megarl.models.hf_config import ModelArch
 from megarl.models.optim import build_optimizer

@@ -27,30 +27,31 @@ import socket
 import torch.distributed as dist
 import yaml
 
+from megarl.checkpoint import vetting
+from megarl.checkpoint.files import CheckpointError
+from megarl.checkpoint.vetting import check_dcp_metadata
 from megarl.config import ConfigError, RunConfig, to_dict
-from megarl.convert.checkpoint import check_dcp_metadata
-from megarl.convert.gguf import gguf_hf_config, is_gguf
+from megarl.convert.gguf import is_gguf
 from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.mapping import check_hf_names
-from megarl.convert.source import open_checkpoint
 from megarl.data.sampler import PromptSampler
 from megarl.data.tokenizer import load_tokenizer as load_tokenizer_dir
 from megarl.data.toy import toy_tokenizer
 from megarl.distributed import Topology, device
+from megarl.distributed.process_group import init_distributed
 from megarl.distributed.topology import Groups, TopologyError
 from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run
-from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.models.hf_config import ModelArch
 from megarl.rewards.scorer import Scorer, load_functions
 from megarl.rollout.dispatch import RolloutDispatcher
 from megarl.rollout.engine import RolloutEngine, check_kv_cache, require_vllm, resolve_stop_tokens
 from megarl.rollout.routes import check_routing_replay
 from megarl.rollout.weight_sync import WeightSync
-from megarl.trainer import checkpoint
 from megarl.trainer.evaluate import Evaluator
 from megarl.trainer.faults import collective_timeout
-from megarl.trainer.model_source import keep_tokenizer, resolve_model
+from megarl.trainer.model_source import keep_tokenizer, load_arch, resolve_model
 from megarl.trainer.models import build_reward_model, check_scalar_tokenizers
-from megarl.trainer.run import Data, RolloutParts, Run, init_distributed
+from megarl.trainer.run import Data, RolloutParts, Run
 from megarl.trainer.stages import Stage
 
 log = logging.getLogger("megarl")
@@ -128,20 +129,6 @@ def build_data(cfg: RunConfig, stage: Stage, tokenizer, groups: Groups, arch: Mo
             shuffle=cfg.data.shuffle,
         )
     return Data(dataset, sampler, held_out)
-
-
-def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
-    """The model's architecture from its small files: `model.config`, `model.hf`'s config.json
-    (a GGUF file not converted yet, as in a dry run: its metadata), or the checkpoint of
-    `model.mcore_ckpt` (its first role of `roles`; `megarl.convert.source`)."""
-    m = cfg.model
-    if m.config is not None:
-        return arch_from_hf(m.config, where="model.config")
-    if m.hf is not None:
-        if os.path.isfile(m.hf):
-            return arch_from_hf(gguf_hf_config(m.hf), where=f"model.hf={m.hf}")
-        return arch_from_hf(m.hf)
-    return open_checkpoint(m.mcore_ckpt, roles).arch
 
 
 def load_tokenizer(cfg: RunConfig, out_dir: str):
@@ -282,13 +269,13 @@ def check_model_files(cfg: RunConfig, arch: ModelArch) -> None:
 
 def resume_state(cfg: RunConfig, out_dir: str, arch: ModelArch, sampler, roles: dict):
     """(newest complete checkpoint of `out_dir`, its trainer state), or None when there is none
-    or `trainer.resume` is off (damaged ones are skipped: `checkpoint.resumable`). Its small
+    or `trainer.resume` is off (damaged ones are skipped: `vetting.resumable`). Its small
     files are read and checked now, before the models exist: the model config (and that of
     each trained role, `roles` {role: ModelArch}), the data order, that its metadata is safe to
     unpickle and that its tensor files are whole."""
     if not cfg.trainer.resume:
         return None
-    return checkpoint.resumable(
+    return vetting.resumable(
         out_dir, lambda path, state: _check_resumable(cfg, path, state, arch, sampler, roles)
     )
 
@@ -301,7 +288,7 @@ def _check_resumable(
     cfg: RunConfig, path: str, state: dict, arch: ModelArch, sampler, roles: dict
 ) -> None:
     if state["arch"] != arch.hf_config:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"checkpoint {path} was written for a different model config (differs in "
             f"{_changed(state['arch'], arch.hf_config)[:8]}); resume with the same model, or use "
             "a new run directory (--out) or trainer.resume=false"
@@ -309,14 +296,14 @@ def _check_resumable(
     for role, role_arch in roles.items():
         if f"{role}_sched" not in state:
             has = sorted(k[: -len("_sched")] for k in state if k.endswith("_sched"))
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} holds no {role} (it trained {has}) but algorithm.name="
                 f"{cfg.algorithm.name} trains one; resume with the algorithm that wrote it, or "
                 "use a new run directory (--out)"
             )
         written = (state.get("archs") or {}).get(role, state["arch"])
         if written != role_arch.hf_config:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path}: its {role} was built from another model (differs in "
                 f"{_changed(written, role_arch.hf_config)[:8]}); keep model.critic_init as it "
                 "was, or use a new run directory (--out)"
@@ -324,7 +311,7 @@ def _check_resumable(
     try:  # on a copy: the run's sampler takes the state in maybe_resume, with the rest
         copy.copy(sampler).load_state_dict(state["sampler"])
     except ValueError as e:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"checkpoint {path} cannot continue this run's prompt order: {e}; keep data.* as it "
             "was, or use a new run directory (--out) or trainer.resume=false"
         ) from e

@@ -6,22 +6,19 @@ groups, models by role (`Models`), the colocated rollout engine and its weight s
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from megarl.checkpoint import training
 from megarl.config import RunConfig
-from megarl.distributed import Topology, device
+from megarl.distributed import Topology
 from megarl.distributed.topology import Groups
 from megarl.models.forward import sequence_multiple
 from megarl.models.hf_config import ModelArch
-from megarl.trainer import checkpoint
-from megarl.trainer.faults import attempt_store
 from megarl.trainer.models import Models
 
 if TYPE_CHECKING:
@@ -40,35 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("megarl")
 
 
-def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, int]:
-    """torch.distributed from torchrun's environment, or a one-process group when run plainly.
-    `timeout`: of every collective on the default group (None: torch's default;
-    `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's)."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            from megarl.distributed.launch import free_port
-
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-            )
-        device.setup()
-        _checkpoint_queue()  # before the group's sockets exist: the forked manager holds none
-        dist.init_process_group(device.backend(), timeout=timeout, **attempt_store(timeout))
-    _checkpoint_queue()  # a group made by the caller (made once: a no-op after the one above)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _checkpoint_queue() -> None:
-    """On CPU, megatron's checkpoint-writer queue forked before any model exists (its
-    docstring says why)."""
-    if not device.use_gpu():
-        from megarl.convert.checkpoint import fork_write_results_queue
-
-        fork_write_results_queue()
 
 
 @dataclass
@@ -154,7 +122,7 @@ class Run:
         return state
 
     def save(self) -> str:
-        path = checkpoint.save(
+        path = training.save(
             self.out_dir,
             self.step,
             self.models.checkpointed(),
@@ -171,7 +139,7 @@ class Run:
             return
         path, state = self.resume
         m = self.models
-        checkpoint.load_models(path, m.checkpointed())
+        training.load_models(path, m.checkpointed())
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
         self.data.sampler.load_state_dict(state["sampler"])

@@ -247,7 +247,7 @@ def init_megatron(a, seed: int = 1234):
     import torch.distributed as dist
 
     from megarl.distributed import ParallelConfig, Topology
-    from megarl.trainer.run import init_distributed
+    from megarl.distributed.process_group import init_distributed
 
     init_distributed()
     par = ParallelConfig()

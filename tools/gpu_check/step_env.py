@@ -8,13 +8,13 @@
   wrong (FAIL).
 - d2d_copy: bytes copied per second by a 4 GiB device-to-device copy: the floor of a colocated
   weight sync (each synced byte is written once); `rw_GBps` counts bytes read + written.
-- collectives: `megarl.trainer.run.init_distributed()` (one rank) initialises the default group
-  with `megarl.distributed.device.backend()`: on GPU a device-mapped `cpu:gloo,cuda:nccl`, so that
-  the CPU tensors the trainer reduces (loss flags, denominators, metrics) and object collectives
-  go through gloo and CUDA tensors through NCCL. all_reduce of a CPU and a CUDA tensor,
-  `broadcast_object_list`, and both again on a `new_group` (megatron-core creates its groups with
-  the default backend), then a barrier. Any failure here breaks every trainer step on GPU. It
-  runs last: a hanging NCCL init would otherwise cost the figures above.
+- collectives: `megarl.distributed.process_group.init_distributed()` (one rank) initialises the
+  default group with `megarl.distributed.device.backend()`: on GPU a device-mapped
+  `cpu:gloo,cuda:nccl`, so that the CPU tensors the trainer reduces (loss flags, denominators,
+  metrics) and object collectives go through gloo and CUDA tensors through NCCL. all_reduce of a
+  CPU and a CUDA tensor, `broadcast_object_list`, and both again on a `new_group` (megatron-core
+  creates its groups with the default backend), then a barrier. Any failure here breaks every
+  trainer step on GPU. It runs last: a hanging NCCL init would otherwise cost the figures above.
 With `--device cpu` the same checks run on CPU (gloo only, fp32 matmul, small copy).
 """
 
@@ -104,7 +104,7 @@ def collectives(fig: dict, device: str) -> None:
     import torch.distributed as dist
 
     from megarl.distributed import device as mdev
-    from megarl.trainer.run import init_distributed
+    from megarl.distributed.process_group import init_distributed
 
     rank, world = init_distributed()
     fig.update(

@@ -5,7 +5,7 @@
     load_into(chunks, source)                       # collective
 
 `path` may be:
-- a trainer checkpoint `RUN/checkpoints/step_N/` (`megarl.trainer.checkpoint`): one
+- a trainer checkpoint `RUN/checkpoints/step_N/` (`megarl.checkpoint.training`): one
   `dist_checkpointing` directory holding every trained role (`actor.`, `critic.` key prefixes)
   and their optimizer states, plus `trainer_state.json`, whose `arch` is the HF config;
 - a run directory `RUN/`: its newest complete checkpoint;
@@ -24,7 +24,8 @@ into a scalar-head model (whose head the builder initialised). Only weights are 
 states, schedules and the step stay in the file. Tensor names are global (layers stacked, TP
 shards by offset), so the layout the checkpoint was written at does not matter; MoE pre-MLP
 norms are matched under either of their two megatron names (local spec, Transformer-Engine
-spec). `.metadata` is vetted (`check_dcp_metadata`) before megatron reads anything.
+spec; `keys`). `.metadata` is vetted (`vetting.check_dcp_metadata`) before megatron reads
+anything.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.convert.checkpoint import (
-    _MOE_LOCAL_NORM,
-    _MOE_TE_NORM,
+from megarl.checkpoint.files import (
     META,
     CheckpointError,
-    _check_arch,
-    _has_value_head,
-    check_dcp_metadata,
+    is_trainer_checkpoint,
+    latest_checkpoint,
     read_checkpoint_meta,
+    read_trainer_state,
 )
+from megarl.checkpoint.keys import check_arch, has_value_head, match_norm_keys, strip_prefix
+from megarl.checkpoint.vetting import check_dcp_metadata
 from megarl.models.builder import unwrap
 from megarl.models.hf_config import ModelArch, arch_from_hf
 
@@ -86,15 +87,13 @@ class CheckpointSource:
 
 def checkpoint_dir(path: str | os.PathLike) -> str:
     """The checkpoint directory `path` names: itself, or a run directory's newest checkpoint."""
-    from megarl.trainer import checkpoint as trainer_ckpt
-
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         what = "is not a directory" if os.path.exists(path) else "does not exist"
         raise CheckpointError(f"{path} {what}; accepted: {_ACCEPTED}")
-    if _is_trainer(path) or os.path.exists(os.path.join(path, META)):
+    if is_trainer_checkpoint(path) or os.path.exists(os.path.join(path, META)):
         return path
-    newest = trainer_ckpt.latest_checkpoint(path)
+    newest = latest_checkpoint(path)
     if newest is not None:
         return newest
     if os.path.isdir(os.path.join(path, "checkpoints")):
@@ -110,12 +109,6 @@ _ACCEPTED = (
 )
 
 
-def _is_trainer(path: str) -> bool:
-    from megarl.trainer.checkpoint import LEGACY_STATE_FILE, STATE_FILE
-
-    return any(os.path.exists(os.path.join(path, f)) for f in (STATE_FILE, LEGACY_STATE_FILE))
-
-
 def open_checkpoint(
     path: str | os.PathLike, role: str | tuple[str, ...] | None = None
 ) -> CheckpointSource:
@@ -125,7 +118,7 @@ def open_checkpoint(
     the roles present)."""
     path = checkpoint_dir(path)
     check_dcp_metadata(path)
-    if _is_trainer(path):
+    if is_trainer_checkpoint(path):
         if isinstance(role, tuple):
             present = _trainer_roles(path)
             role = next((r for r in role if r in present), role[0])
@@ -153,14 +146,12 @@ def open_checkpoint(
         arch=arch,
         dtype=meta["dtype"],
         value_head=bool(meta.get("value_head")),
-        tokenizer_dir=path if _has_tokenizer(path) else None,
+        tokenizer_dir=path if has_tokenizer(path) else None,
     )
 
 
 def _open_trainer(path: str, role: str | None) -> CheckpointSource:
     from megatron.core import dist_checkpointing
-
-    from megarl.trainer.checkpoint import read_trainer_state
 
     state = read_trainer_state(path)
     tensors = dist_checkpointing.load_tensors_metadata(path)
@@ -181,7 +172,7 @@ def _open_trainer(path: str, role: str | None) -> CheckpointSource:
     value_head = head is not None and tuple(head.global_shape)[0] == 1
     dtype = _DTYPE_NAMES.get(tensors[prefix + _ROLE_KEY].dtype, "fp32")
     run_tok = os.path.join(os.path.dirname(os.path.dirname(path)), "tokenizer")
-    tok = path if _has_tokenizer(path) else (run_tok if _has_tokenizer(run_tok) else None)
+    tok = path if has_tokenizer(path) else (run_tok if has_tokenizer(run_tok) else None)
     return CheckpointSource(
         path=path,
         kind=TRAINER,
@@ -206,7 +197,8 @@ def _trainer_roles(path: str, tensors: dict | None = None) -> tuple[str, ...]:
     return tuple(sorted(r for r in found if r and "." not in r))
 
 
-def _has_tokenizer(directory: str) -> bool:
+def has_tokenizer(directory: str) -> bool:
+    """Whether `directory` holds tokenizer files."""
     return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_MARKERS)
 
 
@@ -219,8 +211,8 @@ def load_into(chunks: list[torch.nn.Module], source: CheckpointSource) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     where = source.describe()
-    _check_arch(chunks, source.arch, where)
-    into_critic = any(_has_value_head(unwrap(c)) for c in chunks)
+    check_arch(chunks, source.arch, where)
+    into_critic = any(has_value_head(unwrap(c)) for c in chunks)
     if source.value_head and not into_critic:
         raise CheckpointError(
             f"{where} holds a scalar head (a critic or reward model), not an LM head: it loads "
@@ -232,7 +224,7 @@ def load_into(chunks: list[torch.nn.Module], source: CheckpointSource) -> None:
         model_sd = unwrap(chunk).sharded_state_dict(prefix=source.prefix)
         if into_critic and not source.value_head:  # the trunk only; the head stays as built
             model_sd = {n: v for n, v in model_sd.items() if not _is_head(n, source.prefix)}
-        _match_norm_keys(model_sd, file_keys, source.prefix)
+        match_norm_keys(model_sd, file_keys, source.prefix)
         sd[f"chunk{k}"] = model_sd
     loaded, missing, unexpected = dist_checkpointing.load(
         sd, source.path, strict=StrictHandling.RETURN_ALL
@@ -253,7 +245,7 @@ def load_into(chunks: list[torch.nn.Module], source: CheckpointSource) -> None:
             f"{where}: tensor(s) {unused[:8]} are in the checkpoint, not the model"
         )
     for k, chunk in enumerate(chunks):
-        part = _strip(loaded[f"chunk{k}"], source.prefix)
+        part = strip_prefix(loaded[f"chunk{k}"], source.prefix)
         res = unwrap(chunk).load_state_dict(part, strict=False)
         skip = ("_extra_state", "output_layer.") if into_critic else ("_extra_state",)
         left = [n for n in res.missing_keys if not any(s in n for s in skip)]
@@ -267,18 +259,19 @@ def _is_head(key: str, prefix: str) -> bool:
     return key.startswith(prefix + "output_layer.")
 
 
-def _match_norm_keys(model_sd: dict, file_keys: set[str], prefix: str) -> None:
-    """Give an MoE pre-MLP norm the name the checkpoint uses (see the module docstring)."""
-    local, te = prefix + _MOE_LOCAL_NORM, prefix + _MOE_TE_NORM
-    for v in model_sd.values():
-        key = getattr(v, "key", None)
-        if key == local and key not in file_keys and te in file_keys:
-            v.key = te
-        elif key == te and key not in file_keys and local in file_keys:
-            v.key = local
+def load_model_checkpoint(
+    chunks: list[torch.nn.Module], ckpt_dir: str | os.PathLike, role: str | None = None
+) -> None:
+    """Load a checkpoint (converter or trainer) into chunks built at any TP / PP / VPP / EP
+    layout (collective): `open_checkpoint`, then `load_into`.
+
+    Raises `CheckpointError` if the checkpoint was written for a different model, or if a model
+    tensor is absent from it. A critic's value head is loaded only from a critic. (A
+    DistributedOptimizer keeps its own fp32 copies: reload them from the model params after
+    this.)"""
+    load_into(chunks, open_checkpoint(ckpt_dir, role))
 
 
-def _strip(sd: dict, prefix: str) -> dict:
-    if not prefix:
-        return sd
-    return {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in sd.items()}
+def read_checkpoint_arch(ckpt_dir: str | os.PathLike) -> ModelArch:
+    """The `ModelArch` a checkpoint (converter or trainer) was written for."""
+    return open_checkpoint(ckpt_dir).arch
