@@ -243,7 +243,8 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.layout import load_full_state
     from megarl.convert.mapping import canonical_to_hf
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync, naive_sync
 
     torch.set_num_threads(1)

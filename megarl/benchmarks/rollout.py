@@ -46,7 +46,8 @@ def _worker(rank: int, world: int, num_prompts: int, n: int, max_tokens: int, re
     from vllm import SamplingParams
 
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
 
     # one intra-op thread: on a shared machine OpenMP spin-waits make 2 threads erratic, and the
     # figure of interest is the ratio of two paths through the same engine

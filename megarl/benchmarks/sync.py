@@ -73,7 +73,8 @@ def _worker(rank: int, world: int, hf: dict, layout: dict, repeats: int) -> dict
     from megarl.distributed import ParallelConfig, Topology
     from megarl.models.builder import build_model
     from megarl.models.hf_config import PrecisionConfig
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import naive_sync
 
     arch = arch_from_hf(hf)

@@ -1,6 +1,10 @@
 """Colocated rollout: a vLLM engine per trainer rank and the Megatron -> vLLM weight sync.
 
-- `engine`: `RolloutConfig`, `Rollout`, `RolloutEngine` (generation from token ids).
+- `config`: `RolloutConfig` (the `rollout:` settings) and `RolloutConfigError`; `checks`: what is
+  checked before an engine starts (KV cache, free GPU memory, vLLM installed); `stop_tokens`:
+  the EOS ids a sample stops at.
+- `engine`: `Rollout`, `RolloutEngine` (generation from token ids, sleep / wake, weight loads);
+  `vllm_patches`: every patch of vLLM and reach into its internals.
 - `weight_sync`: `WeightSync` (plan once, bulk collectives each step), `naive_sync` (reference).
 - `plan`, `vllm_layout`, `moe_layout`: the resharding plan and vLLM's parameter layouts (fused
   MoE experts included).
@@ -13,7 +17,7 @@ Imports are lazy so that `import megarl.rollout` does not pull in vLLM.
 from __future__ import annotations
 
 _EXPORTS = {
-    "RolloutConfig": "megarl.rollout.engine",
+    "RolloutConfig": "megarl.rollout.config",
     "Rollout": "megarl.rollout.engine",
     "RolloutEngine": "megarl.rollout.engine",
     "WeightSync": "megarl.rollout.weight_sync",

@@ -147,7 +147,7 @@ def dry_run(
 
         _check_fp8_shapes(arch, cfg.parallel, cfg.precision)
     if not cfg.algorithm.offline and cfg.rollout.kv_cache_memory_bytes is not None:
-        from megarl.rollout.engine import check_kv_cache
+        from megarl.rollout.checks import check_kv_cache
 
         # the run's own check of a set KV budget (a null one is sized from the GPU at start)
         check_kv_cache(arch, cfg.rollout, dtype=cfg.precision.dtype, gpu=True)

@@ -141,8 +141,7 @@ class RolloutParts:
         them (the sync also drops vLLM's prefix cache, computed with the old weights), then wake
         the KV cache."""
         torch.cuda.empty_cache()  # a no-op on CPU
-        self.engine.wake_up(["weights"])
-        stats = self.sync.sync()
+        stats = self.sync.sync()  # wakes the engine's weights before writing them
         self.engine.wake_up(["kv_cache"])
         return stats
 
@@ -506,8 +505,9 @@ def _check_resumable(
 def _resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> RunConfig:
     """`cfg` with the rollout's stop tokens resolved (None = the model's EOS ids), after
     checking that vLLM is importable and that its KV cache can hold one whole sequence."""
-    from megarl.rollout.engine import check_kv_cache, require_vllm, resolve_stop_tokens
+    from megarl.rollout.checks import check_kv_cache, require_vllm
     from megarl.rollout.routes import check_routing_replay
+    from megarl.rollout.stop_tokens import resolve_stop_tokens
 
     dirs = [d for d in (cfg.model.hf, cfg.model.tokenizer, cfg.model.mcore_ckpt) if d]
     stop = resolve_stop_tokens(cfg.rollout.stop_token_ids, tokenizer, arch.hf_config, dirs)
