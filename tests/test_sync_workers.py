@@ -354,7 +354,8 @@ def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
 
 def unknown_module_error() -> str:
     """describe_model on a model holding a module kind it cannot fill (needs vLLM imported)."""
-    from megarl.rollout.vllm_layout import PlanError, describe_model
+    from megarl.rollout.pieces import PlanError
+    from megarl.rollout.vllm_layout import describe_model
 
     model = torch.nn.Module()
     model.norm = torch.nn.Module()

@@ -7,7 +7,7 @@
   `vllm_patches`: every patch of vLLM and reach into its internals.
 - `weight_sync`: `WeightSync` (plan once, bulk collectives each step), `naive_sync` (reference).
 - `plan`, `vllm_layout`, `moe_layout`: the resharding plan and vLLM's parameter layouts (fused
-  MoE experts included).
+  MoE experts included); `pieces`: the records they share (`Piece`, `PlanError`, ...).
 - `routes`: the experts vLLM routed each token to, for MoE routing replay.
 - `mismatch`: `logprob_mismatch`, the trainer-vs-sampler metric.
 
@@ -23,7 +23,7 @@ _EXPORTS = {
     "WeightSync": "megarl.rollout.weight_sync",
     "naive_sync": "megarl.rollout.weight_sync",
     "SyncError": "megarl.rollout.weight_sync",
-    "PlanError": "megarl.rollout.vllm_layout",
+    "PlanError": "megarl.rollout.pieces",
     "logprob_mismatch": "megarl.rollout.mismatch",
 }
 

@@ -53,8 +53,9 @@ from megarl.convert.layout import gather_full_state, is_expert, local_params, tp
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import ModelArch
 from megarl.rollout.engine import RolloutEngine, WeightLoadError
+from megarl.rollout.pieces import PlanError
 from megarl.rollout.plan import RankMeta, SourceParam, SyncPlan, build_plan, sync_groups
-from megarl.rollout.vllm_layout import PlanError, check_coverage, describe_model
+from megarl.rollout.vllm_layout import check_coverage, describe_model
 
 log = logging.getLogger(__name__)
 
