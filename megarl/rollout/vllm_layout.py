@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.rollout.moe_layout import EXPERTS_MODULE, GATE_MODULES, expert_attrs, expert_pieces
+from megarl.rollout import moe_layout
 from megarl.rollout.pieces import Piece, PlanError, VllmDescription, VllmParam
 
 
@@ -53,7 +53,7 @@ def pieces_for_module(
     - experts: see `megarl.rollout.moe_layout.expert_pieces`
     """
     if kind == "experts":
-        return expert_pieces(module_name, leaf, attrs)
+        return moe_layout.expert_pieces(module_name, leaf, attrs)
     name = f"{module_name}.{leaf}"
     hf = _hf_names(module_name, leaf, packed if kind in ("qkv", "merged") else None)
     is_bias = leaf == "bias"
@@ -156,10 +156,10 @@ def _module_kind(module) -> tuple[str, dict]:
             tp_size=module.tp_size,
             output_size=module.output_size,
         )
-    if isinstance(module, L.ReplicatedLinear) and cls.__name__ in GATE_MODULES:
+    if isinstance(module, L.ReplicatedLinear) and cls.__name__ in moe_layout.GATE_MODULES:
         # GateLinear (the MoE router) only picks faster GEMMs for the same replicated weight
         return "replicated", dict(output_size=module.output_size, input_size=module.input_size)
-    if cls.__name__ == EXPERTS_MODULE:
+    if cls.__name__ == moe_layout.EXPERTS_MODULE:
         return "experts", {}
     if isinstance(module, VocabParallelEmbedding):
         idx = module.shard_indices
@@ -204,7 +204,7 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
             continue
         kind, attrs = _module_kind(module)
         if kind == "experts":
-            attrs = expert_attrs(module, mod_name)
+            attrs = moe_layout.expert_attrs(module, mod_name)
         quant = getattr(module, "quant_method", None)
         if quant is not None and not type(quant).__name__.startswith("Unquantized"):
             raise PlanError(
