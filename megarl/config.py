@@ -18,11 +18,13 @@ from typing import Any
 import yaml
 
 from megarl.algorithms.config import AlgorithmConfig
+from megarl.data.dataset import DataConfig
 from megarl.distributed.topology import ParallelConfig
 from megarl.errors import ConfigError
 from megarl.models.hf_config import PrecisionConfig
 from megarl.models.optim import OptimConfig
 from megarl.rewards.config import RewardConfig
+from megarl.rollout.config import RolloutConfig
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.yaml")
 
@@ -217,18 +219,6 @@ class LoggingConfig:
             )
 
 
-def _rollout_config():
-    from megarl.rollout.engine import RolloutConfig
-
-    return RolloutConfig
-
-
-def _data_config():
-    from megarl.data.dataset import DataConfig
-
-    return DataConfig
-
-
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig
@@ -241,9 +231,9 @@ class RunConfig:
     """The actor's optimizer (Adam) and learning-rate schedule."""
     critic_optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's optimizer and schedule (PPO only)."""
-    rollout: Any = None
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The colocated vLLM engine: sampling, stop tokens, its memory and parallelism."""
-    data: Any = None
+    data: DataConfig = field(default_factory=DataConfig)
     """The prompt dataset, its tokenization and the prompts per step."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm: advantages, policy loss and clipping, KL, PPO epochs and batching."""
@@ -281,9 +271,6 @@ class RunConfig:
             )
         if not fns and (self.eval.every or self.eval.path or self.eval.fraction):
             raise ConfigError("eval: reward.functions is empty; a pass needs a reward function")
-
-
-_LAZY = {"rollout": _rollout_config, "data": _data_config}
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -362,9 +349,7 @@ def build(cls, data: Any, prefix: str = ""):
     kwargs = {}
     for name, tp in types_.items():
         key = f"{prefix}.{name}" if prefix else name
-        if name in _LAZY and cls is RunConfig:
-            kwargs[name] = build(_LAZY[name](), data.get(name), key)
-        elif name in data:
+        if name in data:
             kwargs[name] = _coerce(data[name], tp, key)
     try:
         return cls(**kwargs)

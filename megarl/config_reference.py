@@ -80,8 +80,7 @@ def sections() -> list[tuple[str, type, str]]:
     types_ = typing.get_type_hints(C.RunConfig)
     out = []
     for f in dataclasses.fields(C.RunConfig):
-        cls = C._LAZY[f.name]() if f.name in C._LAZY else types_[f.name]
-        out.append((f.name, cls, docs.get(f.name, "")))
+        out.append((f.name, types_[f.name], docs.get(f.name, "")))
     return out
 
 

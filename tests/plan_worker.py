@@ -34,7 +34,7 @@ def measure(
     from megarl.models.builder import build_model
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf
     from megarl.models.optim import OptimConfig, build_optimizer, zero_grads
-    from megarl.rollout.engine import RolloutConfig
+    from megarl.rollout.config import RolloutConfig
     from megarl.trainer.update import _policy_loss_fn
 
     arch = arch_from_hf(hf)
@@ -111,7 +111,8 @@ def measure_vllm(rank, world, hf: dict, kv_bytes: int) -> dict:
     import vllm  # noqa: F401 - imported before the measurement: its import is not the engine
 
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
 
     arch = arch_from_hf(hf)
     Topology.create(ParallelConfig(), world).initialize(seed=0)

@@ -68,7 +68,8 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.layout import load_full_state
     from megarl.convert.mapping import canonical_to_hf
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync, naive_sync
 
     torch.set_num_threads(1)
@@ -172,7 +173,7 @@ def broken_mapping(chunks, arch, engine, groups, ref: dict, full_hf: dict, rank:
       simulated vLLM EP2 target: the slice comparison must differ;
     - "skipped": one expert slot left out of the pieces: refused at plan time."""
     from megarl.rollout import moe_layout, plan
-    from megarl.rollout.vllm_layout import PlanError
+    from megarl.rollout.pieces import PlanError
     from megarl.rollout.weight_sync import WeightSync
 
     maps_fn, pieces_fn = plan.hf_index_maps, moe_layout.expert_pieces

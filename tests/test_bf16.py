@@ -159,7 +159,8 @@ def sync_job(rank: int, world: int) -> dict:
     from megarl.models.forward import vocab_parallel_logprobs
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync, naive_sync
     from megarl.trainer import experience as xp
     from megarl.trainer import update

@@ -30,7 +30,7 @@ def test_every_key_of_the_resolved_config_is_listed():
     assert "- `rollout.n` (int, default `8`): Samples per prompt." in text
     assert "- `optim.decay_steps` (int | null, default `null`): " in text
     assert "- `reward.functions` (list[str] | null, default `null`): " in text
-    assert "## `rollout`: `RolloutConfig` in `megarl/rollout/engine.py`" in text
+    assert "## `rollout`: `RolloutConfig` in `megarl/rollout/config.py`" in text
 
 
 def test_docs_config_md_is_current():

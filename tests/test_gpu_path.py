@@ -13,13 +13,9 @@ import pytest
 import torch
 
 from megarl.models.hf_config import ModelConfigError, PrecisionConfig, arch_from_hf
-from megarl.rollout.engine import (
-    CPU_KV_CACHE_BYTES,
-    RolloutConfig,
-    RolloutConfigError,
-    check_kv_cache,
-    resolve_stop_tokens,
-)
+from megarl.rollout.checks import CPU_KV_CACHE_BYTES, check_kv_cache
+from megarl.rollout.config import RolloutConfig, RolloutConfigError
+from megarl.rollout.stop_tokens import resolve_stop_tokens
 from tests.tiny import TINY_LLAMA
 
 ARCH = arch_from_hf(TINY_LLAMA)  # 4 layers, 2 KV heads, head_dim 16
@@ -82,7 +78,7 @@ def test_vllm_start_is_refused_early_when_the_trainer_left_too_little_free(monke
     """vLLM V1 will not start unless gpu_memory_utilization x the GPU is free; the engine is
     built after the trainer's models, so megarl checks first (after freeing torch's cached
     blocks) and names the value that fits."""
-    from megarl.rollout.engine import check_free_memory
+    from megarl.rollout.checks import check_free_memory
 
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
@@ -106,11 +102,12 @@ def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path)
 
     import vllm
 
+    from megarl.distributed import device
     from megarl.rollout import engine
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     order = []
-    monkeypatch.setattr(engine, "_use_gpu", lambda: True)
+    monkeypatch.setattr(device, "use_gpu", lambda: True)
     monkeypatch.setattr(engine, "check_free_memory", lambda cfg: order.append("check"))
 
     class Stop(Exception):

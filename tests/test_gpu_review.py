@@ -49,9 +49,9 @@ def test_reload_goes_through_the_workers_entry_point(monkeypatch):
     # runner's reload in `set_current_vllm_config`; calling the runner directly skips it
     import contextlib
 
-    from megarl.rollout import engine, moe_layout
+    from megarl.rollout import vllm_patches
 
-    monkeypatch.setattr(moe_layout, "cpu_experts_prepacked", lambda m: contextlib.nullcontext())
+    monkeypatch.setattr(vllm_patches, "cpu_experts_prepacked", lambda m: contextlib.nullcontext())
     calls = []
 
     class Runner:
@@ -68,7 +68,7 @@ def test_reload_goes_through_the_workers_entry_point(monkeypatch):
             calls.append("worker")
             self.model_runner.reload_weights(**kw)
 
-    engine._reload(Worker(), iter([]))
+    vllm_patches.reload(Worker(), iter([]))
     assert calls == ["worker", "runner"]
 
 

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from megarl.rollout.engine import _DropBenignReloadWarnings, _tied_modules
+from megarl.rollout.vllm_patches import DropBenignReloadWarnings, tied_modules
 
 
 class _Tied(torch.nn.Module):
@@ -25,9 +25,9 @@ def _record(message: str) -> logging.LogRecord:
 
 
 def test_only_the_tied_layer_and_the_rotary_cache_are_quiet():
-    tied = _tied_modules(_Tied())
+    tied = tied_modules(_Tied())
     assert [(name, type(m).__name__) for name, m in tied] == [("lm_head", "Linear")]
-    f = _DropBenignReloadWarnings()
+    f = DropBenignReloadWarnings()
     f.tied = frozenset(type(m).__name__ for _, m in tied)
     assert not f.filter(_record("Linear: Failed to load weights"))
     assert not f.filter(_record("RotaryEmbedding: Failed to load weights"))

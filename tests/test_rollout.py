@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.rollout.engine import RolloutConfig, RolloutConfigError
+from megarl.rollout.config import RolloutConfig, RolloutConfigError
 from megarl.rollout.mismatch import logprob_mismatch
 from tests import test_sync_workers as w
 

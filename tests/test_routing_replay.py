@@ -78,7 +78,7 @@ def test_rows_with_a_repeated_expert_become_distinct():
 
 def test_routing_replay_needs_a_moe_model():
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.engine import RolloutConfig, RolloutConfigError
+    from megarl.rollout.config import RolloutConfig, RolloutConfigError
     from megarl.rollout.routes import check_routing_replay
     from tests.tiny import TINY_LLAMA, TINY_QWEN3_MOE
 

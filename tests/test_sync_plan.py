@@ -8,8 +8,9 @@ import torch
 
 from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import arch_from_hf
+from megarl.rollout.pieces import PlanError
 from megarl.rollout.plan import RankMeta, SourceParam, build_plan, hf_index_maps
-from megarl.rollout.vllm_layout import PlanError, check_coverage, pieces_for_module
+from megarl.rollout.vllm_layout import check_coverage, pieces_for_module
 from tests import test_sync_workers as w
 from tests.vllm_targets import fake_vllm
 

@@ -243,7 +243,8 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.layout import load_full_state
     from megarl.convert.mapping import canonical_to_hf
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync, naive_sync
 
     torch.set_num_threads(1)
@@ -353,7 +354,8 @@ def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
 
 def unknown_module_error() -> str:
     """describe_model on a model holding a module kind it cannot fill (needs vLLM imported)."""
-    from megarl.rollout.vllm_layout import PlanError, describe_model
+    from megarl.rollout.pieces import PlanError
+    from megarl.rollout.vllm_layout import describe_model
 
     model = torch.nn.Module()
     model.norm = torch.nn.Module()

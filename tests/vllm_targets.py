@@ -162,7 +162,8 @@ def fake_vllm(arch, tp: int, rank: int, *, ep: int = 1):
     """The description a vLLM TP=`tp` engine (rank `rank`; `ep` > 1: vLLM expert parallelism
     over the same ranks) of a Llama / Qwen2 / Qwen3-MoE / Mixtral would publish, built from
     `pieces_for_module` with vLLM's sharding attributes."""
-    from megarl.rollout.vllm_layout import VllmDescription, VllmParam, pieces_for_module
+    from megarl.rollout.pieces import VllmDescription, VllmParam
+    from megarl.rollout.vllm_layout import pieces_for_module
 
     h, hd = arch.hidden_size, arch.head_dim
     q, ffn = arch.num_attention_heads * hd, arch.intermediate_size

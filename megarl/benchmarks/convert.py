@@ -26,6 +26,8 @@ import time
 import torch
 
 from megarl.benchmarks import disk_gbps, record, register_suite
+from megarl.convert.mapping import hf_shapes_for
+from megarl.models.hf_config import arch_from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # TinyLlama-1.1B shapes: 1.10e9 parameters; --quick: about 0.25e9
@@ -51,9 +53,6 @@ def synthetic_llama(directory: str, shape: dict, *, seed: int = 0) -> tuple[int,
     """Write a random bf16 Llama HF checkpoint (one safetensors shard per layer + index).
     Returns (parameters, bytes)."""
     from safetensors.torch import save_file
-
-    from megarl.convert.mapping import hf_shapes_for
-    from megarl.models.hf_config import arch_from_hf
 
     cfg = dict(
         architectures=["LlamaForCausalLM"],

@@ -59,8 +59,10 @@ from dataclasses import dataclass
 import torch
 import yaml
 
-from megarl.benchmarks import record, register_suite
+from megarl.benchmarks import peer_smollm2, record, register_suite
 from megarl.benchmarks.peer_figures import markdown_table, summarize, time_to_target_ratio
+from megarl.data.toy import toy_tokenizer
+from megarl.distributed import device
 from megarl.metrics.throughput import flops_per_token  # noqa: F401  (tests read it here)
 
 MODEL = dict(
@@ -143,8 +145,6 @@ def write_model(model_dir: str) -> int:
     `model_dir`; returns the parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megarl.data.toy import toy_tokenizer
-
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"}))
     model.save_pretrained(model_dir)
@@ -206,21 +206,19 @@ RANDOM = Workload(
 
 
 def _smollm2() -> Workload:
-    from megarl.benchmarks import peer_smollm2 as s
-
     return Workload(
         name="smollm2",
-        model=s.MODEL,
-        plan=s.PLAN,
-        steps=s.STEPS,
-        quick_steps=s.QUICK_STEPS,
-        prepare=s.prepare,
-        megarl_config=s.megarl_config,
-        trl_spec=s.trl_spec,
+        model=peer_smollm2.MODEL,
+        plan=peer_smollm2.PLAN,
+        steps=peer_smollm2.STEPS,
+        quick_steps=peer_smollm2.QUICK_STEPS,
+        prepare=peer_smollm2.prepare,
+        megarl_config=peer_smollm2.megarl_config,
+        trl_spec=peer_smollm2.trl_spec,
         reference=True,
         evals=True,
-        prompt_tokens=s.PROMPT_TOKENS,
-        max_new_tokens=s.MAX_TOKENS,
+        prompt_tokens=peer_smollm2.PROMPT_TOKENS,
+        max_new_tokens=peer_smollm2.MAX_TOKENS,
     )
 
 
@@ -354,10 +352,8 @@ def _dtype(precision: str) -> str:
 def planned_skips(plan: tuple | None = None) -> dict[tuple[str, str], str]:
     """(system, precision) of `PLAN` that cannot run here, with the reason: TRL not installed;
     bf16 on a CPU that only emulates it (hours per run, and no figure worth comparing)."""
-    from megarl.distributed.device import cpu_half_precision_note
-
     skips = {}
-    no_trl, no_bf16 = trl_missing(), cpu_half_precision_note("bf16")
+    no_trl, no_bf16 = trl_missing(), device.cpu_half_precision_note("bf16")
     for system, precision in plan or PLAN:
         if system == "trl" and no_trl:
             skips[(system, precision)] = no_trl
@@ -504,9 +500,7 @@ def suite(args) -> list[dict]:
         for p in ("fp32", "bf16")
         if ("megarl", p) in rates and ("trl", p) in rates
     }
-    ceiling = {
-        k: figs_at_floor[k] / rates[best_t] for k in figs_at_floor if k[0] == "megarl"
-    }
+    ceiling = {k: figs_at_floor[k] / rates[best_t] for k in figs_at_floor if k[0] == "megarl"}
     fastest = lambda system: max(v for k, v in best.items() if k[0] == system)  # noqa: E731
     if workload.evals:
         out.append(time_to_target_ratio(out, common))

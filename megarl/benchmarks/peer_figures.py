@@ -8,6 +8,7 @@ import math
 import statistics
 
 from megarl.benchmarks import record
+from megarl.benchmarks.peer_smollm2 import TARGET, time_to_target
 from megarl.metrics.throughput import flops_per_token
 
 
@@ -78,8 +79,6 @@ def summarize(
         stage_floors["logprobs"] = fwd * mean_tokens / gemm_floor
     ttt = {}
     if evals:
-        from megarl.benchmarks.peer_smollm2 import time_to_target
-
         per_run = [time_to_target(r["evals"], r["step_s"]) for r in results]
         done = [t["seconds"] for t in per_run if math.isfinite(t["seconds"])]
         ttt = {
@@ -110,8 +109,6 @@ def summarize(
 
 
 def _time_to_target_line(r: dict) -> str:
-    from megarl.benchmarks.peer_smollm2 import TARGET
-
     p = r["params"]
     runs = p["time_to_target"]["runs"]
     each = "; ".join(

@@ -29,6 +29,9 @@ from __future__ import annotations
 import json
 import os
 
+from megarl.convert.fetch import fetch_gguf
+from megarl.convert.gguf import cached_hf_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "examples", "data", "smollm2_arith_train.jsonl")
 EVAL = os.path.join(ROOT, "examples", "data", "smollm2_arith_eval.jsonl")
@@ -58,9 +61,6 @@ class WorkloadError(RuntimeError):
 def prepare(tmp: str) -> tuple[str, int]:
     """(the model's HF directory, fetched and converted once, then from the cache; its parameter
     count); writes the workload's prompt files into `tmp` (`prompts.jsonl`, `eval.jsonl`)."""
-    from megarl.convert.fetch import fetch_gguf
-    from megarl.convert.gguf import cached_hf_dir
-
     for path in (TRAIN, EVAL):
         if not os.path.isfile(path):
             raise WorkloadError(

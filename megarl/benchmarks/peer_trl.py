@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from megarl.benchmarks.peer import LR, MAX_TOKENS, PROMPTS, SEED, N
+from megarl.benchmarks.peer import LR, MAX_TOKENS, PROMPTS, ROWS, SEED, N, first_char_reward
+from megarl.rewards.builtins import math_verify_reward
 
 
 def trl_main(model_dir: str, precision: str, steps: int, out: str, spec: dict | None) -> None:
@@ -34,8 +35,6 @@ def trl_main(model_dir: str, precision: str, steps: int, out: str, spec: dict | 
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from megarl.benchmarks.peer import ROWS, first_char_reward
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     timings: dict[str, list[float]] = {"step_s": [], "generate_s": [], "gen_score_s": []}
@@ -46,8 +45,6 @@ def trl_main(model_dir: str, precision: str, steps: int, out: str, spec: dict | 
         "beta": 0.0, "seed": SEED,
     }  # fmt: skip
     if "prompts" in spec:
-        from megarl.rewards.builtins import math_verify_reward
-
         rows = [_chat_row(r) for r in _read_jsonl(spec["prompts"])]
         reward = math_verify_reward
     else:
@@ -132,8 +129,6 @@ def _chat_row(row: dict) -> dict:
 def _held_out_accuracy(model, tokenizer, rows: list[dict], max_tokens: int) -> float:
     """Greedy math_verify accuracy of `model` on `rows` (HF generate, batches of 16, left
     padding), in eval mode and without grad; the model's mode is restored."""
-    from megarl.rewards.builtins import math_verify_reward
-
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"

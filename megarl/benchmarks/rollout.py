@@ -24,6 +24,9 @@ import torch
 
 from megarl.benchmarks import record, register_suite
 from megarl.distributed.launch import spawn
+from megarl.models.hf_config import arch_from_hf
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.engine import RolloutEngine
 
 MODEL = dict(
     architectures=["LlamaForCausalLM"],
@@ -44,9 +47,6 @@ MODEL = dict(
 
 def _worker(rank: int, world: int, num_prompts: int, n: int, max_tokens: int, repeats: int) -> dict:
     from vllm import SamplingParams
-
-    from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
 
     # one intra-op thread: on a shared machine OpenMP spin-waits make 2 threads erratic, and the
     # figure of interest is the ratio of two paths through the same engine

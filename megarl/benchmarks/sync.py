@@ -29,9 +29,13 @@ import time
 import torch.distributed as dist
 
 from megarl.benchmarks import memcpy_gbps, record, register_suite
+from megarl.distributed import ParallelConfig, Topology
 from megarl.distributed.launch import spawn
-from megarl.models.builder import num_params
-from megarl.models.hf_config import arch_from_hf
+from megarl.models.builder import build_model, num_params
+from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.weight_sync import WeightSync, naive_sync
 
 
 def _llama(hidden: int, layers: int, inter: int, heads: int, kv: int, vocab: int = 32000) -> dict:
@@ -70,12 +74,6 @@ def _timed(fn, repeats: int) -> list[float]:
 
 
 def _worker(rank: int, world: int, hf: dict, layout: dict, repeats: int) -> dict:
-    from megarl.distributed import ParallelConfig, Topology
-    from megarl.models.builder import build_model
-    from megarl.models.hf_config import PrecisionConfig
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
-    from megarl.rollout.weight_sync import naive_sync
-
     arch = arch_from_hf(hf)
     par = ParallelConfig(**layout)
     groups = Topology.create(par, world, num_layers=arch.num_layers).initialize(seed=0)
@@ -98,8 +96,6 @@ def _worker(rank: int, world: int, hf: dict, layout: dict, repeats: int) -> dict
 
 
 def _megarl(chunks, arch, engine, groups, repeats: int) -> dict:
-    from megarl.rollout.weight_sync import WeightSync
-
     ws = WeightSync(chunks, arch, engine, groups)
     stats: list[dict] = []
     out = {"megarl": _timed(lambda: stats.append(ws.sync()), repeats)}

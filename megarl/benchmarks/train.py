@@ -13,15 +13,33 @@ import time
 import torch
 
 from megarl.benchmarks import median_time, record, register_suite
+from megarl.distributed import ParallelConfig, Topology
 from megarl.distributed.launch import spawn
+from megarl.metrics.throughput import flops_per_token
+from megarl.models import forward
+from megarl.models.builder import build_model
+from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+from megarl.models.optim import wire_grad_finalization, zero_grads
 
 ARCH = dict(
-    architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=768, intermediate_size=2048,
-    num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+    architectures=["LlamaForCausalLM"],
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=4,
     max_position_embeddings=2048,
 )
-QUICK = dict(ARCH, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=8192)
+QUICK = dict(
+    ARCH,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=8192,
+)
 
 
 def gemm_flops(n: int = 2048, repeats: int = 5) -> float:
@@ -32,13 +50,6 @@ def gemm_flops(n: int = 2048, repeats: int = 5) -> float:
 
 
 def _worker(rank, world, hf: dict, batch: int, seq: int, steps: int):
-    from megarl.distributed import ParallelConfig, Topology
-    from megarl.metrics.throughput import flops_per_token
-    from megarl.models import forward
-    from megarl.models.builder import build_model
-    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
-    from megarl.models.optim import wire_grad_finalization, zero_grads
-
     arch = arch_from_hf(hf)
     par = ParallelConfig()
     groups = Topology.create(par, world).initialize(seed=0)
@@ -48,8 +59,9 @@ def _worker(rank, world, hf: dict, batch: int, seq: int, steps: int):
     mb = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": torch.ones(batch, seq)}
 
     def loss_fn(m, logits):
-        lp = forward.vocab_parallel_logprobs(logits, m["targets"], vocab_size=arch.vocab_size,
-                                             tp_group=groups.tp)
+        lp = forward.vocab_parallel_logprobs(
+            logits, m["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
+        )
         return -(lp * m["mask"]).sum() / m["mask"].sum(), {}
 
     def step():
@@ -59,8 +71,13 @@ def _worker(rank, world, hf: dict, batch: int, seq: int, steps: int):
     t = median_time(step, repeats=steps, warmup=1)
     n_params = sum(p.numel() for p in model[0].parameters())
     fpt = flops_per_token(arch, seq_len=seq, training=True, causal=True)
-    return {"seconds": t, "tokens": batch * seq, "params": n_params, "flops_per_token": fpt,
-            "gemm": gemm_flops()}
+    return {
+        "seconds": t,
+        "tokens": batch * seq,
+        "params": n_params,
+        "flops_per_token": fpt,
+        "gemm": gemm_flops(),
+    }
 
 
 @register_suite("train")
@@ -71,10 +88,23 @@ def suite(args) -> list[dict]:
     r = spawn(_worker, 1, hf, batch, seq, 3)[0]
     tps = r["tokens"] / r["seconds"]
     achieved = tps * r["flops_per_token"]
-    common = dict(params=r["params"], batch=batch, seq_len=seq, dtype="fp32", layout="TP1 PP1",
-                  wall_s=time.perf_counter() - t0)
+    common = dict(
+        params=r["params"],
+        batch=batch,
+        seq_len=seq,
+        dtype="fp32",
+        layout="TP1 PP1",
+        wall_s=time.perf_counter() - t0,
+    )
     return [
         record("train_fwd_bwd_tokens_per_s", tps, "tokens/s", **common),
-        record("train_model_flops", achieved, "FLOP/s", floor=r["gemm"], floor_unit="FLOP/s",
-               floor_name="dense fp32 GEMM (torch.mm 2048^3) in the same process", **common),
+        record(
+            "train_model_flops",
+            achieved,
+            "FLOP/s",
+            floor=r["gemm"],
+            floor_unit="FLOP/s",
+            floor_name="dense fp32 GEMM (torch.mm 2048^3) in the same process",
+            **common,
+        ),
     ]

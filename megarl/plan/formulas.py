@@ -27,6 +27,13 @@ from megarl.models.hf_config import ModelArch
 
 ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
+PHASES = ("rollout", "logprobs", "train", "sync")
+"""The phases of an RL step whose peaks a plan compares (`megarl.plan.memory`)."""
+
+
+def gib(n: float) -> str:
+    """`n` bytes as the plan prints them: GiB with one decimal, MiB below 0.1 GiB."""
+    return f"{n / GiB:.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:.1f} MiB"
 
 
 def layer_activation_bytes_per_token(

@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 
 from megarl.config import ConfigError, RunConfig
 from megarl.distributed import TopologyError
+from megarl.models.builder import num_params
+from megarl.models.forward import sequence_multiple
 from megarl.plan import formulas as fm
+from megarl.plan.formulas import PHASES, gib
+from megarl.plan.render import describe
 from megarl.trainer.dry_run import dry_run
 from megarl.trainer.model_source import check_shape_source, load_arch
 
-PHASES = ("rollout", "logprobs", "train", "sync")
 ALL = PHASES
 HEADROOM = 0.95
 RUNTIME_GPU = 2 * fm.GiB
@@ -99,8 +102,7 @@ class Plan:
         return not self.problems and all(s.worst[1] <= self.usable for s in self.stages)
 
     def describe(self) -> str:
-        from megarl.plan.render import describe
-
+        """The text `megarl plan` prints (`megarl.plan.render`)."""
         return describe(self)
 
 
@@ -182,8 +184,6 @@ def count_params(cfg: RunConfig, world: int, dry_run) -> tuple[Shape, object]:
 
 def micro_batching(cfg: RunConfig, topo) -> tuple[int, int, int]:
     """(sequence length, sequences per micro-batch, micro-batches per mini-batch per DP rank)."""
-    from megarl.models.forward import sequence_multiple
-
     p = cfg.parallel
     multiple = sequence_multiple(
         topo.tp, p.sequence_parallel, cfg.precision.fp8_recipe if cfg.precision.fp8 else None
@@ -308,8 +308,6 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
 
 
 def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
-    from megarl.models.builder import num_params
-
     ro = cfg.rollout
     weights = num_params(arch) * e / ro.tensor_parallel
     kv_tok = fm.kv_bytes_per_token(arch, elem=e, vllm_tp=ro.tensor_parallel)
@@ -324,7 +322,7 @@ def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
                 "vLLM (awake)",
                 budget,
                 f"gpu_memory_utilization {ro.gpu_memory_utilization} x GPU: weights "
-                f"{_gib(weights)} (TP {ro.tensor_parallel}) + KV ~{kv_tokens:,.0f} tokens "
+                f"{gib(weights)} (TP {ro.tensor_parallel}) + KV ~{kv_tokens:,.0f} tokens "
                 f"at {kv_tok:,} B",
                 awake,
             )
@@ -336,7 +334,7 @@ def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
             Row(
                 "vLLM (awake)",
                 weights + kv + extra,
-                f"weights {_gib(weights)} + KV cache {_gib(kv)} ({kv // kv_tok:,} tokens"
+                f"weights {gib(weights)} + KV cache {gib(kv)} ({kv // kv_tok:,} tokens"
                 f" at {kv_tok:,} B){' + 1 GiB working memory' if extra else ''}",
                 awake,
             )
@@ -390,8 +388,6 @@ def _cluster_checks(cfg, gpus: int, nodes: int) -> tuple[list[str], list[str]]:
 
 def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
     """What no layout of `gpus` GPUs can avoid: the model states spread over every GPU."""
-    from megarl.models.builder import num_params
-
     n, e = num_params(arch), fm.ELEM[cfg.precision.dtype]
     per, _ = fm.optimizer_bytes_per_param(cfg.precision.dtype)
     states = e + 4 + per + (e if cfg.algorithm.needs_reference else 0)
@@ -403,9 +399,9 @@ def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
     return [
         f"model states alone: {n:,} params x {states} B (weights, fp32 grads, Adam"
         f"{', reference' if cfg.algorithm.needs_reference else ''}"
-        f"{', critic' if cfg.algorithm.name == 'ppo' else ''}) = {_gib(total)}; spread over "
-        f"all {gpus} GPUs that is {_gib(total / gpus)} per GPU{fits}",
-        f"at least {need} GPUs of {_gib(gpu_mem)} are needed for those alone; then set "
+        f"{', critic' if cfg.algorithm.name == 'ppo' else ''}) = {gib(total)}; spread over "
+        f"all {gpus} GPUs that is {gib(total / gpus)} per GPU{fits}",
+        f"at least {need} GPUs of {gib(gpu_mem)} are needed for those alone; then set "
         "parallel.tensor_parallel x pipeline_parallel to divide the GPU count",
     ]
 
@@ -439,14 +435,14 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
         ]
         new = max(s.worst[1] for s in stages)
         verdict = "fits" if new <= result.usable else "still too large"
-        out.append(f"{text}: peak {_gib(peak)} -> {_gib(new)} ({verdict})")
+        out.append(f"{text}: peak {gib(peak)} -> {gib(new)} ({verdict})")
     if phase == "rollout" and device == "gpu" and ro.kv_cache_memory_bytes is None:
         out.append(_smaller_vllm(cfg, arch, worst, result))
     states = sum(
         r.nbytes for r in worst.rows if r.name.startswith(("actor", "reference", "critic"))
     )
     out.append(
-        f"model states take {_gib(states)} of stage {worst.pp_rank}'s GPU: more "
+        f"model states take {gib(states)} of stage {worst.pp_rank}'s GPU: more "
         f"tensor_parallel / pipeline_parallel divides them, more GPUs (DP) shard the Adam row"
     )
     return out
@@ -455,8 +451,6 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
 def _smaller_vllm(cfg, arch, worst: StagePlan, result: Plan) -> str:
     """A lower `rollout.gpu_memory_utilization`, if vLLM can still hold its weights, one
     sequence of KV cache and its working memory."""
-    from megarl.models.builder import num_params
-
     ro, e = cfg.rollout, fm.ELEM[cfg.precision.dtype]
     vllm = next(r for r in worst.rows if r.name == "vLLM (awake)").nbytes
     room = result.usable - (worst.peak("rollout") - vllm)
@@ -469,14 +463,14 @@ def _smaller_vllm(cfg, arch, worst: StagePlan, result: Plan) -> str:
     if room >= need:
         util = math.floor(room / result.gpu_mem * 100) / 100
         return (
-            f"--set rollout.gpu_memory_utilization={util:.2f}: vLLM gets {_gib(room)}, "
-            f"{_gib(room - need)} more than its weights, "
+            f"--set rollout.gpu_memory_utilization={util:.2f}: vLLM gets {gib(room)}, "
+            f"{gib(room - need)} more than its weights, "
             f"one {seq}-token sequence of KV cache and 1 GiB working memory"
         )
     return (
         f"a smaller rollout.gpu_memory_utilization cannot help: vLLM needs at least "
-        f"{_gib(need)} (weights, one {seq}-token sequence of KV cache, 1 GiB working "
-        f"memory) and only {_gib(max(room, 0))} is left beside the trainer"
+        f"{gib(need)} (weights, one {seq}-token sequence of KV cache, 1 GiB working "
+        f"memory) and only {gib(max(room, 0))} is left beside the trainer"
     )
 
 
@@ -484,7 +478,3 @@ def _with(cfg: RunConfig, **sections) -> RunConfig:
     return dataclasses.replace(
         cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()}
     )
-
-
-def _gib(n: float) -> str:
-    return f"{n / fm.GiB:.1f} GiB" if n >= 0.1 * fm.GiB else f"{n / 2**20:.1f} MiB"

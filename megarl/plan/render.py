@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from megarl.plan.memory import PHASES, Plan, StagePlan, _gib
+from typing import TYPE_CHECKING
+
+from megarl.plan.formulas import PHASES, gib
+
+if TYPE_CHECKING:  # annotations only: memory imports this module to print its Plan
+    from megarl.plan.memory import Plan, StagePlan
 
 
 def describe(plan: Plan) -> str:
+    """The whole report: header, warnings, layout problems or the worst stage's table, the
+    verdict and what would change it."""
     lines = [_header(plan)]
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.problems:
@@ -26,14 +33,14 @@ def describe(plan: Plan) -> str:
     if others:
         lines.append(
             "other pipeline stages' peaks: "
-            + ", ".join(f"stage {s.pp_rank} {_gib(s.worst[1])} ({s.worst[0]})" for s in others)
+            + ", ".join(f"stage {s.pp_rank} {gib(s.worst[1])} ({s.worst[0]})" for s in others)
         )
     phase, peak = worst.worst
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(
-        f"{verdict}: peak {_gib(peak)} ({phase}, stage {worst.pp_rank}) of "
-        f"{_gib(plan.usable)} usable ({round(plan.usable / plan.gpu_mem * 100)}% of "
-        f"{_gib(plan.gpu_mem)}: allocator fragmentation)"
+        f"{verdict}: peak {gib(peak)} ({phase}, stage {worst.pp_rank}) of "
+        f"{gib(plan.usable)} usable ({round(plan.usable / plan.gpu_mem * 100)}% of "
+        f"{gib(plan.gpu_mem)}: allocator fragmentation)"
     )
     if plan.advice:
         lines.append("what would change it:")
@@ -45,7 +52,7 @@ def _header(plan: Plan) -> str:
     a = plan.arch
     where = plan.config_path or "embedded default config"
     return (
-        f"megarl plan: {where} on {plan.gpus} x {_gib(plan.gpu_mem)} "
+        f"megarl plan: {where} on {plan.gpus} x {gib(plan.gpu_mem)} "
         f"{'GPUs' if plan.device == 'gpu' else 'CPU ranks'} ({plan.nodes} node"
         f"{'s' if plan.nodes > 1 else ''}); model {a.family}, {a.num_layers} layers, "
         f"hidden {a.hidden_size}"
@@ -61,6 +68,6 @@ def _table(stage: StagePlan, plan: Plan) -> list[str]:
     ]
     for r in stage.rows:
         phases = "all" if set(r.phases) == set(PHASES) else ", ".join(r.phases)
-        lines.append(f"  {r.name:<{width}}  {_gib(r.nbytes):>10}  {phases:<26}  {r.formula}")
-    lines.append("  peak per phase: " + ", ".join(f"{p} {_gib(stage.peak(p))}" for p in PHASES))
+        lines.append(f"  {r.name:<{width}}  {gib(r.nbytes):>10}  {phases:<26}  {r.formula}")
+    lines.append("  peak per phase: " + ", ".join(f"{p} {gib(stage.peak(p))}" for p in PHASES))
     return lines

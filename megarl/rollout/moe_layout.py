@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from megarl.rollout.vllm_layout import Piece, PlanError
+from megarl.rollout.pieces import Piece, PlanError
 
 EXPERTS_MODULE = "RoutedExperts"
 GATE_MODULES = ("ReplicatedLinear", "GateLinear")

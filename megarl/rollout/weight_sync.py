@@ -52,9 +52,10 @@ import torch.distributed as dist
 from megarl.convert.layout import gather_full_state, is_expert, local_params, tp_shard
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import ModelArch
-from megarl.rollout.engine import SYNCED, RolloutEngine, WeightLoadError
+from megarl.rollout.engine import RolloutEngine, WeightLoadError
+from megarl.rollout.pieces import PlanError
 from megarl.rollout.plan import RankMeta, SourceParam, SyncPlan, build_plan, sync_groups
-from megarl.rollout.vllm_layout import PlanError, check_coverage, describe_model
+from megarl.rollout.vllm_layout import check_coverage, describe_model
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +345,7 @@ class WeightSync:
         bucket_bytes: int = 256 * 2**20,
     ):
         self.chunks, self.arch, self.engine = chunks, arch, engine
-        engine.wake_up(["weights"])  # GPU: the plan takes views of vLLM's weight storage
+        engine.prepare_weight_write()  # GPU: the plan takes views of vLLM's weight storage
         desc = engine.call(_describe, engine.tp_rank, engine.tp_size)
         check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
         repacked = any(p.repacked for p in desc.params)
@@ -394,9 +395,11 @@ class WeightSync:
         return self.params[0].device if self.params else torch.device("cpu")
 
     def sync(self) -> dict:
-        """Collective over all trainer ranks. Returns bytes written into vLLM and seconds."""
+        """Collective over all trainer ranks: wakes the engine's weights, writes them, marks the
+        engine synced and resets its prefix cache. Returns bytes written into vLLM and seconds
+        (read by the sync benchmark and its tests)."""
         t0 = time.perf_counter()
-        self.engine.wake_up(["weights"])
+        self.engine.prepare_weight_write()
         try:
             self.reshard.exchange()
         except SyncError as e:
@@ -418,8 +421,7 @@ class WeightSync:
                     f"weight sync failed writing vLLM parameter {param!r}: {e}", param
                 ) from e
         else:
-            self.engine.weight_state = SYNCED
-            self.engine.failed_param = None
+            self.engine.mark_synced()
         # cached prompt-prefix KV blocks were computed with the old weights
         self.engine.reset_prefix_cache()
         _wait(self._device())

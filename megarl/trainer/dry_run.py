@@ -32,7 +32,7 @@ from megarl.models.hf_config import (
     check_fp8_shapes,
     transformer_config,
 )
-from megarl.rollout.engine import check_kv_cache
+from megarl.rollout.checks import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
 
 # parameter names -> the part of the model they belong to (GPTModel's attribute names)

@@ -43,9 +43,11 @@ from megarl.distributed.topology import Groups, TopologyError
 from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run
 from megarl.models.hf_config import ModelArch
 from megarl.rewards.scorer import Scorer, load_functions
+from megarl.rollout.checks import check_kv_cache, require_vllm
 from megarl.rollout.dispatch import RolloutDispatcher
-from megarl.rollout.engine import RolloutEngine, check_kv_cache, require_vllm, resolve_stop_tokens
+from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.routes import check_routing_replay
+from megarl.rollout.stop_tokens import resolve_stop_tokens
 from megarl.rollout.weight_sync import WeightSync
 from megarl.trainer.evaluate import Evaluator
 from megarl.trainer.faults import collective_timeout

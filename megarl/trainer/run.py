@@ -56,8 +56,7 @@ class RolloutParts:
         them (the sync also drops vLLM's prefix cache, computed with the old weights), then wake
         the KV cache."""
         torch.cuda.empty_cache()  # a no-op on CPU
-        self.engine.wake_up(["weights"])
-        stats = self.sync.sync()
+        stats = self.sync.sync()  # wakes the engine's weights before writing them
         self.engine.wake_up(["kv_cache"])
         return stats
 

@@ -54,7 +54,7 @@ def optimizer(chunks, dtype: str):
 
 
 def rollout_cfg(n: int, max_tokens: int):
-    from megarl.rollout.engine import RolloutConfig
+    from megarl.rollout.config import RolloutConfig
 
     return RolloutConfig(n=n, max_tokens=max_tokens, temperature=1.0)
 

@@ -63,7 +63,8 @@ def _generated(fig, out) -> None:
 
 
 def engine(fig, st) -> None:
-    from megarl.rollout.engine import RolloutConfig, RolloutEngine
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.engine import RolloutEngine
 
     a = common.arch("tiny")
     if st.groups is None:

@@ -30,7 +30,8 @@ VLLM_VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 def vllm_description(a, dtype: str):
     """What `describe_model` publishes for a vLLM TP=1 Llama of arch `a` (untied or tied)."""
-    from megarl.rollout.vllm_layout import VllmDescription, VllmParam, pieces_for_module
+    from megarl.rollout.pieces import VllmDescription, VllmParam
+    from megarl.rollout.vllm_layout import pieces_for_module
 
     h, hd = a.hidden_size, a.head_dim
     q, ffn, kv = a.num_attention_heads * hd, a.intermediate_size, a.num_key_value_heads

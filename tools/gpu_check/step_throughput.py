@@ -50,7 +50,7 @@ def measure(fig, name: str, device: str, rec) -> None:
     from megarl.config import AlgorithmConfig
     from megarl.metrics.throughput import flops_per_token, peak_flops
     from megarl.models.optim import OptimConfig, build_optimizer
-    from megarl.rollout.engine import RolloutConfig
+    from megarl.rollout.config import RolloutConfig
     from megarl.trainer.experience import forward_logprobs
     from megarl.trainer.update import train_policy
 
