@@ -253,7 +253,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
         batch["global_indices"] = rows
         stage.prepare(run, batch)
         zero_grads(actor)
-        out = forward.run(
+        out = forward.forward_backward(
             actor,
             offline._micro_batches(run, stage, batch),
             stage.loss_fn(run, stage.denominator(dataset, rows)),

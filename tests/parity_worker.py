@@ -82,7 +82,9 @@ def parity(rank, world, archs: dict, states: dict, layout: dict, batch: dict, nu
         model = build_model(arch, par, PrecisionConfig(), role="actor", ddp_config=ddp)
         load_full_state(model, states[name])
         wire_grad_finalization(model)
-        out = forward.run(model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
+        out = forward.forward_backward(
+            model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size
+        )
         grads = gather_full_state(model, grads=True)
         logits = {}
         if groups.tp_rank == 0:
@@ -95,7 +97,7 @@ def parity(rank, world, archs: dict, states: dict, layout: dict, batch: dict, nu
         opt, _ = build_optimizer(
             model, OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-4), dtype="fp32"
         )
-        forward.run(model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
+        forward.forward_backward(model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
         ok, grad_norm, _ = opt.step()
         params = gather_full_state(model)
         results[name] = {

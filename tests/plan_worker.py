@@ -69,10 +69,12 @@ def measure(
     )
     micro_batches = [dict(micro) for _ in range(micros)]
     run = dict(forward_only=False, dp_size=1)
-    forward.run(actor, micro_batches, loss_fn, **run)  # warm-up: lazy buffers, allocator
+    forward.forward_backward(
+        actor, micro_batches, loss_fn, **run
+    )  # warm-up: lazy buffers, allocator
     zero_grads(actor)
     with PeakRSS() as m:
-        forward.run(actor, micro_batches, loss_fn, **run)
+        forward.forward_backward(actor, micro_batches, loss_fn, **run)
     out["train"] = m.growth
     out["train_held"] = rss() - m.base
 
@@ -83,9 +85,13 @@ def measure(
         return lp.sum(), {}
 
     with torch.no_grad():
-        forward.run(reference, micro_batches[:1], logprobs, forward_only=True, dp_size=1)
+        forward.forward_backward(
+            reference, micro_batches[:1], logprobs, forward_only=True, dp_size=1
+        )
         with PeakRSS() as m:
-            forward.run(reference, micro_batches[:1], logprobs, forward_only=True, dp_size=1)
+            forward.forward_backward(
+                reference, micro_batches[:1], logprobs, forward_only=True, dp_size=1
+            )
     out["logprobs"] = m.growth
     out["logprobs_held"] = rss() - m.base
     with PeakRSS() as m:  # Adam's state: fp32 master copies at construction, m and v at step 1

@@ -204,7 +204,7 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
                     batch["global_indices"] = rows
                     stage.prepare(run, batch)
                     zero_grads(model)
-                    out = forward.run(
+                    out = forward.forward_backward(
                         model,
                         offline._micro_batches(run, stage, batch),
                         stage.loss_fn(run, stage.denominator(dataset, rows)),

@@ -352,7 +352,7 @@ def _grads(rank, world, layout: dict):
         )
         return -(lp * m["mask"]).sum() / 256, {}
 
-    forward.run(model, micro, loss_fn, forward_only=False, dp_size=1)
+    forward.forward_backward(model, micro, loss_fn, forward_only=False, dp_size=1)
     return torch.cat([p.main_grad.flatten() for c in model for p in c.parameters()])
 
 

@@ -144,7 +144,10 @@ def megatron_scores(
 
     def loss_fn(mb, out):
         lp = forward.vocab_parallel_logprobs(
-            out, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp,
+            out,
+            mb["targets"],
+            vocab_size=arch.vocab_size,
+            tp_group=groups.tp,
             temperature=temperature,
         )
         full = forward.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
@@ -162,7 +165,9 @@ def megatron_scores(
         for i in torch.arange(B).chunk(2)
     ]
     with torch.no_grad():
-        outs = forward.run(chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size)
+        outs = forward.forward_backward(
+            chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size
+        )
     if not outs:
         return None
     lp, am, top2 = (torch.zeros(B, T), torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, 2))
@@ -190,9 +195,7 @@ def sampler_tensor(prompts, rollout, T: int) -> torch.Tensor:
     return out
 
 
-def score_rollout(
-    chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, top_p=1.0, pad_to=1
-):
+def score_rollout(chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, top_p=1.0, pad_to=1):
     """Sampler vs Megatron logprobs of the sampled tokens. `mean`/`max`: against Megatron's
     tempered logprob minus the log of the mass the truncation kept (what the sampler's
     processed logprobs must equal); `raw_*`: against the untruncated tempered logprob (what the
@@ -201,8 +204,15 @@ def score_rollout(
 
     prompts = rollout.prompt_ids
     sc = megatron_scores(
-        chunks, arch, groups, prompts, rollout.response_ids,
-        temperature=temperature, top_k=top_k, top_p=top_p, pad_to=pad_to,
+        chunks,
+        arch,
+        groups,
+        prompts,
+        rollout.response_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        pad_to=pad_to,
     )
     if sc is None:
         return None
@@ -346,9 +356,7 @@ def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
             ws.sync()
         finally:
             engine.reset_prefix_cache = saved
-        out[label] = score_rollout(
-            chunks, arch, groups, engine.generate(prompts, n=1, greedy=True)
-        )
+        out[label] = score_rollout(chunks, arch, groups, engine.generate(prompts, n=1, greedy=True))
     return out
 
 

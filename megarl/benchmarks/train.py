@@ -1,9 +1,10 @@
 """`--suite train`: megatron forward+backward throughput of the actor on this machine.
 
 Builds a Llama-shaped model (about 110M parameters; `--quick`: about 20M) at TP=PP=1, runs
-`get_forward_backward_func` (through `megarl.models.forward.run`) with the policy-gradient loss
-shape (vocab-parallel logprobs, masked mean), and reports tokens/s and achieved model FLOP/s with
-the floor measured in the same run: the machine's dense fp32 GEMM FLOP/s (a large `torch.mm`).
+`get_forward_backward_func` (through `megarl.models.forward.forward_backward`) with the
+policy-gradient loss shape (vocab-parallel logprobs, masked mean), and reports tokens/s and
+achieved model FLOP/s with the floor measured in the same run: the machine's dense fp32 GEMM
+FLOP/s (a large `torch.mm`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _worker(rank, world, hf: dict, batch: int, seq: int, steps: int):
 
     def step():
         zero_grads(model)
-        forward.run(model, [mb], loss_fn, forward_only=False, dp_size=1)
+        forward.forward_backward(model, [mb], loss_fn, forward_only=False, dp_size=1)
 
     t = median_time(step, repeats=steps, warmup=1)
     n_params = sum(p.numel() for p in model[0].parameters())

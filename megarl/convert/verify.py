@@ -84,7 +84,9 @@ def forward_logits(chunks, arch, groups, tokens: torch.Tensor) -> torch.Tensor:
         return out.sum() * 0.0, {"logits": full}
 
     with torch.no_grad():
-        outs = forward.run(chunks, [{"tokens": tokens}], loss_fn, forward_only=True, dp_size=1)
+        outs = forward.forward_backward(
+            chunks, [{"tokens": tokens}], loss_fn, forward_only=True, dp_size=1
+        )
     mine = outs[0]["logits"] if outs else None
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)

@@ -39,7 +39,7 @@ def model_inputs(mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, pos, causal_mask(s, tokens.device)
 
 
-def run(
+def forward_backward(
     chunks: list[torch.nn.Module],
     micro_batches: list[dict],
     loss_fn: Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]] | None,

@@ -354,8 +354,8 @@ def transformer_config(
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=not gpu,
         init_method_std=0.02,
-        # megatron.models.forward.run pads all micro-batches of one call to one shape, so PP
-        # needs no shape exchange (which deadlocks the interleaved schedule over gloo)
+        # megarl.models.forward.forward_backward pads all micro-batches of one call to one
+        # shape, so PP needs no shape exchange (which deadlocks the interleaved schedule over gloo)
         variable_seq_lengths=False,
         moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=gpu,

@@ -196,7 +196,8 @@ def micro_batching(cfg: RunConfig, topo) -> tuple[int, int, int]:
     per_rank = math.ceil(sequences / (cfg.algorithm.mini_batches * topo.dp))
     mbs = max(1, min(mbs, per_rank))  # a mini-batch smaller than a micro-batch
     micro = max(1, math.ceil(per_rank / mbs))
-    if topo.vpp:  # the interleaved schedule runs micro-batches in groups of PP (forward.run)
+    # the interleaved schedule runs micro-batches in groups of PP (forward.forward_backward)
+    if topo.vpp:
         micro = fm.round_up(micro, topo.pp)
     return seq, mbs, micro
 

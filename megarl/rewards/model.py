@@ -264,7 +264,9 @@ class RewardModel:
             return torch.zeros(()), {"index": mb["index"], "scores": pick_scores(mb, values)}
 
         with torch.no_grad():
-            out = forward.run(self.chunks, mbs, loss_fn, forward_only=True, dp_size=g.dp_size)
+            out = forward.forward_backward(
+                self.chunks, mbs, loss_fn, forward_only=True, dp_size=g.dp_size
+            )
         scores = torch.zeros(len(ids), dtype=torch.float32)
         for m in out:
             scores[m["index"]] = m["scores"].float().cpu()

@@ -69,6 +69,6 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     run.logger.log_samples(step, rows, file=EVAL_SAMPLES_FILE)
     run.logger.log(step, metrics)
     run.close()
-    run.rollout.engine.close()
+    run.rollout.close()
     dist.barrier()
     return {"step": step, **metrics}

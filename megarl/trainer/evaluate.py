@@ -7,7 +7,7 @@ the weights after s updates (it runs after the step's weight sync) and its time 
 the step's `time_s`.
 
 What: the held-out prompts (`megarl.data.split`; the first `eval.max_prompts`) are split over the
-DP ranks in contiguous blocks and generated like a training step's (`RolloutDispatcher`: each
+DP ranks in contiguous blocks and generated like a training step's (the run's rollout: each
 prompt once, seeds from its position in the held-out list and a base seed fixed for the run, so
 the samples do not depend on the DP size), `eval.n` samples each, greedy at
 `eval.temperature` 0, at most `eval.max_tokens` tokens. They are scored by the run's reward
@@ -52,7 +52,7 @@ from megarl.trainer.seeds import eval_seed
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from megarl.rollout.dispatch import RolloutDispatcher
+    from megarl.rollout.colocated import RolloutComponent
 
 log = logging.getLogger("megarl")
 
@@ -101,7 +101,7 @@ class Evaluator:
     cfg: RunConfig
     prompts: PromptDataset
     """The held-out prompts, already cut to `eval.max_prompts`."""
-    dispatcher: RolloutDispatcher
+    rollout: RolloutComponent
     tokenizer: PreTrainedTokenizerBase
     scorer: Scorer
     groups: Groups
@@ -116,7 +116,7 @@ class Evaluator:
         total = len(self.prompts)
         mine = range(g.dp_rank * total // g.dp_size, (g.dp_rank + 1) * total // g.dp_size)
         greedy = ev.temperature == 0
-        rollout = self.dispatcher.generate(
+        rollout = self.rollout.generate(
             [self.prompts.prompt_ids[i] for i in mine],
             list(mine),
             eval_seed(self.cfg.trainer.seed),

@@ -5,8 +5,9 @@ The step's data is one `StepBatch` (the collated tensors, then the fields the na
 per-token tensors are `[B, S]` aligned with `targets`: position t holds quantities about the
 token at t + 1 (its logprob, the value of the state before it, its advantage). `loss_mask` is 1
 exactly where that token is a response token. Forward passes go through megatron's schedule
-(`megarl.models.forward.run`, forward-only), so they work at any TP/PP; their results exist on
-the last pipeline stage only (None elsewhere), which is the only stage that computes losses.
+(`megarl.models.forward.forward_backward`, forward-only), so they work at any TP/PP; their
+results exist on the last pipeline stage only (None elsewhere), which is the only stage that
+computes losses.
 Micro-batches are the plain dicts `split_micro_batches(batch.fields(), ...)` makes: megatron's
 data-iterator items.
 """
@@ -157,7 +158,9 @@ def forward_logprobs(
         batch, micro_batch_size, pad_to_multiple=pad_to, max_tokens=max_tokens
     )
     with torch.no_grad():
-        out = forward.run(chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size)
+        out = forward.forward_backward(
+            chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size
+        )
     if not groups.is_last_stage:
         return None
     return _assemble(out, "logprobs", batch["tokens"].shape)
@@ -176,7 +179,9 @@ def forward_values(
         batch, micro_batch_size, pad_to_multiple=pad_to, max_tokens=max_tokens
     )
     with torch.no_grad():
-        out = forward.run(chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size)
+        out = forward.forward_backward(
+            chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size
+        )
     if not groups.is_last_stage:
         return None
     return _assemble(out, "values", batch["tokens"].shape)

@@ -113,8 +113,8 @@ def generate(run: Run):
     count = len(prompts.prompt_ids)
     positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
     seed = step_seed(run.cfg.trainer.seed, run.step)
-    rollout = run.rollout.dispatcher.generate(prompts.prompt_ids, positions, seed)
-    run.rollout.engine.sleep()
+    rollout = run.rollout.generate(prompts.prompt_ids, positions, seed)
+    run.rollout.release()
     return prompts, rollout
 
 
@@ -279,7 +279,7 @@ def collect_metrics(
     merged = local.reduce(g.dp)
     merged["reward_std"] = reward_std(r, merged["reward_mean"], g.dp)
     # every prompt generated once: samples generated in the world = prompts x n
-    generated = torch.tensor([float(run.rollout.dispatcher.samples_generated)], dtype=torch.float64)
+    generated = torch.tensor([float(run.rollout.samples_generated())], dtype=torch.float64)
     dist.all_reduce(generated)
     merged["rollout/samples_generated"] = generated.item()
     out = from_last_stage(merged, g.pp, g.pp_size)  # reaches rank 0 through the pipeline group

@@ -95,7 +95,7 @@ def update(run: Run, stage, batch: dict) -> LocalMetrics:
     denominator = stage.denominator(run.data.dataset, batch["global_indices"])
     zero_grads(model.chunks, model.opt)
     micro = _micro_batches(run, stage, batch)
-    out = forward.run(
+    out = forward.forward_backward(
         model.chunks, micro, stage.loss_fn(run, denominator), forward_only=False, dp_size=g.dp_size
     )
     loss = sum(float(m["loss"]) for m in out) if out else 0.0
@@ -145,7 +145,7 @@ def evaluate(run: Run, stage) -> dict:
         batch = held.batch(rows, pad_id=run.pad_id, pad_to=run.pad_to)
         stage.prepare(run, batch)
         with torch.no_grad():
-            out = forward.run(
+            out = forward.forward_backward(
                 getattr(run.models, stage.role).chunks,
                 _micro_batches(run, stage, batch),
                 stage.loss_fn(run, denominator),

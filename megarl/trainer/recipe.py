@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import os
-import socket
 
 import torch.distributed as dist
 import yaml
@@ -44,16 +42,14 @@ from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run
 from megarl.models.hf_config import ModelArch
 from megarl.rewards.scorer import Scorer, load_functions
 from megarl.rollout.checks import check_kv_cache, require_vllm
-from megarl.rollout.dispatch import RolloutDispatcher
-from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.colocated import ColocatedRollout
 from megarl.rollout.routes import check_routing_replay
 from megarl.rollout.stop_tokens import resolve_stop_tokens
-from megarl.rollout.weight_sync import WeightSync
 from megarl.trainer.evaluate import Evaluator
 from megarl.trainer.faults import collective_timeout
 from megarl.trainer.model_source import keep_tokenizer, load_arch, resolve_model
 from megarl.trainer.models import build_reward_model, check_scalar_tokenizers
-from megarl.trainer.run import Data, RolloutParts, Run
+from megarl.trainer.run import Data, Run
 from megarl.trainer.stages import Stage
 
 log = logging.getLogger("megarl")
@@ -102,12 +98,14 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
         resume=resume,
     )
     if stage.engine:
-        run.rollout = build_rollout(cfg, arch, models.policy(), groups, out_dir)
+        run.rollout = ColocatedRollout.build(
+            cfg.rollout, arch, models.policy(), groups, out_dir, cfg.precision.dtype
+        )
         reward_model = build_reward_model(cfg, models, sources, rm_tokenizer, groups, run.pad_to)
         run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer)
         if data.held_out is not None:
             run.evaluator = Evaluator(
-                cfg, data.held_out, run.rollout.dispatcher, tokenizer, run.scorer, groups
+                cfg, data.held_out, run.rollout, tokenizer, run.scorer, groups
             )
     if stage.trains:
         run.maybe_resume()
@@ -331,24 +329,3 @@ def resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> Ru
     check_routing_replay(arch, rollout)
     require_vllm()
     return dataclasses.replace(cfg, rollout=rollout)
-
-
-def build_rollout(
-    cfg: RunConfig, arch: ModelArch, actor: list, groups: Groups, out_dir: str
-) -> RolloutParts:
-    """An engine on every rank: SPMD (external_launcher, its own TP) on GPU; on CPU a TP=1
-    engine per rank that receives the full model. The dispatcher has each prompt generated
-    once, by the engines of its model-parallel group."""
-    # vLLM reads the model's config.json from a directory on every node: the first rank of
-    # each node writes it (the same bytes; atomic per writer, so a shared run directory is fine)
-    model_dir = os.path.join(out_dir, "rollout_model")
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        os.makedirs(model_dir, exist_ok=True)
-        tmp = os.path.join(model_dir, f".config.json.{socket.gethostname()}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(dict(arch.hf_config), f, indent=1)
-        os.replace(tmp, os.path.join(model_dir, "config.json"))
-    dist.barrier()
-    engine = RolloutEngine(model_dir, arch, cfg.rollout, dtype=cfg.precision.dtype)
-    sync = WeightSync(actor, arch, engine, groups)
-    return RolloutParts(engine, sync, RolloutDispatcher(engine, groups.dp_rank))

@@ -1,7 +1,8 @@
 """The parts of one run, built once by `megarl.trainer.recipe.build_run`: topology and process
-groups, models by role (`Models`), the colocated rollout engine and its weight sync
-(`RolloutParts`), data (`Data`), the scorer, the evaluator, logging; and the run's own state
-(step, checkpoints, resume). The loops read these parts; only their own methods change them.
+groups, models by role (`Models`), the rollout (a `megarl.rollout.colocated.RolloutComponent`:
+the engines and their weight sync), data (`Data`), the scorer, the evaluator, logging; and the
+run's own state (step, checkpoints, resume). The loops read these parts; only their own methods
+change them.
 """
 
 from __future__ import annotations
@@ -29,36 +30,10 @@ if TYPE_CHECKING:
     from megarl.data.sampler import PromptSampler
     from megarl.metrics.sinks import MetricsLogger
     from megarl.rewards.scorer import Scorer
-    from megarl.rollout.dispatch import RolloutDispatcher
-    from megarl.rollout.engine import RolloutEngine
-    from megarl.rollout.weight_sync import WeightSync
+    from megarl.rollout.colocated import RolloutComponent
     from megarl.trainer.evaluate import Evaluator
 
 log = logging.getLogger("megarl")
-
-
-
-
-@dataclass
-class RolloutParts:
-    """The colocated generation side: this rank's vLLM engine, the weight sync from the actor's
-    shards into it, and the dispatcher that has each prompt generated once."""
-
-    engine: RolloutEngine
-    sync: WeightSync
-    dispatcher: RolloutDispatcher
-
-    def sync_weights(self) -> dict:
-        """Push the actor's weights into this rank's vLLM engine (collective).
-
-        The engine slept after generating (GPU: its weights and KV cache were freed while the
-        trainer used the memory): release the trainer's cached blocks, wake the weights, write
-        them (the sync also drops vLLM's prefix cache, computed with the old weights), then wake
-        the KV cache."""
-        torch.cuda.empty_cache()  # a no-op on CPU
-        stats = self.sync.sync()  # wakes the engine's weights before writing them
-        self.engine.wake_up(["kv_cache"])
-        return stats
 
 
 @dataclass
@@ -85,7 +60,7 @@ class Run:
     models: Models
     data: Data
     logger: MetricsLogger
-    rollout: RolloutParts | None = None
+    rollout: RolloutComponent | None = None
     """The generation side; None for a run that builds no engine."""
     scorer: Scorer | None = None
     """Scores samples with the reward functions and the reward model (`reward.*`); None for a

@@ -284,7 +284,9 @@ def _optimizer_steps(
                 pad_to_multiple=schedule.pad_to,
                 max_tokens=schedule.max_tokens,
             )
-            out = forward.run(model, micro, loss_fn, forward_only=False, dp_size=groups.dp_size)
+            out = forward.forward_backward(
+                model, micro, loss_fn, forward_only=False, dp_size=groups.dp_size
+            )
             # the mini-batch loss is the sum of the micro-batch shares
             loss = sum(float(m[objective.loss_key]) for m in out) if out else 0.0
             steps.append(optimizer_step(optimizer, scheduler, math.isfinite(loss), groups))

@@ -2,7 +2,8 @@
 
 On the GPU: bf16, megatron-core's local layer spec (`precision.transformer_engine=False`: the
 machine has no Transformer-Engine), a ~0.5B Llama-shaped model and one GRPO group of 4 sequences
-of 1.4k-2k tokens, collated on the host as the trainer does (`forward.run` moves micro-batches).
+of 1.4k-2k tokens, collated on the host as the trainer does (`forward.forward_backward` moves
+micro-batches).
 - build: actor (megatron DDP + DistributedOptimizer), reference and critic initialised from the
   actor as `megarl.trainer.recipe.build_run` does; parameters must sit on the device in the
   asked dtype.
