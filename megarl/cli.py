@@ -148,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])
     args = parse_args(argv)
-    code = run(args)
+    code = run_command(args)
     if args.verbose:
         return code
     console.end_process(code)
 
 
-def run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command; returns its exit status (2 for an input error)."""
     console.setup(verbose=args.verbose)
     command = {

@@ -139,7 +139,7 @@ def _without(argv: list[str], option: str) -> list[str]:
 def _run_megarl(argv: list[str], accept=(0,)) -> tuple[bool, str]:
     from megarl import cli
 
-    code, text, _ = _captured(lambda: cli.run(cli.parse_args(list(argv))))
+    code, text, _ = _captured(lambda: cli.run_command(cli.parse_args(list(argv))))
     return code in accept, f"exit status {code}: {text.strip()[-1500:]}"
 
 
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> int:
                     from megarl import cli
 
                     line = list(job["argv"])
-                    code, text, _ = _captured(lambda: cli.run(cli.parse_args(line)))  # noqa: B023
+                    code, text, _ = _captured(lambda: cli.run_command(cli.parse_args(line)))  # noqa: B023
                     ok = code == job.get("status", 0)
                     text = f"{text}[exit status {code}]"
                 elif job["kind"] == "tool":

@@ -328,7 +328,7 @@ def _cli(*argv: str) -> int:
 
     env = dict(os.environ)
     try:
-        return cli.run(cli.parse_args(list(argv)))
+        return cli.run_command(cli.parse_args(list(argv)))
     finally:
         initialised = dist.is_initialized()
         if initialised:

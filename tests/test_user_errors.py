@@ -7,8 +7,8 @@ hidden temporary sibling). `--debug` brings the traceback back.
 
 A few run as a user's process (`python -m megarl`, `tools/convert.py`, torchrun): what the
 interpreter prints at exit and the exit status it returns. The rest are the same command lines
-run one after the other in one child interpreter (`tests.docs_worker`, `megarl.cli.run` as the
-console script calls it, logging captured per command), so the imports are paid once.
+run one after the other in one child interpreter (`tests.docs_worker`, `megarl.cli.run_command`
+as the console script calls it, logging captured per command), so the imports are paid once.
 """
 
 from __future__ import annotations

@@ -154,16 +154,8 @@ def forward_logprobs(
         )
         return torch.zeros(()), {"index": mb["index"], "logprobs": lp.detach()}
 
-    mbs = split_micro_batches(
-        batch, micro_batch_size, pad_to_multiple=pad_to, max_tokens=max_tokens
-    )
-    with torch.no_grad():
-        out = forward.forward_backward(
-            chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size
-        )
-    if not groups.is_last_stage:
-        return None
-    return _assemble(out, "logprobs", batch["tokens"].shape)
+    split = dict(micro_batch_size=micro_batch_size, pad_to=pad_to, max_tokens=max_tokens)
+    return _forward_only(chunks, batch, loss_fn, "logprobs", groups, **split)
 
 
 def forward_values(
@@ -175,6 +167,15 @@ def forward_values(
     def loss_fn(mb, values):
         return torch.zeros(()), {"index": mb["index"], "values": values.squeeze(-1).detach()}
 
+    split = dict(micro_batch_size=micro_batch_size, pad_to=pad_to, max_tokens=max_tokens)
+    return _forward_only(chunks, batch, loss_fn, "values", groups, **split)
+
+
+def _forward_only(
+    chunks, batch: dict, loss_fn, key: str, groups, *, micro_batch_size, pad_to, max_tokens
+) -> torch.Tensor | None:
+    """`loss_fn`'s per-row output `key` over the whole batch, [B, S] on the last PP stage (None
+    elsewhere): the batch split into micro-batches, run forward-only through megatron."""
     mbs = split_micro_batches(
         batch, micro_batch_size, pad_to_multiple=pad_to, max_tokens=max_tokens
     )
@@ -184,7 +185,7 @@ def forward_values(
         )
     if not groups.is_last_stage:
         return None
-    return _assemble(out, "values", batch["tokens"].shape)
+    return _assemble(out, key, batch["tokens"].shape)
 
 
 def final_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
