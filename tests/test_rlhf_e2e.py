@@ -33,6 +33,7 @@ def runs(tmp_path_factory):
         "data.prompts_per_step=8",
         "algorithm.micro_batch_size=16",
         "eval.fraction=0.05",
+        f"eval.every={RM_STEPS}",  # at step 0 and after the last
     )
     _train(
         ppo,
