@@ -118,7 +118,7 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
             reference=make("reference", ref_state),
             critic=critic,
         ),
-        rollout=SimpleNamespace(dispatcher=SimpleNamespace(samples_generated=len(rows))),
+        rollout=SimpleNamespace(samples_generated=lambda: len(rows)),
     )
     reward_metrics.add_ratio("reward/toy", rewards.sum(), len(rewards))
     scored = xp.Scored(
