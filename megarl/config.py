@@ -20,6 +20,7 @@ import yaml
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.data.dataset import DataConfig
 from megarl.distributed.topology import ParallelConfig
+from megarl.envs.config import EnvConfig
 from megarl.errors import ConfigError
 from megarl.models.hf_config import PrecisionConfig
 from megarl.models.optim import OptimConfig
@@ -233,6 +234,8 @@ class RunConfig:
     """The critic's optimizer and schedule (PPO only)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The colocated vLLM engine: sampling, stop tokens, its memory and parallelism."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn trajectories: the environment (or agent), turns, token budget, tool calls."""
     data: DataConfig = field(default_factory=DataConfig)
     """The prompt dataset, its tokenization and the prompts per step."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -271,6 +274,16 @@ class RunConfig:
             )
         if not fns and (self.eval.every or self.eval.path or self.eval.fraction):
             raise ConfigError("eval: reward.functions is empty; a pass needs a reward function")
+        if self.env.multi_turn and not rl:
+            raise ConfigError(
+                f"env.name / env.agent with algorithm.name={self.algorithm.name}: multi-turn "
+                "trajectories are RL rollouts; accepted: grpo or ppo (or env.name: null)"
+            )
+        if self.env.multi_turn and self.rollout.routing_replay:
+            raise ConfigError(
+                "rollout.routing_replay with a multi-turn env: routes are captured per single-"
+                "turn call; accepted: rollout.routing_replay=false with env.name / env.agent"
+            )
 
 
 def _field_types(cls) -> dict[str, Any]:

@@ -129,10 +129,10 @@ def _hf(out) -> dict[str, torch.Tensor]:
 
 
 def _same_metrics(a: list[dict], b: list[dict]) -> None:
-    drop = {"time_s", "tokens_per_s"}
-    assert [{k: v for k, v in r.items() if k not in drop} for r in a] == [
-        {k: v for k, v in r.items() if k not in drop} for r in b
-    ]
+    def timeless(r: dict) -> dict:  # wall-clock figures differ between any two runs
+        return {k: v for k, v in r.items() if not k.endswith(("time_s", "tokens_per_s"))}
+
+    assert [timeless(r) for r in a] == [timeless(r) for r in b]
 
 
 @pytest.mark.slow

@@ -283,8 +283,11 @@ def compute_gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over right-padded sequences.
 
-    token_rewards, values, mask: `[B, T]`; valid tokens of row b are `t < len_b` (right padding).
-    The value after the last valid token is 0 (the episode ends with the completion):
+    token_rewards, values, mask: `[B, T]`. The recursion runs over each row's valid (mask 1)
+    tokens only, skipping the others: t + 1 below is the next valid token, so the tokens an
+    environment appended between two turns of a multi-turn trajectory are not steps of the
+    episode (for a contiguous mask this is plain GAE). The value after the last valid token is 0
+    (the episode ends with the completion):
         delta_t = r_t + gamma * V_{t+1} - V_t,    A_t = delta_t + gamma * lam * A_{t+1}.
     Returns `(advantages [B, T], returns [B, T])` with `returns = advantages + values`, both 0
     outside the mask. Not whitened: call `whiten` (or the distributed whitening) afterwards.
@@ -299,13 +302,14 @@ def compute_gae(
     # Zeroing values/rewards outside the mask makes V_{len} = 0 and keeps padding inert.
     v = torch.where(valid, values.detach(), 0.0)
     r = torch.where(valid, token_rewards.detach(), 0.0)
-    t_len = r.shape[1]
     adv = torch.zeros_like(r)
-    last = torch.zeros_like(r[:, 0])
-    for t in reversed(range(t_len)):
-        next_v = v[:, t + 1] if t + 1 < t_len else torch.zeros_like(last)
+    last = torch.zeros_like(r[:, 0])  # A at the next valid token
+    next_v = torch.zeros_like(last)  # V at the next valid token
+    for t in reversed(range(r.shape[1])):
         delta = r[:, t] + gamma * next_v - v[:, t]
-        last = (delta + gamma * lam * last) * m[:, t]
-        adv[:, t] = last
+        a_t = (delta + gamma * lam * last) * m[:, t]
+        adv[:, t] = a_t
+        last = torch.where(valid[:, t], a_t, last)
+        next_v = torch.where(valid[:, t], v[:, t], next_v)
     returns = (adv + v) * m
     return adv, returns

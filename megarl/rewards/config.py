@@ -1,12 +1,13 @@
 """The `reward` section: reward functions, their weights, and a reward model.
 
 A sample's reward is `sum_f w_f r_f + reward.model_weight x rm` (`rm`: the reward model's score,
-normalised when `reward.model_normalize: running`), minus `reward.truncated_penalty` for a response
-cut at `rollout.max_tokens` without EOS. Without `reward.functions` in the config the functions
-are `[toy]` (the embedded task's reward) when no reward model is set, and none with one: a reward
-model is never mixed with the toy reward unless the config names it. Checked here: the shapes of
-the section; the paths and the model behind `reward.model` are checked when a run starts
-(`megarl.rewards.model`).
+normalised when `reward.model_normalize: running`), plus `reward.env_weight x env` for a multi-turn
+trajectory (`env`: its environment's reward), minus `reward.truncated_penalty` for a response cut
+at `rollout.max_tokens` without EOS; a trajectory whose environment failed scores 0. Without
+`reward.functions` in the config the functions are `[toy]` (the embedded task's reward) when no
+reward model is set, and none with one: a reward model is never mixed with the toy reward unless
+the config names it. Checked here: the shapes of the section; the paths and the model behind
+`reward.model` are checked when a run starts (`megarl.rewards.model`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class RewardConfig:
     model_normalize: str = "none"
     """none (the raw score), or running: (score - mean) / std with the mean and std of every
     score seen so far in the run, this step's included (kept in checkpoints)."""
+    env_weight: float = 1.0
+    """Multi-turn (env.name): weight of the environment's reward (the sum of its turns'
+    rewards) in the total."""
     truncated_penalty: float | None = None
     """Subtracted from the total reward of each response cut at rollout.max_tokens without EOS
     (finish reason length); null = none."""

@@ -4,13 +4,15 @@
 reward model of `reward.model` when the run scores with one, and `reward.truncated_penalty`.
 `Scorer.score(prompts, rollout, completions)` returns `Scores`: the weighted total per sample,
 each function's value per sample (NaN where it does not apply; the reward model's raw score as
-"rm") and the per-function means as `LocalMetrics` under a prefix (`reward/...` in training,
-`eval/...` in evaluation). Evaluation scores with the functions alone (`model=False,
-penalty=False`): its figures are the functions' view of the policy.
+"rm", a multi-turn environment's reward as "env") and the per-function means as
+`LocalMetrics` under a prefix (`reward/...` in training, `eval/...` in evaluation). Evaluation
+scores with the functions (and a multi-turn environment) alone (`model=False, penalty=False`):
+its figures are their view of the policy.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +89,9 @@ class Scorer:
         `penalty`: add the reward model's weighted score / subtract the truncation penalty."""
         rc, idx = self.cfg, rollout.prompt_index
         columns = {k: [v[i] for i in idx] for k, v in prompts.columns.items()}
+        records = rollout.trajectories  # multi-turn: functions also get the conversation
+        if records is not None:
+            columns["conversation"] = [r.messages for r in records]
         total, per_fn, errors = score(
             self.functions,
             rc.weights,
@@ -110,8 +115,20 @@ class Scorer:
             if used is not raw:
                 metrics.add_ratio(f"{prefix}/rm_normalized", used.double().sum(), len(used))
             total = total + rc.model_weight * used
+        if records is not None:
+            env = torch.tensor(
+                [math.nan if r.env_reward is None else r.env_reward for r in records],
+                dtype=total.dtype,
+            )
+            ok = ~torch.isnan(env)
+            metrics.add_ratio(f"{prefix}/env", env[ok].double().sum(), ok.sum())
+            per_fn["env"] = env
+            total = total + rc.env_weight * torch.nan_to_num(env)
         if penalty and rc.truncated_penalty:
             cut = torch.tensor([r == "length" for r in rollout.finish_reason], dtype=total.dtype)
             total = total - rc.truncated_penalty * cut
             metrics.add_ratio(f"{prefix}/truncated", cut.double().sum(), len(cut))
+        if records is not None:  # an environment that failed: the trajectory scores 0
+            failed = torch.tensor([r.finish_reason == "env_error" for r in records])
+            total = torch.where(failed, torch.zeros_like(total), total)
         return Scores(total, per_fn, metrics)

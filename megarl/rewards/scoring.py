@@ -18,7 +18,6 @@ sample index, with `on_error="zero"` those samples score 0 for that function and
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from megarl.errors import UserError
+from megarl.plugins import FORMS, PluginError, load_object, parse_spec
 from megarl.rewards.builtins import BUILTINS
 
 logger = logging.getLogger(__name__)
@@ -54,35 +54,27 @@ class RewardFunction(Protocol):
 
 
 def load_reward_function(spec: str, **kwargs: Any) -> RewardFunction:
-    """A reward function from a built-in name or a dotted path, with `kwargs` bound.
+    """A reward function from a built-in name or a plugin path, with `kwargs` bound.
 
     spec: one of the built-ins (`math_verify`, `format`, `length_penalty`, `toy`), or
-    "package.module:function" / "package.module.function". The returned function keeps the
-    original `__name__` (used to label metrics and errors). Raises `RewardFunctionError` for a
-    spec that does not resolve or resolves to something not callable.
+    "package.module:function" / "package.module.function" / "path/to/file.py:function"
+    (`megarl.plugins.load_object`). The returned function keeps the original `__name__` (used
+    to label metrics and errors). Raises `RewardFunctionError` for a spec that does not
+    resolve or resolves to something not callable.
     """
     if spec in BUILTINS:
         fn = BUILTINS[spec]
     else:
         path = ALIASES.get(spec, spec)
-        module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-        if not sep or not module_name or not attr:
+        if parse_spec(path) is None:
             raise RewardFunctionError(
                 f"reward function {spec!r} is neither a built-in "
-                f"({sorted([*BUILTINS, *ALIASES])}) nor a dotted path 'package.module:function' "
-                "or 'package.module.function'"
+                f"({sorted([*BUILTINS, *ALIASES])}) nor a path {FORMS}"
             )
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise RewardFunctionError(
-                f"reward function {spec!r}: cannot import {module_name!r}: {err}"
-            ) from err
-        fn = getattr(module, attr, None)
-        if fn is None:
-            raise RewardFunctionError(
-                f"reward function {spec!r}: module {module_name!r} has no {attr!r}"
-            )
+            fn = load_object(path, what="reward function")
+        except PluginError as err:
+            raise RewardFunctionError(str(err)) from err
     if not callable(fn):
         raise RewardFunctionError(
             f"reward function {spec!r} is not callable (got {type(fn).__name__})"

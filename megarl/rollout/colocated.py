@@ -1,7 +1,8 @@
 """The rollout component as the trainer sees it: prompts in, a `Rollout` of samples out, and the
 policy's new weights pushed in after every update. The loop and the evaluator call only these
 methods, so a rollout of another kind (multi-turn environments, engines on ranks of their own)
-is another class with the same methods, not a change to the loop.
+is another class with the same methods, not a change to the loop
+(`megarl.rollout.multi_turn.MultiTurnRollout`).
 
 `ColocatedRollout` is today's placement: a vLLM engine in every trainer rank (`RolloutEngine`),
 the dispatcher that has each prompt generated once by the engines of its model-parallel group
@@ -32,12 +33,11 @@ class RolloutComponent(Protocol):
     """What the trainer asks of a rollout, whatever its kind or placement. Every method is
     collective over the trainer's ranks."""
 
-    def generate(
-        self, prompts: list[list[int]], positions: list[int], seed: int, **sampling
-    ) -> Rollout:
-        """The samples of this DP rank's `prompts` (token ids); `positions`: each prompt's place
-        in the step's global batch (its sampling seed depends on that, not on the split);
-        `sampling`: overrides of n, greedy, temperature, max_tokens."""
+    def generate(self, prompts, positions: list[int], seed: int, **sampling) -> Rollout:
+        """The samples of this DP rank's `prompts` (a `megarl.data.dataset.PromptBatch`: token
+        ids, raw prompts, columns); `positions`: each prompt's place in the step's global batch
+        (its sampling seed depends on that, not on the split); `sampling`: overrides of n,
+        greedy, temperature, max_tokens (a multi-turn rollout: per turn)."""
 
     def release(self) -> None:
         """Give the trainer the memory generation held, until the next `sync_weights`."""
@@ -83,10 +83,8 @@ class ColocatedRollout:
         sync = WeightSync(policy, arch, engine, groups)
         return ColocatedRollout(engine, sync, RolloutDispatcher(engine, groups.dp_rank))
 
-    def generate(
-        self, prompts: list[list[int]], positions: list[int], seed: int, **sampling
-    ) -> Rollout:
-        return self.dispatcher.generate(prompts, positions, seed, **sampling)
+    def generate(self, prompts, positions: list[int], seed: int, **sampling) -> Rollout:
+        return self.dispatcher.generate(prompts.prompt_ids, positions, seed, **sampling)
 
     def release(self) -> None:
         self.engine.sleep()

@@ -105,6 +105,16 @@ class RolloutDispatcher:
         """Samples this rank's instance generated in the last call, counted on its leader
         rank only (sum over ranks = samples generated in the world)."""
 
+    @property
+    def instance_group(self):
+        """The process group of this rank's vLLM instance (None when it has one rank)."""
+        return self._instance_group
+
+    @property
+    def instance_leader(self) -> bool:
+        """Whether this rank is the first of its vLLM instance."""
+        return self.rank == min(self.plan.instances[self.instance])
+
     def generate(
         self, prompts: list[list[int]], positions: list[int], seed: int, **sampling
     ) -> Rollout:
@@ -112,8 +122,19 @@ class RolloutDispatcher:
         the same one; a DP rank may have none). `positions`: each prompt's place in the step's
         global batch. `sampling`: `RolloutEngine.generate`'s overrides (n, greedy, max_tokens,
         temperature), the same on every rank."""
-        plan, mine = self.plan, self.plan.chunk(self.dp, self.instance, len(prompts))
-        share = {self.dp: ([prompts[j] for j in mine], [positions[j] for j in mine])}
+
+        def produce(reqs, pos):
+            return self.engine.generate(reqs, positions=pos, seed=seed, **sampling)
+
+        return self.dispatch(prompts, positions, produce)
+
+    def dispatch(self, items: list, positions: list[int], produce) -> Rollout:
+        """`generate` for any kind of request: `items` are this DP rank's prompts (token ids, or
+        whatever `produce` reads: picklable) and `produce(items, positions) -> Rollout` makes
+        the samples of an instance's share, with `prompt_index` indexing that share; every rank
+        of the instance calls it with the same share."""
+        plan, mine = self.plan, self.plan.chunk(self.dp, self.instance, len(items))
+        share = {self.dp: ([items[j] for j in mine], [positions[j] for j in mine])}
         if self._instance_group is not None:  # learn the other DP ranks' chunks for us
             parts: list = [None] * len(plan.instances[self.instance])
             dist.all_gather_object(parts, (self.dp, share[self.dp]), group=self._instance_group)
@@ -121,58 +142,25 @@ class RolloutDispatcher:
         owners = [(d, j) for d in sorted(share) for j in range(len(share[d][0]))]
         reqs = [share[d][0][j] for d, j in owners]
         pos = [share[d][1][j] for d, j in owners]
-        out = self.engine.generate(reqs, positions=pos, seed=seed, **sampling) if reqs else _empty()
-        is_leader = self.rank == min(plan.instances[self.instance])
-        self.samples_generated = len(out) if is_leader else 0
-        # this instance's samples of our DP rank, keyed by their prompt index in `prompts`
-        ours = _select(out, owners, self.dp, first=mine.start)
+        out = produce(reqs, pos) if reqs else Rollout.empty()
+        self.samples_generated = len(out) if self.instance_leader else 0
+        # this instance's samples of our DP rank, keyed by their prompt index in `items`
+        rows = [k for k, i in enumerate(out.prompt_index) if owners[i][0] == self.dp]
+        ours = out.take(rows, [mine.start + owners[out.prompt_index[k]][1] for k in rows])
         give = ours if self.rank == plan.leader(self.dp, self.instance) else None
         pieces: list = [give]
         if self._dp_group is not None:
             pieces = [None] * len(self._dp_ranks)
             dist.all_gather_object(pieces, give, group=self._dp_group)
-        return _merge([p for p in pieces if p is not None], prompts)
+        return _merge([p for p in pieces if p is not None], len(items))
 
 
-def _empty() -> Rollout:
-    return Rollout([], [], [], [], [])
-
-
-def _select(out: Rollout, owners, dp: int, *, first: int) -> Rollout:
-    sel = _empty()
-    if out.routed_experts is not None:  # MoE routing replay: routes travel with their samples
-        sel.routed_experts = []
-    for k, i in enumerate(out.prompt_index):
-        d, j = owners[i]
-        if d != dp:
-            continue
-        sel.prompt_index.append(first + j)
-        sel.prompt_ids.append(out.prompt_ids[k])
-        sel.response_ids.append(out.response_ids[k])
-        sel.response_logprobs.append(out.response_logprobs[k])
-        sel.finish_reason.append(out.finish_reason[k])
-        if sel.routed_experts is not None:
-            sel.routed_experts.append(out.routed_experts[k])
-    return sel
-
-
-def _merge(parts: list[Rollout], prompts: list[list[int]]) -> Rollout:
+def _merge(parts: list[Rollout], num_prompts: int) -> Rollout:
     """Samples of all chunks in prompt order (prompt-major, each prompt's n samples in order)."""
-    rows = [(p.prompt_index[k], c, k) for c, p in enumerate(parts) for k in range(len(p))]
-    rows.sort()
-    merged = _empty()
-    if any(p.routed_experts is not None for p in parts):
-        merged.routed_experts = []
-    for idx, c, k in rows:
-        p = parts[c]
-        merged.prompt_index.append(idx)
-        merged.prompt_ids.append(p.prompt_ids[k])
-        merged.response_ids.append(p.response_ids[k])
-        merged.response_logprobs.append(p.response_logprobs[k])
-        merged.finish_reason.append(p.finish_reason[k])
-        if merged.routed_experts is not None:
-            merged.routed_experts.append(p.routed_experts[k])
-    if sorted(set(merged.prompt_index)) != list(range(len(prompts))):
-        missing = sorted(set(range(len(prompts))) - set(merged.prompt_index))
+    whole = Rollout.concat(parts)
+    order = sorted(range(len(whole)), key=lambda k: whole.prompt_index[k])  # stable: n in order
+    merged = whole.take(order)
+    if sorted(set(merged.prompt_index)) != list(range(num_prompts)):
+        missing = sorted(set(range(num_prompts)) - set(merged.prompt_index))
         raise RuntimeError(f"rollout dispatch lost prompts {missing[:8]} of this DP rank")
     return merged

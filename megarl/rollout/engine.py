@@ -47,6 +47,7 @@ Assumptions and simplifications:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -85,9 +86,46 @@ class Rollout:
     routed_experts: list | None = None
     """With `routing_replay`: per sample, the experts vLLM routed each token to, an array
     [len(prompt) + len(response) - 1, layers, top_k] (the last token is never fed back)."""
+    response_mask: list[list[int]] | None = None
+    """Multi-turn: per sample, 1 on each response token the policy sampled and 0 on the tokens
+    the environment appended (its logprob is 0 there); None = every response token sampled."""
+    trajectories: list | None = None
+    """Multi-turn: per sample, its `megarl.rollout.trajectory.TrajectoryRecord` (conversation,
+    turns, tool calls, environment rewards and errors); None for single-turn samples."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def take(self, rows: list[int], prompt_index: list[int] | None = None) -> Rollout:
+        """The samples at `rows`, in that order (every per-sample field travels with them);
+        `prompt_index` replaces theirs when given."""
+        out = {}
+        for f in dataclasses.fields(self):
+            values = getattr(self, f.name)
+            out[f.name] = None if values is None else [values[i] for i in rows]
+        if prompt_index is not None:
+            out["prompt_index"] = list(prompt_index)
+        return Rollout(**out)
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        """The samples of `parts` one after the other. An optional field (routes, masks,
+        trajectories) is kept when every non-empty part carries it and dropped when none does."""
+        filled = [p for p in parts if len(p)]
+        out = {}
+        for f in dataclasses.fields(Rollout):
+            have = [getattr(p, f.name) is not None for p in filled]
+            if any(have) and not all(have):
+                raise RuntimeError(f"Rollout.concat: only some parts carry {f.name}")
+            if f.default is None and not any(have):
+                out[f.name] = None
+            else:
+                out[f.name] = [x for p in filled for x in getattr(p, f.name)]
+        return Rollout(**out)
+
+    @staticmethod
+    def empty() -> Rollout:
+        return Rollout([], [], [], [], [])
 
     @property
     def num_tokens(self) -> int:
@@ -289,15 +327,18 @@ class RolloutEngine:
         seed: int | None = None,
         greedy: bool = False,
         positions: list[int] | None = None,
-        max_tokens: int | None = None,
+        max_tokens: int | list[int] | None = None,
         temperature: float | None = None,
+        seeds: list[int] | None = None,
     ) -> Rollout:
         """Sample `n` (default `cfg.n`) responses per prompt; see `Rollout` for the layout.
 
         `positions[i]` (default i) places prompt i in the seed block of `seed` (module
         docstring). `max_tokens` / `temperature` override the config's for this call (held-out
-        evaluation); `greedy` decodes by argmax whatever the temperature. With vLLM TP > 1
-        every rank of the instance must make the same call."""
+        evaluation), `max_tokens` also per prompt (a list); `greedy` decodes by argmax whatever
+        the temperature. `seeds[i]` (multi-turn: one request per trajectory turn) replaces
+        prompt i's seed from `seed` and `positions` (its sample k gets seeds[i] + k). With vLLM
+        TP > 1 every rank of the instance must make the same call."""
         from vllm import SamplingParams
 
         if self.weight_state == PARTIAL:
@@ -317,21 +358,29 @@ class RolloutEngine:
         if n < 1:
             raise ValueError(f"generate(n={n}); accepted: n >= 1")
         max_tokens = cfg.max_tokens if max_tokens is None else max_tokens
+        limits = list(max_tokens) if isinstance(max_tokens, list | tuple) else None
+        if limits is not None and len(limits) != len(prompts):
+            raise ValueError(f"generate: {len(limits)} max_tokens for {len(prompts)} prompts")
+        limits = limits or [max_tokens] * len(prompts)
+        max_tokens = min(limits, default=1)
         temperature = cfg.temperature if temperature is None else temperature
         if max_tokens < 1 or not 0 < temperature <= 2:
             raise ValueError(
                 f"generate(max_tokens={max_tokens}, temperature={temperature}); accepted: "
                 "max_tokens >= 1, 0 < temperature <= 2 (greedy=True for argmax)"
             )
-        self._check_prompts(prompts, max_tokens)
+        self._check_prompts(prompts, limits)
         base = cfg.seed + self._calls if seed is None else seed
         self._calls += 1
         if base < 0:
             raise ValueError(f"generate(seed={base}); accepted: seed >= 0")
-        block = _mix64(base) % 2**32
         positions = list(range(len(prompts))) if positions is None else list(positions)
         if len(positions) != len(prompts):
             raise ValueError(f"generate: {len(positions)} positions for {len(prompts)} prompts")
+        if seeds is None:
+            seeds = [sample_seed(base, pos * n) for pos in positions]
+        elif len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         self.wake_up()
         params = [
             SamplingParams(
@@ -339,20 +388,20 @@ class RolloutEngine:
                 temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else cfg.top_p,
                 top_k=0 if greedy or cfg.top_k == -1 else cfg.top_k,
-                max_tokens=max_tokens,
+                max_tokens=limit,
                 stop_token_ids=list(cfg.stop_token_ids or ()),
                 ignore_eos=True,  # stop exactly at `stop_token_ids` (EOS included by default)
-                seed=(block + pos * n) % 2**32,
+                seed=request_seed % 2**32,
                 logprobs=0,
                 flat_logprobs=True,
                 detokenize=False,
             )
-            for pos in positions
+            for request_seed, limit in zip(seeds, limits, strict=True)
         ]
         if self.routes is not None:
             self.routes.begin()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        ro = Rollout([], [], [], [], [])
+        ro = Rollout.empty()
         vocab = self.arch.vocab_size
         for i, out in enumerate(outs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -371,11 +420,12 @@ class RolloutEngine:
             ro.routed_experts = self.routes.collect(outs, prompts)
         return ro
 
-    def _check_prompts(self, prompts, max_tokens: int) -> None:
-        vocab, limit = self.arch.vocab_size, self.max_model_len - max_tokens
+    def _check_prompts(self, prompts, max_tokens: list[int]) -> None:
+        vocab = self.arch.vocab_size
         if not isinstance(prompts, list | tuple) or not prompts:
             raise ValueError("generate(prompts): expected a non-empty list of token-id lists")
         for i, p in enumerate(prompts):
+            limit = self.max_model_len - max_tokens[i]
             if not len(p):
                 raise ValueError(f"prompt {i} is empty")
             if min(p) < 0 or max(p) >= vocab:
@@ -383,7 +433,7 @@ class RolloutEngine:
                 raise ValueError(f"prompt {i} holds token id {bad} outside [0, vocab_size={vocab})")
             if len(p) > limit:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens} the "
+                    f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens[i]} the "
                     f"engine's max_model_len={self.max_model_len} allows at most {limit}"
                 )
 
@@ -395,6 +445,12 @@ class WeightLoadError(RuntimeError):
     def __init__(self, message: str, param: str | None):
         super().__init__(message)
         self.param = param
+
+
+def sample_seed(base: int, index: int) -> int:
+    """The sampling seed of the sample at `index` (= position x n + k) of a call whose base seed
+    is `base` (module docstring): in [0, 2**32)."""
+    return (_mix64(base) % 2**32 + index) % 2**32
 
 
 def _mix64(x: int) -> int:

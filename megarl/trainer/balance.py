@@ -13,13 +13,13 @@ up to the order of float sums (`tests/test_balance.py`); with several, the mini-
 different samples (as with another DP size).
 
 The exchange gathers every rank's samples on every rank of the DP group (one object all-gather
-of token ids, sampler logprobs and MoE routes): simple and exact, at the cost of the step's
-whole batch in host memory on each rank.
+of every sample's fields: token ids, sampler logprobs, MoE routes, multi-turn masks and
+trajectories): simple and exact, at the cost of the step's whole batch in host memory on each
+rank.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections.abc import Sequence
 
@@ -56,26 +56,16 @@ def balance_over_dp(
     the largest rank's tokens over the mean, before and after."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = len(rollout)
-    rows = [
-        (
-            rollout.prompt_ids[i],
-            rollout.response_ids[i],
-            rollout.response_logprobs[i],
-            rollout.finish_reason[i],
-            None if rollout.routed_experts is None else rollout.routed_experts[i],
-            rewards[i].tolist(),
-            int(group_ids[i]),
-        )
-        for i in range(n)
-    ]
+    piece = (rollout, rewards.tolist(), [int(i) for i in group_ids])
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, rows, group=group)
-    if any(len(g) != n for g in gathered):
-        raise RuntimeError(f"balance_over_dp: ranks hold {[len(g) for g in gathered]} samples")
-    every = [r for g in gathered for r in g]
-    lengths = [len(r[0]) + len(r[1]) for r in every]
+    dist.all_gather_object(gathered, piece, group=group)
+    if any(len(g[0]) != n for g in gathered):
+        raise RuntimeError(f"balance_over_dp: ranks hold {[len(g[0]) for g in gathered]} samples")
+    every = Rollout.concat([g[0] for g in gathered])
+    every_rewards = [r for g in gathered for r in g[1]]
+    every_ids = [i for g in gathered for i in g[2]]
+    lengths = [len(p) + len(r) for p, r in zip(every.prompt_ids, every.response_ids, strict=True)]
     plan = balanced_partition(lengths, world)
-    mine = [every[i] for i in plan[rank]]
 
     def imbalance(parts: list[list[int]]) -> float:
         sums = [sum(lengths[i] for i in p) for p in parts]
@@ -86,15 +76,7 @@ def balance_over_dp(
         "dp_tokens_max_over_mean_before": imbalance(before),
         "dp_tokens_max_over_mean": imbalance(plan),
     }
-    ids = [r[6] for r in mine]
-    out = dataclasses.replace(
-        rollout,
-        prompt_index=ids,
-        prompt_ids=[r[0] for r in mine],
-        response_ids=[r[1] for r in mine],
-        response_logprobs=[r[2] for r in mine],
-        finish_reason=[r[3] for r in mine],
-        routed_experts=None if rollout.routed_experts is None else [r[4] for r in mine],
-    )
-    new_rewards = torch.tensor([r[5] for r in mine], dtype=rewards.dtype)
+    ids = [every_ids[i] for i in plan[rank]]
+    out = every.take(plan[rank], prompt_index=ids)
+    new_rewards = torch.tensor([every_rewards[i] for i in plan[rank]], dtype=rewards.dtype)
     return out, new_rewards, torch.tensor(ids, dtype=torch.long), metrics

@@ -46,6 +46,8 @@ from megarl.distributed.topology import Groups
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import EVAL_SAMPLES_FILE
 from megarl.rewards.scorer import Scorer
+from megarl.rollout.multi_turn import trajectory_metrics
+from megarl.rollout.trajectory import completion_texts, record_fields
 from megarl.trainer.samples import gather_rows
 from megarl.trainer.seeds import eval_seed
 
@@ -117,7 +119,7 @@ class Evaluator:
         mine = range(g.dp_rank * total // g.dp_size, (g.dp_rank + 1) * total // g.dp_size)
         greedy = ev.temperature == 0
         rollout = self.rollout.generate(
-            [self.prompts.prompt_ids[i] for i in mine],
+            self.prompts.batch(list(mine)),
             list(mine),
             eval_seed(self.cfg.trainer.seed),
             n=ev.n,
@@ -129,7 +131,7 @@ class Evaluator:
         local = LocalMetrics()
         rows = []
         if len(rollout):
-            texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+            texts = completion_texts(rollout, self.tokenizer)
             prompts = self.prompts.batch(list(mine))
             scores = self.scorer.score(
                 prompts,
@@ -141,6 +143,7 @@ class Evaluator:
                 penalty=False,
             )
             local.update(scores.metrics)
+            local.update(trajectory_metrics(rollout, prefix="eval"))
             passed = self._passes(scores.per_function)
             self._figures(local, index, scores.total, passed, rollout)
             rows = self._rows(index, prompts, texts, scores, passed, rollout)
@@ -197,6 +200,7 @@ class Evaluator:
                     "passed": bool(passed[j]),
                     "length": len(rollout.response_ids[j]),
                     "finish_reason": rollout.finish_reason[j],
+                    **record_fields(rollout.trajectories and rollout.trajectories[j]),
                 }
             )
         return rows

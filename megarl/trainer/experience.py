@@ -104,11 +104,24 @@ def build_batch(
     pad_id: int,
     pad_to: int,
     routed_experts: list | None = None,
+    response_mask: list[list[int]] | None = None,
 ) -> StepBatch:
     """Collate prompts + responses and place the sampler's logprobs on the loss-mask positions;
     with MoE routing replay also the sampler's routes, as `routed_experts` [B, S, layers, top_k]
-    (`megarl.models.routing.collate_routes`)."""
+    (`megarl.models.routing.collate_routes`). `response_mask` (multi-turn: 1 on sampled tokens,
+    0 on the environment's) zeroes `loss_mask` where the target is an environment token, so
+    every loss, KL, entropy and advantage counts sampled tokens only."""
     collated = collate(prompt_ids, response_ids, pad_id, pad_to_multiple=pad_to)
+    if response_mask is not None:
+        mask = collated["loss_mask"]
+        for b, sampled in enumerate(response_mask):
+            if len(sampled) != len(response_ids[b]):
+                raise ValueError(
+                    f"build_batch: sample {b} has {len(response_ids[b])} response tokens but a "
+                    f"response_mask of {len(sampled)}"
+                )
+            start = int(collated["prompt_len"][b]) - 1
+            mask[b, start : start + len(sampled)] *= torch.tensor(sampled, dtype=mask.dtype)
     routes = None
     if routed_experts is not None:
         width = collated["tokens"].shape[1]

@@ -30,6 +30,8 @@ from megarl.metrics.sinks import SAMPLES_FILE
 from megarl.metrics.throughput import flops_per_token, precision_mfu
 from megarl.metrics.timer import StageTimer
 from megarl.models.routing import moe_metrics
+from megarl.rollout.multi_turn import trajectory_metrics
+from megarl.rollout.trajectory import completion_texts
 from megarl.trainer import recipe
 from megarl.trainer.balance import balance_over_dp
 from megarl.trainer.evaluate import evaluate
@@ -78,6 +80,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             pad_id=run.pad_id,
             pad_to=run.pad_to,
             routed_experts=rollout.routed_experts,  # MoE routing replay; None otherwise
+            response_mask=rollout.response_mask,  # multi-turn: environment tokens are not trained
         )
         with timer("logprobs"):
             forward_passes(run, batch)
@@ -89,7 +92,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
             run.rollout.sync_weights()
         run.step += 1
         metrics = collect_metrics(
-            run, batch, scored, train_metrics, timer.step_times(), time.perf_counter() - t0
+            run, rollout, batch, scored, train_metrics, timer.step_times(), time.perf_counter() - t0
         )
         timer.reset()
         metrics.update(evaluate(run))  # every eval.every steps and after the last
@@ -113,7 +116,7 @@ def generate(run: Run):
     count = len(prompts.prompt_ids)
     positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
     seed = step_seed(run.cfg.trainer.seed, run.step)
-    rollout = run.rollout.generate(prompts.prompt_ids, positions, seed)
+    rollout = run.rollout.generate(prompts, positions, seed)
     run.rollout.release()
     return prompts, rollout
 
@@ -125,8 +128,7 @@ def score(run: Run, prompts, rollout) -> Scored:
     samples it applies to (None = not applicable) as metrics, the reward model's as `reward/rm`;
     each function's value per sample ({name: [B]}, NaN where it does not apply, the reward
     model's raw score as "rm": `samples.jsonl`); and each sample's global prompt id."""
-    completions = run.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-    scores = run.scorer.score(prompts, rollout, completions)
+    scores = run.scorer.score(prompts, rollout, completion_texts(rollout, run.tokenizer))
     group_ids = torch.tensor([prompts.indices[i] for i in rollout.prompt_index])
     return Scored(
         rewards=scores.total,
@@ -249,6 +251,7 @@ def _trains_policy(run: Run) -> bool:
 
 def collect_metrics(
     run: Run,
+    rollout,
     batch: StepBatch,
     scored: Scored,
     train_metrics: LocalMetrics,
@@ -264,6 +267,7 @@ def collect_metrics(
     local.add_ratio("response_len", batch.response_len.sum(), len(r))
     local.add_sum("tokens", batch.seq_len.sum())
     local.update(scored.metrics)
+    local.update(trajectory_metrics(rollout))  # multi-turn: turns, tool calls, env errors, ...
     local.update(train_metrics)
     # router load balance, aux loss (MoE only)
     local.update(moe_metrics(run.models.actor.chunks, run.arch))

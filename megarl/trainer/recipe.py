@@ -7,8 +7,10 @@ paths -> where the model comes from (GGUF -> cached HF directory, run dir -> its
 the model's architecture -> the stage's config checks -> the layout (before any megatron group
 exists) -> tokenizer -> the architecture the stage builds -> every data row -> the stage's
 resolved config (offline: steps from epochs; with an engine: stop tokens, KV cache) -> reward
-functions -> the weight files' headers -> the checkpoint to resume from -> `config.yaml`; then
-the models, the rollout engine and its weight sync (stages with an engine), the scorer, the
+functions -> the multi-turn environment (one built), its chat format and tool parser -> the
+weight files' headers -> the checkpoint to resume from -> `config.yaml`; then
+the models, the rollout engine and its weight sync (stages with an engine; with an environment
+the multi-turn rollout on them), the scorer, the
 evaluator and logging, the checkpoint's state, and the engine's first weights.
 
 What differs per stage is what `megarl.trainer.stages.Stage` says; the parts built live in
@@ -43,6 +45,7 @@ from megarl.models.hf_config import ModelArch
 from megarl.rewards.scorer import Scorer, load_functions
 from megarl.rollout.checks import check_kv_cache, require_vllm
 from megarl.rollout.colocated import ColocatedRollout
+from megarl.rollout.multi_turn import MultiTurnRollout, load_multi_turn
 from megarl.rollout.routes import check_routing_replay
 from megarl.rollout.stop_tokens import resolve_stop_tokens
 from megarl.trainer.evaluate import Evaluator
@@ -75,6 +78,9 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
     if stage.engine:
         cfg = resolve_rollout(cfg, arch, tokenizer, device.use_gpu())
     functions = load_functions(cfg.reward) if stage.engine else []
+    multi_turn = None
+    if stage.engine and cfg.env.multi_turn:
+        multi_turn = load_multi_turn(cfg.env, tokenizer)
     check_model_files(cfg, source_arch)
     resume = None
     if stage.trains:
@@ -101,6 +107,10 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
         run.rollout = ColocatedRollout.build(
             cfg.rollout, arch, models.policy(), groups, out_dir, cfg.precision.dtype
         )
+        if multi_turn is not None:  # trajectories with an environment, on the same engines
+            run.rollout = MultiTurnRollout(
+                run.rollout, multi_turn, tokenizer, cfg.data.system_prompt
+            )
         reward_model = build_reward_model(cfg, models, sources, rm_tokenizer, groups, run.pad_to)
         run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer)
         if data.held_out is not None:

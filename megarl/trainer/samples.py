@@ -16,7 +16,9 @@ used (no reward function is called again: it may be costly, random, or have side
 A row: step, pick (best / worst / random), prompt_id (row of the training prompts), prompt (the
 prompt column's value), completion (decoded, special tokens skipped), rewards {function: value},
 reward (weighted total), advantage (mean over the response tokens: GRPO's per-sample value, PPO's
-mean GAE), length (response tokens) and finish_reason (stop / length).
+mean GAE), length (response tokens) and finish_reason (stop / length; multi-turn also max_turns /
+env_error). A multi-turn sample's completion is its last assistant turn, and its row also holds
+the whole conversation, the turns' rewards and the environment's (`record_fields`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 
 import torch.distributed as dist
 
+from megarl.rollout.trajectory import completion_texts, record_fields
 from megarl.trainer.experience import Scored, StepBatch
 
 
@@ -101,7 +104,7 @@ def step_samples(run, rollout, scored: Scored, batch: StepBatch) -> list:
         adv = (batch.advantages[chosen].double() * mask).sum(1) / mask.sum(1).clamp(min=1)
         prompts = run.data.dataset.batch([ids[i] for i in chosen])
         responses = [rollout.response_ids[i] for i in chosen]
-        texts = run.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        texts = completion_texts(rollout.take(chosen), run.tokenizer)
         rows = []
         for j, i in enumerate(chosen):
             rows.append(
@@ -115,6 +118,7 @@ def step_samples(run, rollout, scored: Scored, batch: StepBatch) -> list:
                     "advantage": float(adv[j]),
                     "length": len(responses[j]),
                     "finish_reason": rollout.finish_reason[i],
+                    **record_fields(rollout.trajectories and rollout.trajectories[i]),
                 }
             )
     return pick(gather_rows(rows), m)

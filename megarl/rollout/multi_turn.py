@@ -1,0 +1,260 @@
+"""The multi-turn rollout component: every sample a trajectory of turns between the policy and
+an environment (`env.name`) or an agent (`env.agent`, served by `megarl.rollout.endpoint`),
+behind the same interface as the single-turn rollout (`megarl.rollout.colocated.RolloutComponent`).
+
+Placement is the colocated one: the engines, the weight sync and the dispatcher are the
+`ColocatedRollout`'s; the dispatcher hands each vLLM instance its share of the prompts, and
+the instance runs their trajectories (n per prompt) to the end with a `WaveBatcher`: every
+trajectory a thread (`megarl.rollout.trajectory.EnvTrajectory`), one `generate` call per wave
+of turns. With a vLLM instance of several ranks (GPU, rollout.tensor_parallel > 1), its first
+rank runs the environments and sends every wave's requests to the others, which generate the
+same requests (vLLM's SPMD executor needs every rank to submit them); on CPU instances have one
+rank.
+
+A sample's response is everything after the prompt: sampled tokens and the environment's
+(`Rollout.response_mask` tells them apart, `Rollout.trajectories` holds the conversation).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megarl.data.dataset import prompt_messages
+from megarl.envs.config import EnvConfig
+from megarl.envs.registry import environment_factory, load_agent
+from megarl.envs.tool_calls import ToolCallParser
+from megarl.metrics.reduce import LocalMetrics
+from megarl.rollout.agent import AgentTrajectory
+from megarl.rollout.chat_format import ChatFormat
+from megarl.rollout.colocated import ColocatedRollout
+from megarl.rollout.endpoint import ChatEndpoint
+from megarl.rollout.engine import Rollout
+from megarl.rollout.trajectory import FINISH_REASONS, EnvTrajectory, TurnLimits
+from megarl.rollout.waves import TurnResult, WaveBatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MultiTurnSetup:
+    """What a multi-turn rollout reads from the config, loaded and checked before any model
+    is built (`load_multi_turn`)."""
+
+    cfg: EnvConfig
+    make_env: Callable | None
+    """A new environment per trajectory (None with `env.agent`)."""
+    fmt: ChatFormat
+    parser: ToolCallParser | None
+    """The tool-call parser, when the environment declares tools."""
+    agent: Callable | None = None
+    """The agent function of `env.agent` (its tools come with its requests)."""
+
+
+def load_multi_turn(cfg: EnvConfig, tokenizer) -> MultiTurnSetup:
+    """The environment's factory (one environment built now: a bad name, class or kwargs fails
+    here), the chat format and, when it declares tools, vLLM's tool parser `env.tool_parser`;
+    or, with `env.agent`, the agent function (and the chat format built once, so that a
+    template that cannot render a conversation fails here, not on the first request)."""
+    if cfg.agent is not None:
+        return MultiTurnSetup(cfg, None, ChatFormat(tokenizer, None), None, load_agent(cfg))
+    make_env = environment_factory(cfg)
+    tools = getattr(make_env(), "tools", None) or None
+    fmt = ChatFormat(tokenizer, tools)
+    parser = ToolCallParser(cfg.tool_parser, tokenizer, tools) if tools else None
+    return MultiTurnSetup(cfg, make_env, fmt, parser)
+
+
+class MultiTurnRollout:
+    """Trajectories with an environment, on the colocated engines (module docstring)."""
+
+    def __init__(
+        self, colocated: ColocatedRollout, setup: MultiTurnSetup, tokenizer, system_prompt
+    ):
+        self.colocated = colocated
+        self.engine = colocated.engine
+        self.cfg, self.make_env, self.fmt = setup.cfg, setup.make_env, setup.fmt
+        self.parser, self.agent = setup.parser, setup.agent
+        self.endpoint: ChatEndpoint | None = None
+        """The agents' OpenAI-compatible endpoint (started on first use, closed by `close`)."""
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.last_waves: list[int] = []
+        """Turns per wave of the last `generate` on this rank."""
+
+    # ------------------------------------------------------------------ the component
+    def generate(self, prompts, positions: list[int], seed: int, **sampling) -> Rollout:
+        """This DP rank's trajectories of `prompts` (a `PromptBatch`), n per prompt; see
+        `RolloutComponent.generate`."""
+        items = [
+            {
+                "messages": prompt_messages(p, self.system_prompt, "prompt"),
+                "row": {"prompt": p, **{k: v[i] for k, v in prompts.columns.items()}},
+                "prompt_ids": prompts.prompt_ids[i],
+            }
+            for i, p in enumerate(prompts.prompts)
+        ]
+
+        def produce(share, pos):
+            return self._trajectories(share, pos, seed, **sampling)
+
+        return self.colocated.dispatcher.dispatch(items, positions, produce)
+
+    def release(self) -> None:
+        self.colocated.release()
+
+    def sync_weights(self) -> dict:
+        return self.colocated.sync_weights()
+
+    def samples_generated(self) -> int:
+        return self.colocated.samples_generated()
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.colocated.close()
+
+    # ------------------------------------------------------------------ one instance's share
+    def _trajectories(
+        self,
+        items: list[dict],
+        positions: list[int],
+        seed: int,
+        *,
+        n: int | None = None,
+        greedy: bool = False,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> Rollout:
+        n = self.engine.cfg.n if n is None else n
+        group = self.colocated.dispatcher.instance_group
+        if group is not None and not self.colocated.dispatcher.instance_leader:
+            return self._follow(group, greedy, temperature)
+        sampling = dict(greedy=greedy, temperature=temperature)
+        limits = TurnLimits(max_tokens or self.engine.cfg.max_tokens, self.engine.max_model_len)
+        runs = [
+            self._trajectory(item, seed, pos * n + k, limits)
+            for item, pos in zip(items, positions, strict=True)
+            for k in range(n)
+        ]
+
+        def wave(requests):
+            if group is not None:  # the instance's other ranks generate the same requests
+                dist.broadcast_object_list([("wave", requests)], src=dist.get_rank(), group=group)
+            return self._generate(requests, sampling)
+
+        batcher = WaveBatcher(wave, self.cfg.wave_wait_s)
+        clients = [batcher.client() for _ in runs]
+        threads = [
+            threading.Thread(target=r.run, args=(batcher, c), daemon=True, name=f"trajectory-{i}")
+            for i, (r, c) in enumerate(zip(runs, clients, strict=True))
+        ]
+        for t in threads:
+            t.start()
+        out = None
+        try:
+            batcher.serve()
+            for r, c in zip(runs, clients, strict=True):
+                if c.timed_out:
+                    r.abandoned()
+            for r in runs:
+                if r.bug is not None:
+                    raise r.bug
+            self.last_waves = list(batcher.waves)
+            out = self._collect(runs, items, n)
+        finally:
+            if group is not None:  # the samples (or the failure) to the instance's other ranks
+                msg = ("done", out) if out is not None else ("failed", None)
+                dist.broadcast_object_list([msg], src=dist.get_rank(), group=group)
+        return out
+
+    def _trajectory(self, item: dict, seed: int, index: int, limits: TurnLimits):
+        """Trajectory `index` of the step: an environment's, or an agent's."""
+        if self.agent is None:
+            parse = self.parser.parse if self.parser is not None else None
+            return EnvTrajectory(
+                self.cfg, self.make_env, self.fmt, parse, self._decode,
+                item["messages"], item["row"], seed, index, limits,
+            )  # fmt: skip
+        if self.endpoint is None:
+            self.endpoint = ChatEndpoint(self.tokenizer, self.cfg)
+            self.endpoint.start()
+        row = {**item["row"], "messages": item["messages"]}
+        return AgentTrajectory(self.cfg, self.agent, self.endpoint, row, seed, index, limits)
+
+    @staticmethod
+    def _collect(runs: list[EnvTrajectory | AgentTrajectory], items: list[dict], n: int) -> Rollout:
+        out = Rollout.empty()
+        out.response_mask, out.trajectories = [], []
+        for j, r in enumerate(runs):
+            tok = r.sample(items[j // n]["prompt_ids"])
+            out.prompt_index.append(j // n)
+            out.prompt_ids.append(tok.prompt)
+            out.response_ids.append(tok.response)
+            out.response_logprobs.append(tok.logprobs)
+            out.response_mask.append(tok.mask)
+            out.finish_reason.append(r.record.finish_reason)
+            out.trajectories.append(r.record)
+        return out
+
+    def _follow(self, group, greedy: bool, temperature: float | None) -> Rollout:
+        """A non-first rank of a multi-rank vLLM instance: generate every wave its first rank
+        sends, then take the samples it sends at the end."""
+        d = self.colocated.dispatcher
+        src = min(d.plan.instances[d.instance])
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            kind, payload = box[0]
+            if kind == "done":
+                return payload
+            if kind == "failed":
+                raise RuntimeError(
+                    f"the multi-turn rollout failed on rank {src} (its log says why)"
+                )
+            self._generate(payload, dict(greedy=greedy, temperature=temperature))
+
+    def _generate(self, requests, sampling) -> list[TurnResult]:
+        ro = self.engine.generate(
+            [r.ids for r in requests],
+            n=1,
+            seeds=[r.seed for r in requests],
+            max_tokens=[r.max_tokens for r in requests],
+            **sampling,
+        )
+        return [
+            TurnResult(ids, lps, fin)
+            for ids, lps, fin in zip(
+                ro.response_ids, ro.response_logprobs, ro.finish_reason, strict=True
+            )
+        ]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def trajectory_metrics(rollout: Rollout, prefix: str = "rollout") -> LocalMetrics:
+    """Per-step figures of multi-turn samples (none for single-turn ones): turns, tool calls,
+    tool errors and environment time per trajectory, environment errors and malformed tool
+    calls (counts), the share of each finish reason, and `retokenize_diff` (the share of
+    trajectories whose ids differ from one tokenization of their final conversation)."""
+    m = LocalMetrics()
+    recs = rollout.trajectories
+    if recs is None:
+        return m
+    b = len(recs)
+    m.add_ratio(f"{prefix}/turns", sum(r.turns for r in recs), b)
+    m.add_ratio(f"{prefix}/tool_calls", sum(r.info.get("tool_calls", 0) for r in recs), b)
+    m.add_ratio(f"{prefix}/tool_errors", sum(r.info.get("tool_errors", 0) for r in recs), b)
+    m.add_ratio(f"{prefix}/env_time_s", sum(r.env_time_s for r in recs), b)
+    m.add_sum(f"{prefix}/env_errors", sum(r.finish_reason == "env_error" for r in recs))
+    m.add_sum(f"{prefix}/malformed_tool_calls", sum(r.malformed_calls for r in recs))
+    for reason in FINISH_REASONS:
+        m.add_ratio(f"{prefix}/finish_{reason}", sum(r.finish_reason == reason for r in recs), b)
+    checked = [r.retokenize_diff for r in recs if r.retokenize_diff is not None]
+    m.add_ratio(f"{prefix}/retokenize_diff", sum(checked), len(checked))
+    return m

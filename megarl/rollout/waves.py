@@ -1,0 +1,148 @@
+"""Generation in waves for many trajectories at once: every trajectory (an environment's, or an
+agent's session) runs in a thread of its own and asks for its next turn; the thread that owns
+the engine serves the waiting requests in one `generate` call per wave.
+
+When a wave starts: as soon as every live trajectory is waiting for the model, or `wait_s` after
+the first request of the wave arrived, whichever comes first. So with environments that answer
+fast every wave holds every live trajectory (the run is deterministic, whatever the threads'
+timing), and a slow one (a tool that sleeps) holds the others back by at most `wait_s`: it
+joins a later wave. vLLM's prefix cache keeps the KV blocks of a trajectory's earlier turns
+between waves, so a turn prefills only the tokens appended since the last one.
+
+Time limits: a trajectory marks the time it spends in environment code (`busy`); one past its
+deadline is abandoned (`Client.timed_out`): the waves go on without it. Python cannot kill a
+thread: the abandoned call keeps running in the background and its result is dropped (the
+trajectory checks `timed_out` under the batcher's lock before it changes anything).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One turn to sample: from the trajectory's whole token sequence so far."""
+
+    ids: list[int]
+    seed: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    ids: list[int]
+    """The sampled tokens (the stop token included when one ended the turn)."""
+    logprobs: list[float]
+    """The sampler's logprob of each."""
+    finish_reason: str
+    """"stop" or "length" (the turn's max_tokens)."""
+
+
+class Client:
+    """A trajectory's handle in the batcher (read its flags under `WaveBatcher.lock`)."""
+
+    def __init__(self) -> None:
+        self.request: TurnRequest | None = None
+        self.asked_at = 0.0
+        self.result: TurnResult | None = None
+        self.deadline: float | None = None
+        self.done = False
+        self.timed_out = False
+        self._answered = threading.Event()
+
+
+class WaveBatcher:
+    """Serves the turns of many trajectories in waves (module docstring)."""
+
+    def __init__(
+        self,
+        generate: Callable[[list[TurnRequest]], list[TurnResult]],
+        wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._generate = generate
+        self.wait_s = wait_s
+        self.clock = clock
+        self.lock = threading.Condition()
+        self._clients: list[Client] = []
+        self.waves: list[int] = []
+        """The number of turns in each wave served so far."""
+
+    def client(self) -> Client:
+        """Register a trajectory (before `serve` starts)."""
+        c = Client()
+        with self.lock:
+            self._clients.append(c)
+        return c
+
+    # ---------------------------------------------------------------- trajectory side
+    def ask(self, client: Client, request: TurnRequest) -> TurnResult:
+        """The next turn of `client`'s trajectory (blocks until its wave is generated)."""
+        with self.lock:
+            client._answered.clear()
+            client.request, client.asked_at = request, self.clock()
+            self.lock.notify_all()
+        client._answered.wait()
+        return client.result
+
+    @contextmanager
+    def busy(self, client: Client, timeout_s: float):
+        """Around environment code: past `timeout_s` the trajectory is abandoned."""
+        with self.lock:
+            client.deadline = self.clock() + timeout_s
+            self.lock.notify_all()
+        try:
+            yield
+        finally:
+            with self.lock:
+                client.deadline = None
+
+    def finish(self, client: Client) -> None:
+        """The trajectory is over (it asks for nothing more)."""
+        with self.lock:
+            client.done = True
+            self.lock.notify_all()
+
+    # ---------------------------------------------------------------- engine side
+    def serve(self) -> None:
+        """Generate waves until every trajectory is done or abandoned (call from the thread
+        that owns the engine)."""
+        while True:
+            wave = self._next_wave()
+            if wave is None:
+                return
+            requests = [c.request for c in wave]
+            for c in wave:
+                c.request = None
+            results = self._generate(requests)
+            self.waves.append(len(wave))
+            for c, r in zip(wave, results, strict=True):
+                c.result = r
+                c._answered.set()
+
+    def _next_wave(self) -> list[Client] | None:
+        with self.lock:
+            while True:
+                now = self.clock()
+                for c in self._clients:
+                    if not c.done and c.deadline is not None and now > c.deadline:
+                        c.done = c.timed_out = True
+                live = [c for c in self._clients if not c.done]
+                if not live:
+                    return None
+                pending = [c for c in live if c.request is not None]
+                wake = math.inf
+                if pending:
+                    first = min(c.asked_at for c in pending)
+                    if len(pending) == len(live) or now - first >= self.wait_s:
+                        return pending
+                    wake = first + self.wait_s
+                deadlines = [c.deadline for c in live if c.deadline is not None]
+                wake = min([wake, *deadlines])
+                self.lock.wait(None if wake == math.inf else max(wake - now, 1e-3))

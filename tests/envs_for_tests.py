@@ -1,0 +1,94 @@
+"""Environments used by the multi-turn tests (loaded by dotted path, like a user's).
+
+They speak the toy task's alphabet (`megarl.data.toy.TOY_CHARS`), so the character tokenizer
+encodes every message they send."""
+
+from __future__ import annotations
+
+import time
+
+from megarl.envs import Environment, Observation
+
+
+class CopyAgain(Environment):
+    """The toy copy task with retries: a wrong copy is answered with the prompt again
+    (`again`, formatted with the row's answer)."""
+
+    def __init__(self, again: str = " copy {answer}"):
+        self.again = again
+
+    def reset(self, messages, row, seed):
+        self.answer = row["answer"]
+        self.seed = seed
+        return messages
+
+    def step(self, turn):
+        if turn.content.strip() == self.answer:
+            return Observation(reward=1.0, done=True)
+        return Observation(
+            messages=[{"role": "user", "content": self.again.format(answer=self.answer)}],
+            reward=0.0,
+        )
+
+
+class Faulty(CopyAgain):
+    """CopyAgain, but the row's `fault` column picks a failure: "raise" in step, "sleep" past
+    any reasonable timeout in step, "reset" raises in reset, "garbage" returns no Observation."""
+
+    def reset(self, messages, row, seed):
+        self.fault = row.get("fault")
+        if self.fault == "reset":
+            raise RuntimeError("cannot start")
+        return super().reset(messages, row, seed)
+
+    def step(self, turn):
+        if self.fault == "raise":
+            raise ValueError("the environment broke")
+        if self.fault == "sleep":
+            time.sleep(30)
+        if self.fault == "garbage":
+            return {"messages": []}
+        return super().step(turn)
+
+
+class SlowFirst(CopyAgain):
+    """CopyAgain whose first step sleeps `delay` seconds on rows with `slow` set (a slow tool):
+    the other trajectories must not wait for it."""
+
+    def __init__(self, delay: float = 2.0):
+        super().__init__()
+        self.delay = delay
+
+    def step(self, turn):
+        if self.row_slow and turn.index == 0:
+            time.sleep(self.delay)
+        return super().step(turn)
+
+    def reset(self, messages, row, seed):
+        self.row_slow = bool(row.get("slow"))
+        return super().reset(messages, row, seed)
+
+
+class NotAnEnvironment:
+    """Has no step(): refused by name before any model is built."""
+
+
+def copy_agent(row, base_url, seed):
+    """CopyAgain as an agent (`env.agent`): an OpenAI client asks for the copy, answers a wrong
+    one with the prompt again, up to three turns; reward 1 for a right copy."""
+    import openai  # noqa: PLC0415 - deferred: only the agent tests need the client
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    messages = list(row["messages"])
+    for _ in range(3):
+        out = client.chat.completions.create(
+            model="policy", messages=messages, seed=seed, max_tokens=6
+        )
+        said = out.choices[0].message.content
+        if said.strip() == row["answer"]:
+            return 1.0
+        messages += [
+            {"role": "assistant", "content": said},
+            {"role": "user", "content": f" copy {row['answer']}="},
+        ]
+    return 0.0

@@ -1,0 +1,255 @@
+"""Multi-turn rollouts: token-exact trajectories from sampler to loss.
+
+Pure parts: the chat format's observation deltas (ChatML and a template whose turn end is just
+the stop token), the wave batcher's scheduling and time limits, GAE over sampled tokens only,
+the loss mask of environment tokens, moving samples with every field. With vLLM (one 2-rank
+job, `tests/multi_turn_worker.py`): exactness against the engine's own calls at DP2, TP2 and
+PP2, the same trajectories at every layout, the trainer-vs-vLLM mismatch over multi-turn
+samples, failing / slow environments, and one turn equal to the single-turn rollout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megarl.algorithms.advantages import compute_gae
+from megarl.data.tokenizer import build_char_tokenizer
+from megarl.rollout.chat_format import ChatFormat, ChatFormatError
+from megarl.rollout.engine import Rollout
+from megarl.rollout.waves import TurnRequest, TurnResult, WaveBatcher
+from megarl.trainer.experience import build_batch
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 \n=+?.")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+# ----------------------------------------------------------------------------- chat format
+def test_chatml_observation_is_the_template_delta_after_the_sampled_im_end(chatml):
+    fmt = ChatFormat(chatml)
+    im_end = chatml.convert_tokens_to_ids("<|im_end|>")
+    assert fmt.turn_end == "<|im_end|>\n"
+    user = [{"role": "user", "content": "again"}]
+    ids = fmt.observation_ids(user, im_end)
+    assert chatml.decode(ids) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    # a turn cut without a stop token gets the template's whole turn end first
+    cut = fmt.observation_ids(user, None)
+    assert chatml.decode(cut).startswith("<|im_end|>\n<|im_start|>user")
+    # prompt + sampled + observation + sampled == one tokenization of the final conversation
+    msgs = [{"role": "user", "content": "what is 2+2?"}]
+    prompt = fmt.prompt_ids(msgs)
+    a1 = chatml("5", add_special_tokens=False)["input_ids"] + [im_end]
+    a2 = chatml("4", add_special_tokens=False)["input_ids"] + [im_end]
+    seq = prompt + a1 + ids + a2
+    final = [*msgs, {"role": "assistant", "content": "5"}, *user,
+             {"role": "assistant", "content": "4"}]  # fmt: skip
+    assert fmt.retokenized(final, im_end) == seq
+
+
+def test_turn_end_equal_to_the_stop_token_adds_nothing():
+    tok = build_char_tokenizer("abc ")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>"
+        "{% endif %}{% endfor %}"
+    )
+    fmt = ChatFormat(tok)
+    assert fmt.turn_end == "<eos>"
+    assert tok.decode(fmt.observation_ids([{"role": "user", "content": "ab"}], 2)) == "ab"
+
+
+def test_chat_format_refuses_a_tokenizer_without_template_or_that_rewrites_history(chatml):
+    tok = build_char_tokenizer("abc")
+    tok.chat_template = None
+    with pytest.raises(ChatFormatError, match="needs a tokenizer with a chat template"):
+        ChatFormat(tok)
+    tok.chat_template = (  # renders only the last message: earlier turns change afterwards
+        "{{ messages[-1]['content'] }}"
+    )
+    fmt = ChatFormat(tok)
+    with pytest.raises(ChatFormatError, match="cannot be extended token-exactly"):
+        fmt.observation_ids([{"role": "user", "content": "a"}], 2)
+
+
+# ----------------------------------------------------------------------------- wave batcher
+def _echo_waves(requests):
+    return [TurnResult([len(r.ids)], [-0.5], "stop") for r in requests]
+
+
+def _trajectory(batcher, client, turns, delay=0.0, log=None):
+    ids = [1]
+    for t in range(turns):
+        out = batcher.ask(client, TurnRequest(list(ids), seed=t, max_tokens=1))
+        ids += out.ids
+        with batcher.busy(client, 10.0):
+            time.sleep(delay if t == 0 else 0.0)
+    if log is not None:
+        log.append(ids)
+    batcher.finish(client)
+
+
+def test_waves_hold_every_live_trajectory_when_environments_are_fast():
+    b = WaveBatcher(_echo_waves, wait_s=5.0)
+    log: list = []
+    threads = [threading.Thread(target=_trajectory, args=(b, b.client(), 3 + i % 2, 0, log))
+               for i in range(6)]  # fmt: skip
+    for t in threads:
+        t.start()
+    b.serve()
+    assert b.waves == [6, 6, 6, 3]  # 3 turns for three of them, 4 for the others
+    assert sorted(log) == sorted([[1, 1, 2, 3]] * 3 + [[1, 1, 2, 3, 4]] * 3)
+
+
+def test_a_slow_environment_joins_a_later_wave_and_does_not_stall_the_others():
+    b = WaveBatcher(_echo_waves, wait_s=0.1)
+    threads = [threading.Thread(target=_trajectory, args=(b, b.client(), 3, 1.5 if i == 0 else 0))
+               for i in range(4)]  # fmt: skip
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    b.serve()
+    took = time.perf_counter() - t0
+    # the three fast ones finish their turns in waves without the slow one
+    assert b.waves[0] == 4 and b.waves[1:3] == [3, 3] and sum(b.waves) == 12
+    assert took < 1.5 + 1.0
+
+
+def test_an_environment_past_its_deadline_is_abandoned():
+    b = WaveBatcher(_echo_waves, wait_s=0.05)
+    stuck, fine = b.client(), b.client()
+
+    def hang():
+        b.ask(stuck, TurnRequest([1], 0, 1))
+        with b.busy(stuck, 0.3):
+            time.sleep(3)
+        b.finish(stuck)
+
+    threading.Thread(target=hang, daemon=True).start()
+    threading.Thread(target=_trajectory, args=(b, fine, 3)).start()
+    t0 = time.perf_counter()
+    b.serve()
+    assert time.perf_counter() - t0 < 2.0
+    assert stuck.timed_out and not fine.timed_out
+
+
+# ----------------------------------------------------------------------------- to the loss
+def test_gae_skips_environment_tokens():
+    """GAE over a mask with gaps equals GAE over the sampled tokens alone."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32)
+    r, v = torch.randn(1, 10, generator=g), torch.randn(1, 10, generator=g)
+    adv, ret = compute_gae(r, v, mask, gamma=0.9, lam=0.8)
+    keep = mask[0].bool()
+    ones = torch.ones(1, int(keep.sum()))
+    dense_adv, dense_ret = compute_gae(r[:, keep], v[:, keep], ones, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv[:, keep], dense_adv, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ret[:, keep], dense_ret, rtol=0, atol=1e-6)
+    assert adv[:, ~keep].abs().sum() == 0
+
+
+def test_environment_tokens_are_out_of_the_loss_mask():
+    batch = build_batch(
+        [[5, 6]], [[7, 8, 9, 10, 11]], [[-1.0, -2.0, 0.0, 0.0, -3.0]], pad_id=0, pad_to=1,
+        response_mask=[[1, 1, 0, 0, 1]],
+    )  # fmt: skip
+    # position t holds the target t + 1: targets 7 8 9 10 11 at positions 1..5
+    assert batch.loss_mask[0].tolist() == [0, 1, 1, 0, 0, 1, 0]
+    assert batch.sampler_logprobs[0].tolist() == [0, -1, -2, 0, 0, -3, 0]
+    with pytest.raises(ValueError, match="response_mask of 4"):
+        build_batch([[5]], [[1, 2, 3, 4, 5]], [[0.0] * 5], pad_id=0, pad_to=1,
+                    response_mask=[[1, 1, 1, 1]])  # fmt: skip
+
+
+def test_rollout_take_and_concat_move_every_field():
+    a = Rollout([0], [[1]], [[2, 3]], [[-1.0, 0.0]], ["stop"], response_mask=[[1, 0]],
+                trajectories=["A"])  # fmt: skip
+    b = Rollout([1], [[4]], [[5]], [[-2.0]], ["length"], response_mask=[[1]], trajectories=["B"])
+    both = Rollout.concat([a, Rollout.empty(), b])
+    assert both.trajectories == ["A", "B"] and both.response_mask == [[1, 0], [1]]
+    back = both.take([1, 0], prompt_index=[7, 8])
+    assert back.prompt_index == [7, 8] and back.trajectories == ["B", "A"]
+    assert back.response_ids == [[5], [2, 3]] and back.routed_experts is None
+    with pytest.raises(RuntimeError, match="only some parts carry response_mask"):
+        Rollout.concat([a, Rollout([2], [[1]], [[1]], [[0.0]], ["stop"])])
+
+
+# ----------------------------------------------------------------------------- with vLLM
+@pytest.fixture(scope="module")
+def results():
+    from tests import multi_turn_worker as w
+
+    return w.results()
+
+
+LAYOUTS = ["te1", "te2", "pi2"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trained_ids_are_the_sampled_and_observation_ids(results, layout):
+    checked = sum(r["layouts"][layout]["exact"]["checked"] for r in results)
+    for r in results:
+        ex = r["layouts"][layout]["exact"]
+        assert ex["bad"] == []
+    assert checked == 8 * 2  # every trajectory, on the rank whose engine sampled it
+    turns = sum(r["layouts"][layout]["exact"]["turns"] for r in results)
+    observations = sum(r["layouts"][layout]["exact"]["observations"] for r in results)
+    assert turns > 16 and observations > 0  # several trajectories went on after a wrong copy
+
+
+def test_trajectories_do_not_depend_on_the_layout(results):
+    first = results[0]["layouts"]["te1"]["trajectories"]
+    for layout in LAYOUTS:
+        for r in results:
+            assert r["layouts"][layout]["trajectories"] == first, layout
+    # random weights never copy right: trajectories end at max_turns or out of tokens
+    assert {"max_turns", "length"} <= set(results[0]["layouts"]["te1"]["finish"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trainer_matches_vllm_on_multi_turn_samples(results, layout):
+    scored = [r["layouts"][layout]["mismatch"] for r in results]
+    scored = [m for m in scored if m is not None]
+    assert scored
+    for m in scored:
+        assert m["tokens"] == m["sampled"] < m["response"]  # environment tokens not scored
+        assert m["mean"] <= 1e-4 and m["max"] <= 1e-3, m
+
+
+def test_failing_environments_end_their_trajectory_and_the_rest_go_on(results):
+    f = results[0]["layouts"]["te1"]["faulty"]
+    assert f["finish"][1:5] == ["env_error"] * 4
+    assert f["finish"][0] != "env_error" and "env_error" not in f["finish"][5:]
+    assert "ValueError: the environment broke" in f["errors"][1]
+    assert "env.timeout_s=2.0" in f["errors"][2]
+    assert "RuntimeError: cannot start" in f["errors"][3]
+    assert "expected megarl.envs.Observation" in f["errors"][4]
+    assert f["env_reward"][1:5] == [0.0] * 4
+    assert f["response_len"][3] == 0  # no turn without an environment
+    assert f["seconds"] < 15  # the sleeping one (30 s) was abandoned at its 2 s limit
+
+
+def test_a_slow_environment_does_not_hold_the_others(results):
+    s = results[0]["layouts"]["te1"]["slow"]
+    assert s["seconds"] < 3.0 + 5.0
+    assert len(s["waves"]) > 3  # the slow trajectory's later turns came in waves of their own
+    assert max(s["turns"]) >= 2
+
+
+def test_one_turn_is_the_single_turn_rollout(results):
+    o = results[0]["layouts"]["te1"]["one_turn"]
+    assert o["multi_prompts"] == o["single_prompts"]
+    assert o["multi"] == o["single"]
+    assert o["multi_lps"] == o["single_lps"]
