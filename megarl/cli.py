@@ -1,5 +1,11 @@
-"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR]`, `megarl config --reference`,
-`megarl convert {gguf-to-hf,hf-to-mcore,mcore-to-hf} ...`, `megarl fetch-model NAME --out DIR`.
+"""`megarl train [CONFIG.yaml] [--set key=value ...] [--out DIR | --resume]`, `megarl config
+--reference`, `megarl convert {gguf-to-hf,hf-to-mcore,mcore-to-hf} ...`, `megarl fetch-model NAME
+--out DIR`. `megarl show RUN` says where a run is (step, status, last metrics, samples, plots);
+`megarl plot RUN` redraws its reward.png / loss.png.
+
+Without --out a run gets a new directory runs/<config>-<time>/ (runs/default-<time>/ without a
+config); `--resume` continues the newest such directory of the config instead (or --out DIR),
+from its newest checkpoint.
 
 `megarl train CONFIG --dry-run --world-size N [--rank R]` checks the layout for N ranks and
 prints what rank R holds (groups, layers, parameters) without GPUs, weights, data or vLLM.
@@ -20,7 +26,8 @@ vLLM, megatron-core and torch log, which a normal run hides (see `megarl.console
 
 Exit status of `megarl train`: 0 done, 1 a bug (traceback), 2 an input error, 3 diverged
 (trainer.max_bad_steps), 4 stopped on request after a checkpoint (SIGTERM / SIGUSR1, the stop
-file RUN/STOP, trainer.time_limit_minutes: run the same command to continue), 5 a step hung
+file RUN/STOP, trainer.time_limit_minutes: it prints the command that continues, the same
+command with --out RUN), 5 a step hung
 (trainer.step_timeout_minutes; stacks in RUN/hang-rank{R}.txt). See docs/preemption.md.
 """
 
@@ -28,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import sys
 import time
 from functools import partial
@@ -98,6 +107,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     e.add_argument("--out", help="output directory (default: runs/eval-<name>-<time>)")
     convert.add_parsers(sub, common)
+    sh = sub.add_parser(
+        "show",
+        parents=[common],
+        help="where a run is: step, status, last metrics, latest samples, plots",
+        description="Where a run directory is: step / total steps, status (running, stopped, "
+        "diverged, finished, interrupted), the last step's key metrics, the latest samples "
+        "(samples.jsonl) and the plots. Reads only the files the run wrote; a running run is "
+        "not disturbed.",
+    )
+    sh.add_argument("run", help="a run directory (runs/<name>-<time>, or the --out of the run)")
+    sh.add_argument(
+        "--samples", type=int, default=2, metavar="N", help="latest samples shown (default 2)"
+    )
+    pt = sub.add_parser(
+        "plot",
+        parents=[common],
+        help="redraw a run's reward.png (RL) or loss.png (offline) from its metrics.jsonl",
+        description="Redraw the plots of any run directory (running, stopped, diverged or "
+        "finished) from its metrics.jsonl: reward.png for an RL run, loss.png for an offline "
+        "one; prints their paths.",
+    )
+    pt.add_argument("run", help="a run directory (it holds metrics.jsonl)")
     for p in (t, c, pl, e):
         if p is not e:
             p.add_argument(
@@ -111,7 +142,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             metavar="KEY=VALUE",
             help="dotted override, e.g. --set algorithm.kl_coef=0.01 (repeatable)",
         )
-    t.add_argument("--out", help="run directory (default: runs/<config>-<time>)")
+    t.add_argument("--out", help="run directory (default: a new runs/<config>-<time>)")
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest runs/<config>-<time>/ of this config (with --out: that "
+        "directory) from its newest checkpoint; an error when there is none",
+    )
     t.add_argument(
         "--show-samples",
         action="store_true",
@@ -164,6 +201,8 @@ def run_command(args: argparse.Namespace) -> int:
         "eval": _eval,
         "convert": convert.convert,
         "fetch-model": convert.fetch,
+        "show": _show,
+        "plot": _plot,
     }[args.command]
     return console.run_guarded(partial(command, args), debug=args.debug)
 
@@ -202,6 +241,7 @@ def _print_config(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from megarl.config import load_config  # deferred: imports torch (2 s)
 
+    given = (args.config, list(args.overrides), args.show_samples)  # before the flag becomes a key
     if args.show_samples:
         args.overrides = [*args.overrides, "logging.show_samples=true"]
     if args.print_config:
@@ -211,6 +251,9 @@ def _train(args: argparse.Namespace) -> int:
         return _dry_run(args, cfg)
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out}: exists and is not a directory; accepted: a directory")
+    stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
+    if args.resume:
+        args.out = resume_dir(args.out, stem, args.config)
 
     from megarl.trainer import faults  # deferred: imports torch (2 s)
 
@@ -219,14 +262,16 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from megarl.distributed.process_group import init_distributed  # deferred: imports torch (2 s)
+    from megarl.metrics.sinks import wandb_mode  # deferred: imports torch (2 s)
     from megarl.trainer import loop, offline  # deferred: imports torch (2 s)
     from megarl.trainer.finish import TrainingDiverged  # deferred: imports torch (2 s)
 
     train = offline.train if cfg.algorithm.offline else loop.train
 
     init_distributed(faults.collective_timeout(cfg.trainer))
-    stem = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
     out = _out_dir(args.out, stem)
+    if args.resume and dist.get_rank() == 0:
+        print(f"megarl: resuming {out}", file=sys.stderr, flush=True)
     try:
         run_ = train(cfg, out)
     except TrainingDiverged as e:
@@ -234,12 +279,13 @@ def _train(args: argparse.Namespace) -> int:
             print(f"megarl: {e}", file=sys.stderr)
         return 3
     except faults.RunStopped as e:
-        console.record_for_torchrun(f"megarl: {e}")  # torchrun's report shows it
+        message = f"megarl: {e}; to continue: {continue_command(*given, out)}"
+        console.record_for_torchrun(message)  # torchrun's report shows it
         if dist.get_rank() == 0:
-            print(f"megarl: {e}", file=sys.stderr, flush=True)
+            print(message, file=sys.stderr, flush=True)
         return faults.EXIT_STOPPED
     if dist.get_rank() == 0:
-        wandb = cfg.logging.wandb and cfg.logging.wandb_mode != "disabled"
+        wandb = cfg.logging.wandb and wandb_mode(cfg.logging.wandb_mode) != "disabled"
         print(
             f"megarl: run directory {os.path.abspath(run_.out_dir)} "
             f"(metrics.jsonl, {'loss.png' if cfg.algorithm.offline else 'reward.png'}, "
@@ -249,15 +295,94 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+RUNS_ROOT = "runs"
+"""Where a run without --out gets its directory, relative to the working directory."""
+_RUN_TIME = "%Y%m%d-%H%M%S"
+
+
 def _out_dir(out: str | None, stem: str) -> str:
     """`out`, or runs/<stem>-<time> named once for every rank (collective)."""
     import torch.distributed as dist
 
     name = [out]
     if out is None:
-        name = [os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")]
+        name = [os.path.join(RUNS_ROOT, f"{stem}-{time.strftime(_RUN_TIME)}")]
         dist.broadcast_object_list(name, src=0)
     return name[0]
+
+
+def newest_run_dir(stem: str, root: str = RUNS_ROOT) -> str | None:
+    """The newest `root/<stem>-<YYYYmmdd-HHMMSS>` directory (by the time in its name, so every
+    rank finds the same one), or None."""
+    pattern = re.compile(re.escape(stem) + r"-\d{8}-\d{6}")
+    try:
+        names = [n for n in os.listdir(root) if pattern.fullmatch(n)]
+    except FileNotFoundError:
+        return None
+    names = [n for n in names if os.path.isdir(os.path.join(root, n))]
+    return os.path.join(root, max(names, key=lambda n: n[len(stem) + 1 :])) if names else None
+
+
+def resume_dir(out: str | None, stem: str, config: str | None) -> str:
+    """The run directory `megarl train --resume` continues: `out` (which must exist), else the
+    newest runs/<stem>-<time>/; a `ConfigError` naming where it looked when there is none."""
+    if out is not None:
+        if not os.path.isdir(out):
+            raise ConfigError(
+                f"--resume --out {out}: no such run directory; accepted: an existing run "
+                "directory, or --out without --resume to start a new run there"
+            )
+        return out
+    found = newest_run_dir(stem)
+    if found is None:
+        what = f"megarl train {config}" if config else "megarl train (the default run)"
+        raise ConfigError(
+            f"{what} --resume: no run to resume, no directory "
+            f"{os.path.join(os.path.abspath(RUNS_ROOT), stem)}-<YYYYmmdd-HHMMSS>/; accepted: "
+            "start one without --resume, or name a run directory with --resume --out DIR"
+        )
+    return found
+
+
+def continue_command(
+    config: str | None, overrides: list[str], show_samples: bool, out: str, env=os.environ
+) -> str:
+    """The command that continues a run in `out`: the same `megarl train` with `--out out`,
+    under the same torchrun launch (`env`: its LOCAL_WORLD_SIZE / WORLD_SIZE) when there was
+    one."""
+    words = ["megarl", "train"] + ([config] if config else [])
+    for o in overrides:
+        words += ["--set", o]
+    words += ["--show-samples"] if show_samples else []
+    words += ["--out", out]
+    local, world = int(env.get("LOCAL_WORLD_SIZE", 1)), int(env.get("WORLD_SIZE", 1))
+    if "TORCHELASTIC_RUN_ID" in env or world > 1:
+        nodes = f" --nnodes {world // local}" if world > local else ""
+        words[:1] = [f"torchrun{nodes} --nproc_per_node {local} -m megarl"]
+        return " ".join(words[:1] + [shlex.quote(w) for w in words[1:]])
+    return shlex.join(words)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from megarl.trainer.watch import describe, read_status  # deferred: imports torch (2 s)
+
+    try:
+        status = read_status(args.run, samples=args.samples)
+    except FileNotFoundError as e:
+        raise ConfigError(f"megarl show: {e}") from None
+    print(describe(status), end="")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from megarl.metrics.plots import plot_run  # deferred: imports matplotlib (1 s)
+
+    try:
+        path = plot_run(args.run)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"megarl plot: {e}") from None
+    print(f"megarl: {path}")
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:

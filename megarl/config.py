@@ -22,6 +22,7 @@ from megarl.data.dataset import DataConfig
 from megarl.distributed.topology import ParallelConfig
 from megarl.envs.config import EnvConfig
 from megarl.errors import ConfigError
+from megarl.metrics.sinks import WANDB_MODES
 from megarl.models.hf_config import PrecisionConfig
 from megarl.models.optim import OptimConfig
 from megarl.rewards.config import RewardConfig
@@ -192,13 +193,21 @@ class EvalConfig:
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     wandb: bool = True
-    """Log to Weights & Biases (offline unless wandb_mode says online or WANDB_MODE is set)."""
+    """Log to Weights & Biases, in the mode of logging.wandb_mode (offline by default: files in
+    RUN/wandb/, uploaded later with `wandb sync`)."""
     wandb_project: str = "megarl"
     """Weights & Biases project the run is logged under."""
-    wandb_mode: str = "offline"
-    """offline, online or disabled."""
-    tensorboard: bool = True
-    """Also write tensorboard events if tensorboard is installed."""
+    wandb_mode: str | None = None
+    """offline, online or disabled; a value set here wins over the WANDB_MODE environment
+    variable. null = WANDB_MODE when the environment sets it (the Dockerfile and the Slurm
+    example set offline), else offline."""
+    tensorboard: bool = False
+    """Also write tensorboard events to RUN/tensorboard/. tensorboard is not a dependency of
+    megarl: `pip install tensorboard` first (without it a warning says nothing is written)."""
+    plot_every_minutes: float = 3.0
+    """Redraw RUN/reward.png (offline stages: loss.png) during the run, after the first step
+    this many minutes after the last draw (rank 0; a failed plot is a warning); 0 = only at the
+    end. `megarl plot RUN` redraws it at any time."""
     progress: bool = True
     """Console progress bar on rank 0."""
     samples_per_step: int = 4
@@ -209,6 +218,16 @@ class LoggingConfig:
     needs logging.samples_per_step >= 2."""
 
     def __post_init__(self):
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(
+                f"logging.wandb_mode={self.wandb_mode!r}; accepted: {', '.join(WANDB_MODES)} or "
+                "null (the WANDB_MODE environment variable, else offline)"
+            )
+        if self.plot_every_minutes < 0:
+            raise ConfigError(
+                f"logging.plot_every_minutes={self.plot_every_minutes}; accepted: >= 0 (0 = only "
+                "at the end of the run)"
+            )
         if self.samples_per_step < 0:
             raise ConfigError(
                 f"logging.samples_per_step={self.samples_per_step}; accepted: >= 0 (0 = none)"

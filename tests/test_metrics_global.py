@@ -135,7 +135,7 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     loop.forward_passes(run, batch)
     loop.advantages(run, batch, scored)
     train = loop.update(run, batch)
-    out = loop.collect_metrics(run, batch, scored, train, {"train": 1.0}, 1.0)
+    out = loop.collect_metrics(run, rollout, batch, scored, train, {"train": 1.0}, 1.0)
     return out
 
 

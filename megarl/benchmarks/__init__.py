@@ -29,9 +29,11 @@ SUITE_MODULES = {
     "step": "megarl.benchmarks.step",
     "convert": "megarl.benchmarks.convert",
     "peer": "megarl.benchmarks.peer",
+    "multi_turn": "megarl.benchmarks.multi_turn",
 }
-# run only when named (not by `--suite all`): tens of minutes, and an optional dependency (TRL)
-OPT_IN_SUITES = ("peer",)
+# run only when named (not by `--suite all`): tens of minutes, an optional dependency (TRL) or
+# a fetched model (SmolLM2)
+OPT_IN_SUITES = ("peer", "multi_turn")
 _SUMMARIES: dict[str, Callable[[list[dict]], str]] = {}
 
 

@@ -7,6 +7,9 @@ on): `eval/pass@k`, `eval/reward_mean` and each `eval/<function>`, a series that
 earlier one left out; then, when logged, the mean response length and the KL to the reference.
 An offline run (sft, dpo) has no reward: `plot_offline` draws its loss, accuracies and reward
 margin (`loss.png`), training steps beside the held-out `eval/...` values.
+`plot_run` draws whichever of the two a run's metrics.jsonl holds; `LivePlots` redraws it every
+few minutes while a run trains (the metrics logger calls it after each step: rank 0 only, and a
+plot that fails is a warning, never the end of the run).
 Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch, safe off the main
 thread) and writes through a temporary file renamed into place, so a reader never sees a
 half-written PNG.
@@ -15,8 +18,18 @@ half-written PNG.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REWARD_PNG = "reward.png"
+LOSS_PNG = "loss.png"
+REDRAW_EVERY_S = 180.0
+"""How often a training run redraws its plot (seconds of wall time, checked after each step)."""
 
 RESPONSE_LENGTH_KEYS = (
     "response_len",
@@ -204,3 +217,53 @@ def plot_offline(
     fig.savefig(tmp, format="png")
     os.replace(tmp, out)
     return out
+
+
+def plot_run(run_dir: str | os.PathLike) -> Path:
+    """Draw a run's plot from `run_dir/metrics.jsonl`: `reward.png` when a step has a
+    `reward_mean` (RL), else `loss.png` (offline: sft, dpo, reward models); returns its path.
+    Raises FileNotFoundError without metrics.jsonl, ValueError when no step has either."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if not metrics.exists():
+        raise FileNotFoundError(f"{metrics}: no such file (no step of this run was logged)")
+    if _series(read_metrics(metrics), "reward_mean")[0]:
+        return plot_rewards(metrics, Path(run_dir) / REWARD_PNG)
+    return plot_offline(metrics, Path(run_dir) / LOSS_PNG)
+
+
+class LivePlots:
+    """Redraw a running run's plot (`plot_run`) at most every `every_s` seconds of `clock`;
+    the first call after `every_s` draws. A failure is logged once per kind as a warning and
+    never raised: a plot must not end a run."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        every_s: float = REDRAW_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        draw: Callable[[str | os.PathLike], object] = plot_run,
+    ) -> None:
+        """draw: the function that draws (default `plot_run`; tests pass one that fails)."""
+        self.run_dir = run_dir
+        self.every_s = every_s
+        self.clock = clock
+        self.draw = draw
+        self._last = clock()
+        self._warned: set[str] = set()
+
+    def maybe_redraw(self) -> bool:
+        """Draw when `every_s` has passed since the last draw (or the start); True if it drew."""
+        now = self.clock()
+        if self.every_s <= 0 or now - self._last < self.every_s:
+            return False
+        self._last = now
+        try:
+            self.draw(self.run_dir)
+        except Exception as e:  # noqa: BLE001 - any failure of a plot is only a warning
+            kind = type(e).__name__
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("could not redraw the plot of %s: %s: %s", self.run_dir, kind, e)
+            return False
+        return True

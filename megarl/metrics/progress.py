@@ -24,7 +24,8 @@ logger = logging.getLogger("megarl.progress")
 SHOWN = ("reward_mean", "kl", "loss", "eval/pass@1")
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A metric as the console shows it: 3 significant digits below 0.01, else 3 decimals."""
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1e-2 and value != 0 else f"{value:.3f}"
     return str(value)
@@ -33,7 +34,7 @@ def _fmt(value: Any) -> str:
 def format_step_line(step: int, total: int, metrics: Mapping[str, Any], step_s: float) -> str:
     """`step 12/200 | reward_mean 0.531 | kl 0.00121 | 3.21 s/step` (missing keys skipped)."""
     parts = [f"step {step}/{total}"]
-    parts += [f"{k} {_fmt(metrics[k])}" for k in SHOWN if metrics.get(k) is not None]
+    parts += [f"{k} {format_value(metrics[k])}" for k in SHOWN if metrics.get(k) is not None]
     parts.append(f"{step_s:.2f} s/step")
     return " | ".join(parts)
 
@@ -102,7 +103,7 @@ class StepProgress:
         if self._bar is None:
             logger.info(format_step_line(step, self.total, metrics, step_s))
             return
-        postfix = {k: _fmt(metrics[k]) for k in SHOWN if metrics.get(k) is not None}
+        postfix = {k: format_value(metrics[k]) for k in SHOWN if metrics.get(k) is not None}
         postfix["s/step"] = f"{step_s:.2f}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)

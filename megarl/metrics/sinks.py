@@ -23,7 +23,8 @@ checkpoint to resume from) first calls `set_aside_previous_run`, which renames t
 holds, so a resumed wandb run keeps the first attempt's values for the steps that are done again
 (metrics.jsonl has the new ones); `truncate_after` says so in a warning.
 
-wandb mode: `WANDB_MODE` from the environment if set, else `wandb_cfg["mode"]`, else "offline".
+wandb mode (`wandb_mode`): `wandb_cfg["mode"]` when given (it wins over an inherited
+`WANDB_MODE`), else `WANDB_MODE` from the environment, else "offline".
 The run id is kept in `run_dir/wandb_run_id` so a resumed run continues the same wandb run.
 """
 
@@ -40,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megarl.metrics.plots import LivePlots
 
 logger = logging.getLogger(__name__)
 
@@ -107,20 +110,28 @@ class MetricsLogger:
         *,
         rank: int,
         wandb_cfg: dict | None = None,
-        tensorboard: bool = True,
+        tensorboard: bool = False,
+        plot_every_s: float = 0.0,
     ) -> None:
-        """wandb_cfg: None disables wandb; else `mode` ("offline" | "online" | "disabled"), `id`
-        (default: kept in run_dir/wandb_run_id) and any other `wandb.init` keyword (project,
-        entity, name, group, tags, config, dir — default run_dir —, ...)."""
+        """wandb_cfg: None disables wandb; else `mode` ("offline" | "online" | "disabled"; it
+        wins over `WANDB_MODE`), `id` (default: kept in run_dir/wandb_run_id) and any other
+        `wandb.init` keyword (project, entity, name, group, tags, config, dir — default run_dir
+        —, ...). tensorboard: write events when the package is installed (a warning when not).
+        plot_every_s: redraw the run's plot (`megarl.metrics.plots.LivePlots`) after a logged
+        step when that many seconds passed since the last draw; 0 = never (the end of a run
+        draws it)."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self.enabled = rank == 0
         self._file = None
         self._wandb = None
         self._tb = None
+        self._plots: LivePlots | None = None
         self._last_step: int | None = None
         if not self.enabled:
             return
+        if plot_every_s > 0:
+            self._plots = LivePlots(self.run_dir, every_s=plot_every_s)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._last_step = self._read_last_step()
         self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
@@ -149,6 +160,8 @@ class MetricsLogger:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._plots is not None:
+            self._plots.maybe_redraw()
 
     def log_samples(self, step: int, rows: list[Mapping[str, Any]], *, file: str) -> None:
         """Append `{"step": step, **row}` per row to `file` (one of `SAMPLE_FILES`) and, with
@@ -212,7 +225,7 @@ class MetricsLogger:
         return max((s for s in steps if s is not None), default=None)
 
     def _open_wandb(self, cfg: dict) -> Any:
-        mode = os.environ.get("WANDB_MODE") or cfg.get("mode") or "offline"
+        mode = wandb_mode(cfg.get("mode"))
         if mode == "disabled":
             return None
         try:
@@ -232,6 +245,15 @@ class MetricsLogger:
         kwargs.setdefault("dir", str(self.run_dir))
         kwargs.setdefault("resume", "allow")
         return wandb.init(mode=mode, id=run_id, **kwargs)
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def wandb_mode(configured: str | None, env: Mapping[str, str] = os.environ) -> str:
+    """The wandb mode a run uses: `configured` (logging.wandb_mode) when set, else
+    `WANDB_MODE` of `env` when set, else "offline"."""
+    return configured or env.get("WANDB_MODE") or "offline"
 
 
 def _truncate(path: Path, step: int) -> tuple[int, list[str]]:
@@ -298,6 +320,9 @@ def _open_tensorboard(log_dir: Path) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        logger.info("tensorboard is not installed (pip install tensorboard): not writing it")
+        logger.warning(
+            "logging.tensorboard=true but tensorboard is not installed (pip install "
+            "tensorboard): no tensorboard events are written"
+        )
         return None
     return SummaryWriter(log_dir=str(log_dir))

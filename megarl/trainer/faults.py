@@ -65,7 +65,8 @@ log = logging.getLogger("megarl")
 
 EXIT_STOPPED = 4
 """Exit status: stopped early on request (signal, stop file, time limit); the newest checkpoint
-holds the last finished step, and the same command continues the run."""
+holds the last finished step, and the same command with `--out RUN` continues the run (`megarl
+train` prints it)."""
 EXIT_HUNG = 5
 """Exit status: the hang watchdog ended a step that overran trainer.step_timeout_minutes."""
 STOP_FILE = "STOP"
@@ -323,10 +324,7 @@ class RunGuard:
         dist.barrier()
         if path is None:
             raise RunStopped(f"stopped at step {run.step}: {why}; no new checkpoint written")
-        raise RunStopped(
-            f"stopped at step {run.step}: {why}; checkpoint {path} written (run the same "
-            "command to continue)"
-        )
+        raise RunStopped(f"stopped at step {run.step}: {why}; checkpoint {path} written")
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -12,7 +12,7 @@ import os
 import torch.distributed as dist
 
 from megarl.convert.stream import save_hf_streaming
-from megarl.metrics.plots import plot_offline, plot_rewards
+from megarl.metrics.plots import plot_run
 from megarl.trainer.run import Run
 
 log = logging.getLogger("megarl")
@@ -50,16 +50,15 @@ def count_bad_step(run: Run, metrics: dict) -> bool:
     return False
 
 
-def finish(run: Run, *, offline: bool = False, role: str = "actor") -> None:
-    """Plot the run's curves (`reward.png`; an offline run's losses and accuracies: `loss.png`);
-    optionally export the trained model of `role` as an HF directory."""
+def finish(run: Run, *, role: str = "actor") -> None:
+    """Plot the run's curves (`plot_run`: `reward.png`; an offline run's losses and accuracies:
+    `loss.png`); optionally export the trained model of `role` as an HF directory."""
     metrics = os.path.join(run.out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(metrics):
-        plot, name = (plot_offline, "loss.png") if offline else (plot_rewards, "reward.png")
         try:
-            plot(metrics, os.path.join(run.out_dir, name))
+            plot_run(run.out_dir)
         except ValueError as e:  # e.g. a resumed run that had no step left to do
-            log.warning("no plot %s: %s", name, e)
+            log.warning("no plot: %s", e)
     if run.cfg.trainer.export_hf:
         export_hf(run, os.path.join(run.out_dir, "hf"), role=role)
     run.close()

@@ -75,7 +75,7 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         stop_if_diverged(run, metrics)  # before the checkpoint: none from a diverged state
         guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
     bar.close()
-    finish(run, offline=True, role=stage.role)
+    finish(run, role=stage.role)
     return run
 
 

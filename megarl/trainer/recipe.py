@@ -40,7 +40,7 @@ from megarl.data.toy import toy_tokenizer
 from megarl.distributed import Topology, device
 from megarl.distributed.process_group import init_distributed
 from megarl.distributed.topology import Groups, TopologyError
-from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run
+from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run, wandb_mode
 from megarl.models.hf_config import ModelArch
 from megarl.rewards.scorer import Scorer, load_functions
 from megarl.rollout.checks import check_kv_cache, require_vllm
@@ -191,15 +191,20 @@ def build_logger(cfg: RunConfig, out_dir: str) -> MetricsLogger:
     """metrics.jsonl on rank 0, and wandb / tensorboard as `logging` asks."""
     lg = cfg.logging
     wandb_cfg = None
-    if lg.wandb and lg.wandb_mode != "disabled":
+    mode = wandb_mode(lg.wandb_mode)  # logging.wandb_mode, else WANDB_MODE, else offline
+    if lg.wandb and mode != "disabled":
         wandb_cfg = {
-            "mode": os.environ.get("WANDB_MODE", lg.wandb_mode),
+            "mode": mode,
             "project": lg.wandb_project,
             "config": to_dict(cfg),
             "dir": out_dir,
         }
     return MetricsLogger(
-        out_dir, rank=dist.get_rank(), wandb_cfg=wandb_cfg, tensorboard=lg.tensorboard
+        out_dir,
+        rank=dist.get_rank(),
+        wandb_cfg=wandb_cfg,
+        tensorboard=lg.tensorboard,
+        plot_every_s=lg.plot_every_minutes * 60.0,
     )
 
 
