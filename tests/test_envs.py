@@ -460,3 +460,14 @@ def test_parser_setup_errors():
         ToolCallParser("llama3_json", toy_tokenizer(), None)
     with pytest.raises(ToolSetupError, match="not OpenAI function schemas"):
         ToolCallParser("hermes", toy_tokenizer(), [{"type": "function"}])
+
+
+def test_last_number_reward_wants_the_number_not_the_expression():
+    from megarl.rewards.scoring import load_reward_function
+
+    fn = load_reward_function("last_number")
+    completions = ["588 + 466", "588 + 466 = 1054", "It is 1,054.", "no number", "x"]
+    answers = ["1054", "1054", "1054", "1054", "none"]
+    assert fn([None] * 5, completions, answer=answers) == [0.0, 1.0, 1.0, 0.0, None]
+    math_verify = load_reward_function("math_verify")  # the expression passes there
+    assert math_verify([None], ["588 + 466"], answer=["1054"]) == [1.0]

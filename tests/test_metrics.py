@@ -226,12 +226,42 @@ def test_wandb_mirror_flattens_and_defaults_offline(tmp_path, monkeypatch):
     assert len(run_id) == 8 and run.init["dir"] == str(tmp_path)
     assert run.logged == [(5, {"reward_mean": 0.5, "time_s/rollout": 1.0})]
     assert run.finished
-    # the environment wins over the config; a resumed run reuses the saved id
+    # the config's mode wins over an inherited WANDB_MODE; a resumed run reuses the saved id
     monkeypatch.setenv("WANDB_MODE", "online")
     MetricsLogger(tmp_path, rank=0, wandb_cfg={"mode": "offline"}, tensorboard=False).close()
-    assert runs[1].init["mode"] == "online" and runs[1].init["id"] == run_id
+    assert runs[1].init["mode"] == "offline" and runs[1].init["id"] == run_id
+    # without a mode in the config, WANDB_MODE decides
     MetricsLogger(tmp_path, rank=0, wandb_cfg={"dir": "elsewhere"}, tensorboard=False).close()
+    assert runs[2].init["mode"] == "online"
     assert runs[2].init["dir"] == "elsewhere" and runs[2].init["resume"] == "allow"
+
+
+def test_wandb_mode_from_the_config_wins_over_the_environment():
+    """logging.wandb_mode set: it decides; null: WANDB_MODE, else offline (the Dockerfile and
+    the Slurm example export WANDB_MODE=offline, which must not silence `online`)."""
+    from megarl.config import load_config
+    from megarl.metrics.sinks import wandb_mode
+
+    assert wandb_mode("online", {"WANDB_MODE": "offline"}) == "online"
+    assert wandb_mode("disabled", {"WANDB_MODE": "online"}) == "disabled"
+    assert wandb_mode(None, {"WANDB_MODE": "disabled"}) == "disabled"
+    assert wandb_mode(None, {}) == "offline"
+    assert load_config(None, []).logging.wandb_mode is None
+    with pytest.raises(ValueError, match="logging.wandb_mode='onlin'; accepted: offline, online"):
+        load_config(None, ["logging.wandb_mode=onlin"])
+
+
+def test_tensorboard_is_off_by_default_and_says_so_when_missing(tmp_path, monkeypatch, caplog):
+    """tensorboard is not a dependency: the default writes none, and asking for it without the
+    package is a warning, not a silent no-op."""
+    from megarl.config import load_config
+
+    assert load_config(None, []).logging.tensorboard is False
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    with caplog.at_level("WARNING"):
+        MetricsLogger(tmp_path, rank=0, tensorboard=True).close()
+    assert "tensorboard is not installed" in caplog.text
+    assert not (tmp_path / "tensorboard").exists()
 
 
 def test_tensorboard_mirror(tmp_path, monkeypatch):
@@ -251,7 +281,7 @@ def test_tensorboard_mirror(tmp_path, monkeypatch):
             pass
 
     monkeypatch.setattr(sinks, "_open_tensorboard", lambda d: Writer(d))
-    with MetricsLogger(tmp_path, rank=0) as log:
+    with MetricsLogger(tmp_path, rank=0, tensorboard=True) as log:
         log.log(1, {"loss": 2.0, "time_s": {"train": 3.0}})
     assert scalars == [("loss", 2.0, 1), ("time_s/train", 3.0, 1)]
 

@@ -2,8 +2,8 @@
 same number of sampled tokens.
 
 The workload is examples/grpo_smollm2_retry_cpu.yaml's rollout: SmolLM2-135M-Instruct (fetched
-and cached like the peer suite's), the first `PROMPTS` prompts of
-examples/data/smollm2_arith_train.jsonl x `N` samples at temperature 1, the `retry`
+and cached like the peer suite's, its weights loaded into the engine once), the first `PROMPTS`
+prompts of examples/data/smollm2_arith_train.jsonl x `N` samples at temperature 1, the `retry`
 environment with at most `MAX_TURNS` turns of at most `MAX_TOKENS` tokens, through the real
 multi-turn rollout (`MultiTurnRollout` over the colocated engine, one rank, fp32).
 
@@ -26,29 +26,39 @@ import statistics
 import time
 
 import torch
+from safetensors import safe_open
 
-from megarl.benchmarks import record, register_suite
+from megarl.benchmarks import peer_smollm2, record, register_suite
 from megarl.convert.fetch import fetch_gguf
 from megarl.convert.gguf import cached_hf_dir
+from megarl.data.dataset import PromptBatch
 from megarl.distributed.launch import spawn
+from megarl.envs.config import EnvConfig
+from megarl.models.hf_config import arch_from_hf
+from megarl.rollout.colocated import ColocatedRollout
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.dispatch import RolloutDispatcher
+from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.multi_turn import MultiTurnRollout, load_multi_turn
+from megarl.rollout.stop_tokens import resolve_stop_tokens
 
 PROMPTS, N, MAX_TURNS, MAX_TOKENS, SEED = 16, 4, 3, 48, 0
 QUICK_PROMPTS = 4
+
+
+def _hf_tensors(model_dir: str):
+    """(name, tensor) of every safetensors file of an HF directory."""
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+                    yield key, f.get_tensor(key)
 
 
 def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, repeats: int):
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from megarl.data.dataset import PromptBatch
-    from megarl.envs.config import EnvConfig
-    from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.colocated import ColocatedRollout
-    from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.dispatch import RolloutDispatcher
-    from megarl.rollout.engine import RolloutEngine
-    from megarl.rollout.multi_turn import MultiTurnRollout, load_multi_turn
-    from megarl.rollout.stop_tokens import resolve_stop_tokens
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -60,6 +70,7 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
         kv_cache_memory_bytes=768 * 2**20, temperature=1.0,
     )  # fmt: skip
     engine = RolloutEngine(model_dir, arch, cfg)
+    engine.load_hf_weights(_hf_tensors(model_dir))  # the engine starts from dummy weights
     env = EnvConfig(name="retry", max_turns=MAX_TURNS, max_tokens=192)
     setup = load_multi_turn(env, tok)
     mt = MultiTurnRollout(
@@ -96,7 +107,7 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
     times: dict[str, list[float]] = {"multi_turn": [], "one_turn": []}
     for _ in range(repeats):
         for name, fn in (("multi_turn", multi_turn), ("one_turn", one_turn)):
-            engine.llm.reset_prefix_cache()
+            engine.reset_prefix_cache()
             t0 = time.perf_counter()
             out = fn()
             times[name].append(time.perf_counter() - t0)
@@ -116,8 +127,6 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
 
 @register_suite("multi_turn")
 def suite(args) -> list[dict]:
-    from megarl.benchmarks import peer_smollm2
-
     quick = bool(getattr(args, "quick", False))
     prompts, repeats = (QUICK_PROMPTS, 1) if quick else (PROMPTS, 3)
     if not os.path.isfile(peer_smollm2.TRAIN):

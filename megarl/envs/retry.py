@@ -4,31 +4,20 @@ The answer is the row's `answer_key` column; a turn is right when the last numbe
 that answer exactly as a rational number (`last_number`: "1,000" is 1000, "1/2" equals "0.5",
 "-3" is negative but the "3" of "5-3" is not). This is simpler than `math_verify` (no LaTeX
 beyond the digits, no expressions, no tolerance: "0.333" is not "1/3") and needs no optional
-package. Attempts are bounded by the rollout's `env.max_turns`, not here.
+package; the reward function `last_number` is the same check. Attempts are bounded by the
+rollout's `env.max_turns`, not here.
 """
 
 from __future__ import annotations
 
-import re
 from fractions import Fraction
 from typing import Any
 
 from megarl.envs.base import AssistantTurn, Environment, Observation
+from megarl.rewards.builtins import last_number
 
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+|/\d+)?")
-# a minus after a word character or ")" is subtraction ("5-3"), not a sign
+__all__ = ["RetryEnv", "last_number", "row_answer"]
 
-
-def last_number(text: str) -> Fraction | None:
-    """The last number written in `text` ("42", "-3", "1,000", "2.5", "3/4"), exactly; None
-    when there is none (or it is a fraction over 0)."""
-    found = _NUMBER.findall(str(text))
-    if not found:
-        return None
-    try:
-        return Fraction(found[-1].replace(",", ""))
-    except ZeroDivisionError:
-        return None
 
 
 def row_answer(row: dict[str, Any], key: str, env: str) -> Fraction:

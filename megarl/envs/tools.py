@@ -25,9 +25,10 @@ from typing import Any
 
 from megarl.envs.base import AssistantTurn, Environment, Observation, ToolCall
 from megarl.envs.config import ON_TOOL_ERROR
-from megarl.envs.retry import last_number, row_answer
+from megarl.envs.retry import row_answer
 from megarl.envs.tool_calls import ToolSetupError, call_tool, tool_schema
 from megarl.plugins import PluginError, load_object
+from megarl.rewards.builtins import last_number
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_RESULT_BITS = 10_000

@@ -11,13 +11,14 @@ Usage:
     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
 """
 
-from megarl.metrics.plots import plot_rewards, read_metrics
+from megarl.metrics.plots import LivePlots, plot_rewards, plot_run, read_metrics
 from megarl.metrics.progress import StepProgress, format_step_line
 from megarl.metrics.sinks import MetricsLogger, flatten, json_safe
 from megarl.metrics.throughput import flops_per_token, mfu, peak_flops
 from megarl.metrics.timer import StageTimer
 
 __all__ = [
+    "LivePlots",
     "MetricsLogger",
     "StageTimer",
     "StepProgress",
@@ -28,5 +29,6 @@ __all__ = [
     "mfu",
     "peak_flops",
     "plot_rewards",
+    "plot_run",
     "read_metrics",
 ]

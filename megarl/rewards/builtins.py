@@ -3,6 +3,9 @@
 - `math_verify_reward`: 1.0 if the completion's answer is mathematically equal to the dataset's
   `answer` column, else 0.0; None when the ground truth itself cannot be parsed (the sample is
   "not applicable", as in TRL's `accuracy_reward`).
+- `last_number_reward` (`last_number`): 1.0 if the last number of the completion equals the
+  `answer` column's exactly, else 0.0 (no expressions, no LaTeX); None when the answer has no
+  number.
 - `format_reward`: 1.0 if the completion matches a regex (default: `<think>...</think>` then a
   non-empty answer), else 0.0.
 - `length_penalty`: DAPO's soft overlong punishment on the completion's token count.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 _MATH_PARSE_TIMEOUT_S = 5
@@ -24,6 +28,43 @@ def _math_extraction_configs():
     # \boxed{...} first (priority 0), then any LaTeX, then a plain final expression such as
     # "The answer is 42" (ExprExtractionConfig); the last match in the text wins for free text.
     return [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+|/\d+)?")
+# a minus after a word character or ")" is subtraction ("5-3"), not a sign
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number written in `text` ("42", "-3", "1,000", "2.5", "3/4"), exactly; None
+    when there is none (or it is a fraction over 0)."""
+    found = _NUMBER.findall(str(text))
+    if not found:
+        return None
+    try:
+        return Fraction(found[-1].replace(",", ""))
+    except ZeroDivisionError:
+        return None
+
+
+def last_number_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    *,
+    answer: Sequence[str],
+    **kwargs: Any,
+) -> list[float | None]:
+    """1.0 where the last number of the completion equals the last number of `answer` exactly
+    (`last_number`), else 0.0; None where the answer holds no number. Stricter than
+    `math_verify`, which also accepts an unevaluated expression ("588 + 466" for 1054)."""
+    if len(answer) != len(completions):
+        raise ValueError(
+            f"last_number_reward: {len(completions)} completions but {len(answer)} answers"
+        )
+    out: list[float | None] = []
+    for completion, gold_text in zip(completions, answer, strict=True):
+        gold = last_number(str(gold_text))
+        out.append(None if gold is None else float(last_number(_text(completion)) == gold))
+    return out
 
 
 def math_verify_reward(
@@ -129,6 +170,7 @@ def _text(completion: Any) -> str:
 
 BUILTINS = {
     "math_verify": math_verify_reward,
+    "last_number": last_number_reward,
     "format": format_reward,
     "length_penalty": length_penalty,
 }
