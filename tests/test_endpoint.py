@@ -409,7 +409,7 @@ def test_timeouts_and_unknown_routes(engine):
 
     def sleeper(row, base_url, seed):
         urls["sleeper"] = base_url
-        time.sleep(1.0)
+        time.sleep(4.0)
         late.set()
         return 1.0
 
@@ -427,9 +427,11 @@ def test_timeouts_and_unknown_routes(engine):
                 urls.setdefault("errors", []).append((e.code, json.loads(e.read())["error"]))
         return None
 
-    out = run_agents(engine, [sleeper, quick], env_cfg(timeout_s=0.4, wave_wait_s=0.1))
+    # the quick agent's own time before its request (the client, a thread) stays far below 2 s
+    # on a loaded machine; the sleeper's 4 s does not
+    out = run_agents(engine, [sleeper, quick], env_cfg(timeout_s=2.0, wave_wait_s=0.1))
     sleeper_rec, quick_rec = (r.record for r in out["runs"])
-    assert sleeper_rec.finish_reason == "env_error" and "env.timeout_s=0.4" in sleeper_rec.error
+    assert sleeper_rec.finish_reason == "env_error" and "env.timeout_s=2.0" in sleeper_rec.error
     assert sleeper_rec.env_reward == 0.0 and not out["runs"][0].tokens.prompt
     assert out["runs"][0].sample([3, 4]).prompt == [3, 4]
     assert quick_rec.finish_reason in ("stop", "length") and quick_rec.turns == 1

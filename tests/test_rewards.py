@@ -185,7 +185,7 @@ def test_load_builtins_and_dotted_paths(tmp_path, monkeypatch):
         load_reward_function("my_rewards:NOT_CALLABLE")
     with pytest.raises(ValueError, match="cannot import 'no_such_module_xyz'"):
         load_reward_function("no_such_module_xyz.fn")
-    with pytest.raises(ValueError, match=r"neither a built-in \(\['format', 'length_penalty'"):
+    with pytest.raises(ValueError, match=r"neither a built-in \(\['format', 'last_number'"):
         load_reward_function("accuracy")
 
 
