@@ -236,6 +236,7 @@ def job(rank: int, world: int) -> dict:
         out["finish"] = sorted({f for *_, f in out["trajectories"]})
         out["retokenize_diff"] = [r.retokenize_diff for r in ro.trajectories]
         if layout == LAYOUTS[0]:
+            out.update(streamed(engine, chunks, arch, groups, tok, env_cfg, out["trajectories"]))
             out.update(failures(engine, chunks, arch, groups, tok))
             out.update(single_turn_equivalence(engine, chunks, arch, groups, tok))
         res["layouts"][key] = out
@@ -287,6 +288,40 @@ def failures(engine, chunks, arch, groups, tok) -> dict:
         "finish": list(ro.finish_reason),
     }
     return out
+
+
+def streamed(engine, chunks, arch, groups, tok, env_cfg, waves: list) -> dict:
+    """The same trajectories with env.scheduler=stream: their ids against the waves', and the
+    trainer's logprobs against the sampler's."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    cfg = dataclasses.replace(env_cfg, scheduler="stream")
+    mt, _ = _rollout(engine, chunks, arch, groups, cfg, tok)
+    batch, positions = prompt_batch(tok, groups.dp_rank, groups.dp_size)
+    ro = mt.generate(batch, positions, SEED)
+    mine = [
+        (
+            positions[ro.prompt_index[j]],
+            j % N,
+            tuple(ro.prompt_ids[j] + ro.response_ids[j]),
+            tuple(ro.response_mask[j]),
+            ro.finish_reason[j],
+        )
+        for j in range(len(ro))
+    ]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    trajectories = sorted({t for part in every for t in part})
+    return {
+        "stream": {
+            "same_as_waves": sum(t in set(waves) for t in trajectories),
+            "count": len(trajectories),
+            "mismatch": mismatch(chunks, arch, groups, ro, pad_to=1),
+            "steps_with_new_turns": mt.last_waves,
+        }
+    }
 
 
 def single_turn_equivalence(engine, chunks, arch, groups, tok) -> dict:

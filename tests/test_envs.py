@@ -471,3 +471,11 @@ def test_last_number_reward_wants_the_number_not_the_expression():
     assert fn([None] * 5, completions, answer=answers) == [0.0, 1.0, 1.0, 0.0, None]
     math_verify = load_reward_function("math_verify")  # the expression passes there
     assert math_verify([None], ["588 + 466"], answer=["1054"]) == [1.0]
+
+
+def test_env_scheduler_is_checked():
+    from megarl.errors import ConfigError
+
+    assert EnvConfig(name="retry", scheduler="stream").scheduler == "stream"
+    with pytest.raises(ConfigError, match=r"env.scheduler='async'; accepted: waves or stream"):
+        EnvConfig(name="retry", scheduler="async")

@@ -18,6 +18,7 @@ from megarl.algorithms.losses import (
     register_policy_loss,
     value_loss,
 )
+from megarl.algorithms.off_policy import OffPolicyOptions
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +93,22 @@ def test_aggregate_errors():
 
 
 # ---------------------------------------------------------------- policy loss
-def ref_token_loss(lp, old, adv, mask, sampler, *, clip_low, clip_high, dual_clip, tis_cap):
+def ref_weight(old, sampler, mask, b, t, kind, low, high):
+    """The off-policy weight of token (b, t) in plain python (megarl.algorithms.off_policy)."""
+    if kind == "none":
+        return 1.0
+    if kind == "mis":
+        rho = math.exp(sum(old[b][u] - sampler[b][u] for u in range(len(old[b])) if mask[b][u]))
+        return rho if rho <= high else 0.0
+    k = math.exp(old[b][t] - sampler[b][t])
+    if kind == "tis":
+        return min(k, high)
+    if kind == "icepop":
+        return k if low <= k <= high else 0.0
+    return k if k <= high else 0.0  # decoupled
+
+
+def ref_token_loss(lp, old, adv, mask, sampler, *, clip_low, clip_high, dual_clip, correction):
     """Per-token PPO loss in plain python: [B][T] lists (0 outside the mask)."""
     out = []
     for b in range(len(lp)):
@@ -106,20 +122,30 @@ def ref_token_loss(lp, old, adv, mask, sampler, *, clip_low, clip_high, dual_cli
             loss = max(-a * ratio, -a * min(max(ratio, 1 - clip_low), 1 + clip_high))
             if dual_clip is not None and a < 0:
                 loss = min(loss, -a * dual_clip)
-            if tis_cap is not None:
-                loss *= min(math.exp(old[b][t] - sampler[b][t]), tis_cap)
+            loss *= ref_weight(old, sampler, mask, b, t, *correction)
             row.append(loss)
         out.append(row)
     return torch.tensor(out)
 
 
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
-@pytest.mark.parametrize("tis_cap", [None, 2.0])
+@pytest.mark.parametrize(
+    "correction",
+    [
+        ("none", 0.5, 2.0),
+        ("tis", 0.5, 2.0),
+        ("icepop", 0.8, 1.5),
+        ("mis", 0.5, 3.0),
+        ("decoupled", 0.5, 1.5),
+    ],
+)
 @pytest.mark.parametrize("clips", [(0.2, 0.2), (0.2, 0.28)])
-def test_ppo_matches_reference(dual_clip, tis_cap, clips):
+def test_ppo_matches_reference(dual_clip, correction, clips):
     lp, old, adv, mask = _batch()
     old = lp + 0.8 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(9))
-    sampler = old + 0.5 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(4))
+    # mis needs some sequences under its cap: a smaller gap there
+    scale = 0.1 if correction[0] == "mis" else 0.5
+    sampler = old + scale * torch.randn(lp.shape, generator=torch.Generator().manual_seed(4))
     per_token = ref_token_loss(
         lp.tolist(),
         old.tolist(),
@@ -129,15 +155,19 @@ def test_ppo_matches_reference(dual_clip, tis_cap, clips):
         clip_low=clips[0],
         clip_high=clips[1],
         dual_clip=dual_clip,
-        tis_cap=tis_cap,
+        correction=correction,
     )
+    kind, low, high = correction
     loss, metrics = policy_loss(
         lp,
         old,
         adv,
         mask,
         PolicyLossOptions(
-            clip_low=clips[0], clip_high=clips[1], dual_clip=dual_clip, tis_cap=tis_cap
+            clip_low=clips[0],
+            clip_high=clips[1],
+            dual_clip=dual_clip,
+            off_policy=OffPolicyOptions(kind=kind, low=low, high=high),
         ),
         sampler_logprobs=sampler,
         global_tokens=mask.sum().item(),
@@ -149,7 +179,7 @@ def test_ppo_matches_reference(dual_clip, tis_cap, clips):
     assert metrics["ratio_mean"].item() == pytest.approx(ratio.mean().item(), rel=1e-12)
     if dual_clip is not None:
         assert "dual_clip_frac" in metrics
-    assert "mismatch_kl" in metrics and ("tis_weight_mean" in metrics) == (tis_cap is not None)
+    assert "mismatch_kl" in metrics and ("is_weight_mean" in metrics) == (kind != "none")
 
 
 def test_ppo_pinned_clipping():
@@ -227,7 +257,9 @@ def test_policy_loss_errors():
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         policy_loss(lp, old, adv, mask, PolicyLossOptions(dual_clip=0.5), **kw)
     with pytest.raises(ValueError, match="sampler_logprobs"):
-        policy_loss(lp, old, adv, mask, PolicyLossOptions(tis_cap=2.0), **kw)
+        policy_loss(
+            lp, old, adv, mask, PolicyLossOptions(off_policy=OffPolicyOptions(kind="tis")), **kw
+        )
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(lp, old, adv, mask, PolicyLossOptions(kl_coef=0.1), **kw)
     with pytest.raises(ValueError, match="entropy"):

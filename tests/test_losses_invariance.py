@@ -21,6 +21,7 @@ from megarl.algorithms.losses import (
     global_denominators,
     value_loss,
 )
+from megarl.algorithms.off_policy import OffPolicyOptions
 from megarl.distributed.launch import spawn
 
 B, T, H, V = 8, 6, 4, 5
@@ -94,7 +95,7 @@ def share(
             clip_high=0.28,
             dual_clip=3.0,
             agg_mode=mode,
-            tis_cap=2.0,
+            off_policy=OffPolicyOptions(kind="tis", high=2.0),
             entropy_coef=0.01,
             kl_coef=0.05,
             kl_kind="k3",

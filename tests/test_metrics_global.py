@@ -33,7 +33,7 @@ def _config(algo: str):
     from megarl.config import RunConfig, build
 
     alg = {
-        "grpo": dict(name="grpo", kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0),
+        "grpo": dict(name="grpo", kl_coef=0.05, entropy_coef=0.01, off_policy_correction="tis"),
         "ppo": dict(name="ppo", kl_coef=0.05, kl_in="reward"),
     }[algo]
     return build(

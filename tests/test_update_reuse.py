@@ -47,7 +47,9 @@ def job(rank: int, world: int, layout: dict) -> dict:
         },
     )
     assert not update.recompute_old_logprobs(cfg.algorithm)
-    assert not update.recompute_old_logprobs(dataclasses.replace(cfg.algorithm, tis_cap=2.0))
+    assert not update.recompute_old_logprobs(
+        dataclasses.replace(cfg.algorithm, off_policy_correction="tis")
+    )
     arch = arch_from_hf(TINY_LLAMA)
     groups = Topology.for_model(cfg.parallel, world, arch).initialize(seed=0)
     g = torch.Generator().manual_seed(7)
@@ -69,7 +71,7 @@ def job(rank: int, world: int, layout: dict) -> dict:
         if mode == "budget":  # 40 tokens: micro-batches of 1 to 4 sequences instead of 3
             alg = dataclasses.replace(alg, max_tokens_per_micro_batch=40)
         if mode.endswith("_tis"):
-            alg = dataclasses.replace(alg, tis_cap=1.5)
+            alg = dataclasses.replace(alg, off_policy_correction="tis", is_high=1.5)
         actor = build_model(arch, cfg.parallel, cfg.precision, role="actor")
         load_full_state(actor, _state(arch))
         opt, sched = build_optimizer(actor, cfg.optim, dtype="fp32", total_steps=2)
@@ -122,7 +124,7 @@ def test_skipped_or_regrouped_work_changes_nothing(layout, pair):
         assert a["metrics"][k] == pytest.approx(b["metrics"][k], rel=1e-5, abs=1e-6), k
     assert b["metrics"]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     if pair[0].endswith("_tis"):  # the weights were applied, some of them capped
-        assert 0.5 < b["metrics"]["tis_weight_mean"] < 1.5
+        assert 0.5 < b["metrics"]["is_weight_mean"] < 1.5
         assert b["metrics"]["loss"] != pytest.approx(res["reuse"]["metrics"]["loss"], rel=1e-3)
     m = a["mask"].bool()
     assert torch.allclose(a["old"][m], b["old"][m], atol=1e-6)

@@ -19,6 +19,7 @@ from megarl.algorithms.losses import (
     ValueLossOptions,
     available_policy_losses,
 )
+from megarl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyOptions
 from megarl.algorithms.preference import (
     PreferenceOptions,
     available_preference_losses,
@@ -61,8 +62,15 @@ class AlgorithmConfig:
     """Where the KL goes: loss (a loss term) or reward (a per-token reward penalty)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
-    tis_cap: float | None = None
-    """Truncated importance sampling cap against the sampler's logprobs; null = off."""
+    off_policy_correction: str = "none"
+    """Importance weights against the sampler's (vLLM's) logprobs: none, tis (truncated),
+    icepop (two-sided token mask), mis (sequence-level masked) or decoupled (decoupled PPO's
+    behaviour weight); formulas in megarl.algorithms.off_policy."""
+    is_low: float = 0.5
+    """Lower bound of icepop's band of token ratios (0 <= is_low < 1)."""
+    is_high: float = 2.0
+    """The importance-weight cap (> 1): tis truncates at it, icepop / mis / decoupled drop
+    tokens (mis: sequences) above it."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
@@ -132,6 +140,16 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
         if self.agg_mode not in AGG_MODES:
             raise ConfigError(f"algorithm.agg_mode={self.agg_mode!r}; accepted: {AGG_MODES}")
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ConfigError(
+                f"algorithm.off_policy_correction={self.off_policy_correction!r}; accepted: "
+                f"{OFF_POLICY_CORRECTIONS}"
+            )
+        if not 0.0 <= self.is_low < 1.0 < self.is_high:
+            raise ConfigError(
+                f"algorithm.is_low={self.is_low}, algorithm.is_high={self.is_high}; accepted: "
+                "0 <= is_low < 1 < is_high"
+            )
         if self.kl_kind not in ("k1", "k2", "k3", "abs"):
             raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")
 
@@ -174,7 +192,8 @@ class AlgorithmConfig:
 
     @property
     def policy_loss_options(self) -> PolicyLossOptions:
-        """clip_low, clip_high, dual_clip, agg_mode, tis_cap, entropy_coef and the KL term (its
+        """clip_low, clip_high, dual_clip, agg_mode, the off-policy correction, entropy_coef and
+        the KL term (its
         coefficient only when kl_in=loss) as `megarl.algorithms.losses.PolicyLossOptions`; the
         ratio level comes with the loss `policy_loss` names (`get_policy_loss`)."""
         kl = self.kl_options
@@ -183,11 +202,17 @@ class AlgorithmConfig:
             clip_high=self.clip_high,
             dual_clip=self.dual_clip,
             agg_mode=self.agg_mode,
-            tis_cap=self.tis_cap,
+            off_policy=self.off_policy_options,
             entropy_coef=self.entropy_coef,
             kl_coef=kl.coef if kl.in_loss else 0.0,
             kl_kind=kl.kind,
         )
+
+    @property
+    def off_policy_options(self) -> OffPolicyOptions:
+        """off_policy_correction, is_low and is_high as
+        `megarl.algorithms.off_policy.OffPolicyOptions`."""
+        return OffPolicyOptions(kind=self.off_policy_correction, low=self.is_low, high=self.is_high)
 
     @property
     def value_loss_options(self) -> ValueLossOptions:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megarl.algorithms.advantages import masked_mean
 from megarl.algorithms.kl import kl_penalty
+from megarl.algorithms.off_policy import OffPolicyOptions, importance_weights
 
 AGG_MODES = (
     "token-mean",
@@ -135,8 +136,9 @@ class PolicyLossOptions:
     """Dual-clip constant c (> 1): for A < 0 the loss is capped at `-A c`; None = off."""
     agg_mode: str = "token-mean"
     """One of `AGG_MODES` (module docstring)."""
-    tis_cap: float | None = None
-    """Truncated importance sampling cap against the sampler's logprobs; None = off."""
+    off_policy: OffPolicyOptions = OffPolicyOptions()
+    """The importance weights against the sampler's logprobs (`megarl.algorithms.off_policy`);
+    the default, `none`, weighs nothing."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (needs the per-token entropy)."""
     kl_coef: float = 0.0
@@ -181,22 +183,26 @@ def policy_loss(
       (GSPO-token form `sg[s_b] * exp(lp_t - sg[lp_t])`); use `seq-mean-token-mean` for GSPO.
     - Clip: `max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`; clip_high > clip_low is
       DAPO's clip-higher. dual_clip=c (> 1): for A < 0 the loss is capped at `-A c`.
-    - Truncated importance sampling (train/inference mismatch): with `tis_cap`, the per-token
-      loss is weighted by `min(exp(old - sampler), tis_cap)` (no gradient). `sampler_logprobs`
-      alone only adds the `mismatch_kl` metric.
+    - Off-policy corrections (train/inference mismatch, stale samples): with
+      `opts.off_policy` active, the per-token loss is multiplied by the detached weights of
+      `megarl.algorithms.off_policy.importance_weights(old, sampler_logprobs)` (tis, icepop,
+      mis, decoupled). `sampler_logprobs` alone only adds the `mismatch_kl` metric.
     - `entropy: [B, T]` with entropy_coef: `loss -= coef * agg(entropy)`.
     - `ref_logprobs: [B, T]` with kl_coef: `loss += coef * agg(kl_penalty(lp, ref, kl_kind))`.
       Use this *or* the in-reward penalty (`kl.apply_kl_penalty`), not both.
     Returns `(loss scalar, metrics)`; metrics are local token means (module docstring):
     pg_loss, clip_frac, approx_kl (0.5 * mean (lp - old)^2), ratio_mean, ratio_max, and as
-    applicable dual_clip_frac, tis_weight_mean, mismatch_kl, entropy, kl.
+    applicable dual_clip_frac, mismatch_kl, the is_* weight metrics, entropy, kl.
     """
     if opts.ratio_level not in ("token", "sequence"):
         raise ValueError(f"ratio_level must be 'token' or 'sequence'; got {opts.ratio_level!r}")
     if opts.dual_clip is not None and opts.dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None; got {opts.dual_clip!r}")
-    if opts.tis_cap is not None and sampler_logprobs is None:
-        raise ValueError("tis_cap is set but sampler_logprobs is None; pass the sampler logprobs")
+    if opts.off_policy.active and sampler_logprobs is None:
+        raise ValueError(
+            f"off-policy correction {opts.off_policy.kind!r} needs sampler_logprobs (the "
+            "behaviour policy's); got None"
+        )
     if opts.entropy_coef and entropy is None:
         raise ValueError(f"entropy_coef={opts.entropy_coef} needs the per-token entropy tensor")
     if opts.kl_coef and ref_logprobs is None:
@@ -232,10 +238,10 @@ def policy_loss(
     if sampler_logprobs is not None:
         d = (sampler_logprobs.detach() - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         metrics["mismatch_kl"] = masked_mean(torch.exp(d) - d - 1, mask)
-        if opts.tis_cap is not None:
-            weight = torch.exp(-d).clamp(max=opts.tis_cap)
+        if opts.off_policy.active:
+            weight, is_metrics = importance_weights(old, sampler_logprobs, mask, opts.off_policy)
             pg = pg * weight
-            metrics["tis_weight_mean"] = masked_mean(weight, mask)
+            metrics.update(is_metrics)
 
     loss = agg(pg)
     metrics["pg_loss"] = masked_mean(pg.detach(), mask)

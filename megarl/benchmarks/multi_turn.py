@@ -14,12 +14,17 @@ also prefills every observation and waits for the waves. The prefix cache is emp
 call (the multi-turn side keeps its own turns cached within a call, which is its design). Calls
 alternate; medians of `repeats`.
 
-Figures: `multi_turn_sampled_tokens_per_s` with the one-turn rate as its floor (overhead_pct
-= 100 x (multi-turn time / one-turn time - 1), the goal is under 20%), `multi_turn_turns_per_s`.
+Figures: `multi_turn_sampled_tokens_per_s` (waves, `env.scheduler: waves`) with the one-turn
+rate as its floor (overhead_pct = 100 x (multi-turn time / one-turn time - 1), the goal is under
+20%), `multi_turn_turns_per_s`, and `multi_turn_stream_sampled_tokens_per_s`: the same
+trajectories scheduled by continuous batching (`env.scheduler: stream`), against the same floor
+(stream_overhead_pct compares rates, since its trajectories may sample other tokens than the
+waves'; stream_same_trajectories counts those identical to the waves').
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -73,9 +78,10 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
     engine.load_hf_weights(_hf_tensors(model_dir))  # the engine starts from dummy weights
     env = EnvConfig(name="retry", max_turns=MAX_TURNS, max_tokens=192)
     setup = load_multi_turn(env, tok)
-    mt = MultiTurnRollout(
-        ColocatedRollout(engine, None, RolloutDispatcher(engine, 0)), setup, tok, None
-    )
+    colocated = ColocatedRollout(engine, None, RolloutDispatcher(engine, 0))
+    mt = MultiTurnRollout(colocated, setup, tok, None)
+    stream_env = dataclasses.replace(env, scheduler="stream")
+    streamed = MultiTurnRollout(colocated, load_multi_turn(stream_env, tok), tok, None)
     with open(train) as f:
         rows = [json.loads(line) for line in f if line.strip()][:prompts]
     texts = [r["prompt"] for r in rows]
@@ -87,6 +93,9 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
 
     def multi_turn():
         return mt.generate(batch, list(range(prompts)), SEED)
+
+    def stream():
+        return streamed.generate(batch, list(range(prompts)), SEED)
 
     ro = multi_turn()  # warm-up; the trajectories are the same at every call (seeded)
     sampled = [sum(m) for m in ro.response_mask]
@@ -104,9 +113,10 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
         return engine.llm.generate(one_turn_inputs, one_turn_params, use_tqdm=False)
 
     one_turn()
-    times: dict[str, list[float]] = {"multi_turn": [], "one_turn": []}
+    stream_ro = stream()
+    times: dict[str, list[float]] = {"multi_turn": [], "stream": [], "one_turn": []}
     for _ in range(repeats):
-        for name, fn in (("multi_turn", multi_turn), ("one_turn", one_turn)):
+        for name, fn in (("multi_turn", multi_turn), ("stream", stream), ("one_turn", one_turn)):
             engine.reset_prefix_cache()
             t0 = time.perf_counter()
             out = fn()
@@ -120,6 +130,10 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
         "turns": turns,
         "trajectories": len(ro),
         "waves": list(mt.last_waves),
+        "stream_sampled_tokens": sum(sum(m) for m in stream_ro.response_mask),
+        "stream_same_ids": sum(
+            a == b for a, b in zip(stream_ro.response_ids, ro.response_ids, strict=True)
+        ),
         "observation_tokens": sum(len(m) - sum(m) for m in ro.response_mask),
         "threads": torch.get_num_threads(),
     }
@@ -138,7 +152,8 @@ def suite(args) -> list[dict]:
     res = spawn(_worker, 1, model_dir, peer_smollm2.TRAIN, prompts, repeats, timeout=3600)[0]
     mt = statistics.median(res["times"]["multi_turn"])
     one = statistics.median(res["times"]["one_turn"])
-    tokens = res["sampled_tokens"]
+    st = statistics.median(res["times"]["stream"])
+    tokens, st_tokens = res["sampled_tokens"], res["stream_sampled_tokens"]
     params = dict(
         model="SmolLM2-135M-Instruct fp32",
         prompts=prompts,
@@ -155,11 +170,18 @@ def suite(args) -> list[dict]:
         multi_turn_s=mt,
         one_turn_s=one,
         overhead_pct=100 * (mt / one - 1),
+        stream_s=st,
+        stream_sampled_tokens=st_tokens,
+        stream_same_trajectories=res["stream_same_ids"],
+        stream_overhead_pct=100 * ((st / st_tokens) / (one / tokens) - 1),
         all_multi_turn_s=res["times"]["multi_turn"],
+        all_stream_s=res["times"]["stream"],
         all_one_turn_s=res["times"]["one_turn"],
     )
     return [
         record("multi_turn_sampled_tokens_per_s", tokens / mt, "tokens/s", floor=tokens / one,
                **params),
         record("multi_turn_turns_per_s", res["turns"] / mt, "turns/s", **params),
+        record("multi_turn_stream_sampled_tokens_per_s", st_tokens / st, "tokens/s",
+               floor=tokens / one, **params),
     ]  # fmt: skip

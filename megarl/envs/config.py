@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from megarl.errors import ConfigError
 
+SCHEDULERS = ("waves", "stream")
 ON_TOOL_ERROR = ("message", "end")
 
 
@@ -44,6 +45,11 @@ class EnvConfig:
     on_tool_error: str = "message"
     """A malformed call or a raising / timed-out tool: message (the error goes back to the
     model as the tool's answer) or end (the trajectory ends, finish reason env_error)."""
+    scheduler: str = "waves"
+    """How the turns of many trajectories share the engine: waves (one generate call per wave
+    of turns; the same batches whatever the threads' timing, megarl.rollout.waves) or stream
+    (vLLM's continuous batching: a turn starts as soon as its environment answered, the batches
+    depend on timing; rollout.tensor_parallel=1 only, megarl.rollout.stream)."""
     wave_wait_s: float = 0.5
     """How long a generation wave waits for environments still stepping before it starts
     without them (they join a later wave): a slow tool never stalls the others for longer."""
@@ -59,6 +65,7 @@ class EnvConfig:
             (self.timeout_s > 0, "timeout_s", self.timeout_s, "> 0"),
             (self.tool_timeout_s > 0, "tool_timeout_s", self.tool_timeout_s, "> 0"),
             (self.wave_wait_s >= 0, "wave_wait_s", self.wave_wait_s, ">= 0"),
+            (self.scheduler in SCHEDULERS, "scheduler", self.scheduler, " or ".join(SCHEDULERS)),
             (
                 self.on_tool_error in ON_TOOL_ERROR,
                 "on_tool_error",

@@ -339,20 +339,7 @@ class RolloutEngine:
         the temperature. `seeds[i]` (multi-turn: one request per trajectory turn) replaces
         prompt i's seed from `seed` and `positions` (its sample k gets seeds[i] + k). With vLLM
         TP > 1 every rank of the instance must make the same call."""
-        from vllm import SamplingParams
-
-        if self.weight_state == PARTIAL:
-            raise RuntimeError(
-                f"the vLLM engine holds partially updated weights (a weight sync failed at "
-                f"{self.failed_param!r}); run WeightSync.sync() successfully before generating"
-            )
-        if self.weight_state == ASLEEP:
-            raise RuntimeError(
-                "the engine slept (its weights were discarded); run "
-                "WeightSync.sync() before generating"
-            )
-        if self.weight_state == DUMMY:
-            log.warning("generating from random (dummy) weights: no weight sync happened yet")
+        self._check_ready()
         cfg = self.cfg
         n = cfg.n if n is None else n
         if n < 1:
@@ -383,42 +370,120 @@ class RolloutEngine:
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         self.wake_up()
         params = [
-            SamplingParams(
-                n=n,
-                temperature=0.0 if greedy else temperature,
-                top_p=1.0 if greedy else cfg.top_p,
-                top_k=0 if greedy or cfg.top_k == -1 else cfg.top_k,
-                max_tokens=limit,
-                stop_token_ids=list(cfg.stop_token_ids or ()),
-                ignore_eos=True,  # stop exactly at `stop_token_ids` (EOS included by default)
-                seed=request_seed % 2**32,
-                logprobs=0,
-                flat_logprobs=True,
-                detokenize=False,
-            )
+            self._sampling_params(n, request_seed, limit, greedy, temperature)
             for request_seed, limit in zip(seeds, limits, strict=True)
         ]
         if self.routes is not None:
             self.routes.begin()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         ro = Rollout.empty()
-        vocab = self.arch.vocab_size
         for i, out in enumerate(outs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                lps = c.logprobs
-                if lps is None or len(lps.logprobs) != len(ids) or lps.token_ids != ids:
-                    raise RuntimeError(f"vLLM returned no per-token logprob for prompt {i}")
-                if ids and max(ids) >= vocab:  # vLLM cuts logits to the real vocabulary
-                    raise RuntimeError(f"vLLM sampled id {max(ids)} >= vocab_size {vocab}")
+            for ids, lps, finish in self._completions(out, i):
                 ro.prompt_index.append(i)
                 ro.prompt_ids.append(list(prompts[i]))
                 ro.response_ids.append(ids)
-                ro.response_logprobs.append(list(lps.logprobs))
-                ro.finish_reason.append(c.finish_reason)
+                ro.response_logprobs.append(lps)
+                ro.finish_reason.append(finish)
         if self.routes is not None:
             ro.routed_experts = self.routes.collect(outs, prompts)
         return ro
+
+    # ------------------------------------------------------------------ continuous generation
+    def submit(
+        self,
+        key: str,
+        ids: list[int],
+        *,
+        seed: int,
+        max_tokens: int,
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> None:
+        """Queue one sample from `ids` (one request, n=1) without running the engine; `step`
+        advances every queued and running request by one scheduler step. Requests join and
+        leave the running batch between steps (vLLM's continuous batching), so a multi-turn
+        trajectory's next turn starts while other requests still decode. TP=1 engines only
+        (an SPMD instance's ranks would have to submit in lockstep)."""
+        if self.cfg.tensor_parallel != 1 or self.routes is not None:
+            raise RolloutConfigError(
+                "continuous generation (env.scheduler=stream) needs rollout.tensor_parallel=1 "
+                "and rollout.routing_replay=false; use env.scheduler=waves"
+            )
+        self._check_ready()
+        temperature = self.cfg.temperature if temperature is None else temperature
+        if max_tokens < 1 or not 0 < temperature <= 2 or seed < 0:
+            raise ValueError(
+                f"submit(max_tokens={max_tokens}, temperature={temperature}, seed={seed}); "
+                "accepted: max_tokens >= 1, 0 < temperature <= 2, seed >= 0"
+            )
+        self._check_prompts([ids], [max_tokens])
+        self.wake_up()
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self._sampling_params(1, seed, max_tokens, greedy, temperature)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        self.llm.llm_engine.add_request(key, {"prompt_token_ids": list(ids)}, params)
+
+    def step(self) -> list[tuple[str, list[int], list[float], str]]:
+        """One scheduler step of the submitted requests: `(key, sampled ids, their logprobs,
+        finish reason)` of each request that finished in it."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                ((ids, lps, finish),) = self._completions(out, out.request_id)
+                done.append((out.request_id, ids, lps, finish))
+        return done
+
+    def has_unfinished(self) -> bool:
+        """Whether submitted requests are still queued or running."""
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ shared by both
+    def _check_ready(self) -> None:
+        if self.weight_state == PARTIAL:
+            raise RuntimeError(
+                f"the vLLM engine holds partially updated weights (a weight sync failed at "
+                f"{self.failed_param!r}); run WeightSync.sync() successfully before generating"
+            )
+        if self.weight_state == ASLEEP:
+            raise RuntimeError(
+                "the engine slept (its weights were discarded); run "
+                "WeightSync.sync() before generating"
+            )
+        if self.weight_state == DUMMY:
+            log.warning("generating from random (dummy) weights: no weight sync happened yet")
+
+    def _sampling_params(self, n: int, seed: int, max_tokens: int, greedy: bool, temperature):
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        return SamplingParams(
+            n=n,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else cfg.top_p,
+            top_k=0 if greedy or cfg.top_k == -1 else cfg.top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=list(cfg.stop_token_ids or ()),
+            ignore_eos=True,  # stop exactly at `stop_token_ids` (EOS included by default)
+            seed=seed % 2**32,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+        )
+
+    def _completions(self, out, which) -> list[tuple[list[int], list[float], str]]:
+        """(ids, logprobs, finish reason) of each sample of one vLLM `RequestOutput`."""
+        vocab = self.arch.vocab_size
+        res = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            lps = c.logprobs
+            if lps is None or len(lps.logprobs) != len(ids) or lps.token_ids != ids:
+                raise RuntimeError(f"vLLM returned no per-token logprob for prompt {which}")
+            if ids and max(ids) >= vocab:  # vLLM cuts logits to the real vocabulary
+                raise RuntimeError(f"vLLM sampled id {max(ids)} >= vocab_size {vocab}")
+            res.append((ids, list(lps.logprobs), c.finish_reason))
+        return res
 
     def _check_prompts(self, prompts, max_tokens: list[int]) -> None:
         vocab = self.arch.vocab_size

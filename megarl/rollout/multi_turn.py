@@ -4,12 +4,13 @@ behind the same interface as the single-turn rollout (`megarl.rollout.colocated.
 
 Placement is the colocated one: the engines, the weight sync and the dispatcher are the
 `ColocatedRollout`'s; the dispatcher hands each vLLM instance its share of the prompts, and
-the instance runs their trajectories (n per prompt) to the end with a `WaveBatcher`: every
-trajectory a thread (`megarl.rollout.trajectory.EnvTrajectory`), one `generate` call per wave
-of turns. With a vLLM instance of several ranks (GPU, rollout.tensor_parallel > 1), its first
-rank runs the environments and sends every wave's requests to the others, which generate the
-same requests (vLLM's SPMD executor needs every rank to submit them); on CPU instances have one
-rank.
+the instance runs their trajectories (n per prompt) to the end: every trajectory a thread
+(`megarl.rollout.trajectory.EnvTrajectory`), served by a `WaveBatcher` (one `generate` call
+per wave of turns) or, with `env.scheduler: stream`, a `StreamBatcher` (vLLM's continuous
+batching, one scheduler step at a time). With a vLLM instance of several ranks (GPU,
+rollout.tensor_parallel > 1), its first rank runs the environments and sends every wave's
+requests to the others, which generate the same requests (vLLM's SPMD executor needs every
+rank to submit them; waves only); on CPU instances have one rank.
 
 A sample's response is everything after the prompt: sampled tokens and the environment's
 (`Rollout.response_mask` tells them apart, `Rollout.trajectories` holds the conversation).
@@ -34,6 +35,7 @@ from megarl.rollout.chat_format import ChatFormat
 from megarl.rollout.colocated import ColocatedRollout
 from megarl.rollout.endpoint import ChatEndpoint
 from megarl.rollout.engine import Rollout
+from megarl.rollout.stream import StreamBatcher
 from megarl.rollout.trajectory import FINISH_REASONS, EnvTrajectory, TurnLimits
 from megarl.rollout.waves import TurnResult, WaveBatcher
 
@@ -142,12 +144,7 @@ class MultiTurnRollout:
             for k in range(n)
         ]
 
-        def wave(requests):
-            if group is not None:  # the instance's other ranks generate the same requests
-                dist.broadcast_object_list([("wave", requests)], src=dist.get_rank(), group=group)
-            return self._generate(requests, sampling)
-
-        batcher = WaveBatcher(wave, self.cfg.wave_wait_s)
+        batcher = self._batcher(group, sampling)
         clients = [batcher.client() for _ in runs]
         threads = [
             threading.Thread(target=r.run, args=(batcher, c), daemon=True, name=f"trajectory-{i}")
@@ -171,6 +168,26 @@ class MultiTurnRollout:
                 msg = ("done", out) if out is not None else ("failed", None)
                 dist.broadcast_object_list([msg], src=dist.get_rank(), group=group)
         return out
+
+    def _batcher(self, group, sampling) -> WaveBatcher | StreamBatcher:
+        """The scheduler of `env.scheduler` over this instance's engine."""
+        if self.cfg.scheduler == "stream":
+            engine = self.engine
+
+            def submit(key, r):
+                engine.submit(key, r.ids, seed=r.seed, max_tokens=r.max_tokens, **sampling)
+
+            def step():
+                return [(key, TurnResult(ids, lps, fin)) for key, ids, lps, fin in engine.step()]
+
+            return StreamBatcher(submit, step, engine.has_unfinished, self.cfg.wave_wait_s)
+
+        def wave(requests):
+            if group is not None:  # the instance's other ranks generate the same requests
+                dist.broadcast_object_list([("wave", requests)], src=dist.get_rank(), group=group)
+            return self._generate(requests, sampling)
+
+        return WaveBatcher(wave, self.cfg.wave_wait_s)
 
     def _trajectory(self, item: dict, seed: int, index: int, limits: TurnLimits):
         """Trajectory `index` of the step: an environment's, or an agent's."""

@@ -57,22 +57,18 @@ class Client:
         self._answered = threading.Event()
 
 
-class WaveBatcher:
-    """Serves the turns of many trajectories in waves (module docstring)."""
+class TurnBatcher:
+    """The trajectory side shared by the schedulers (`WaveBatcher`, and
+    `megarl.rollout.stream.StreamBatcher`): trajectories register, ask for turns, mark their
+    environment time and finish; a subclass's `serve` answers the turns."""
 
-    def __init__(
-        self,
-        generate: Callable[[list[TurnRequest]], list[TurnResult]],
-        wait_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self._generate = generate
+    def __init__(self, wait_s: float, clock: Callable[[], float] = time.monotonic):
         self.wait_s = wait_s
         self.clock = clock
         self.lock = threading.Condition()
         self._clients: list[Client] = []
         self.waves: list[int] = []
-        """The number of turns in each wave served so far."""
+        """The number of turns in each batch served so far."""
 
     def client(self) -> Client:
         """Register a trajectory (before `serve` starts)."""
@@ -81,9 +77,8 @@ class WaveBatcher:
             self._clients.append(c)
         return c
 
-    # ---------------------------------------------------------------- trajectory side
     def ask(self, client: Client, request: TurnRequest) -> TurnResult:
-        """The next turn of `client`'s trajectory (blocks until its wave is generated)."""
+        """The next turn of `client`'s trajectory (blocks until it is generated)."""
         with self.lock:
             client._answered.clear()
             client.request, client.asked_at = request, self.clock()
@@ -109,6 +104,25 @@ class WaveBatcher:
             client.done = True
             self.lock.notify_all()
 
+    def _expire(self, now: float) -> None:
+        """Abandon the trajectories past their deadline (call under the lock)."""
+        for c in self._clients:
+            if not c.done and c.deadline is not None and now > c.deadline:
+                c.done = c.timed_out = True
+
+
+class WaveBatcher(TurnBatcher):
+    """Serves the turns of many trajectories in waves (module docstring)."""
+
+    def __init__(
+        self,
+        generate: Callable[[list[TurnRequest]], list[TurnResult]],
+        wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        super().__init__(wait_s, clock)
+        self._generate = generate
+
     # ---------------------------------------------------------------- engine side
     def serve(self) -> None:
         """Generate waves until every trajectory is done or abandoned (call from the thread
@@ -130,9 +144,7 @@ class WaveBatcher:
         with self.lock:
             while True:
                 now = self.clock()
-                for c in self._clients:
-                    if not c.done and c.deadline is not None and now > c.deadline:
-                        c.done = c.timed_out = True
+                self._expire(now)
                 live = [c for c in self._clients if not c.done]
                 if not live:
                     return None

@@ -34,7 +34,7 @@ from megarl.models.optim import zero_grads
 from megarl.trainer.experience import StepBatch
 
 # metrics that are maxima over tokens, not token means
-MAX_METRICS = ("ratio_max",)
+MAX_METRICS = ("ratio_max", "is_weight_max")
 # policy_loss's "kl" (current policy vs reference, the estimator in the loss) is logged as
 # "kl_loss"; "kl" is the rollout policy's k3 KL to the reference over the rollout batch
 RENAMED = {"kl": "kl_loss"}
@@ -45,9 +45,9 @@ def recompute_old_logprobs(alg) -> bool:
 
     With one epoch over one mini-batch the update's forward runs on exactly the weights that
     generated the advantages' data, so its detached logprobs *are* the old ones (ratio = 1 by
-    construction, as TRL does); a separate pass would change nothing. Truncated importance
-    sampling then weighs each token by exp(those logprobs - the sampler's), which the update's
-    forward provides as well. The pass is kept when something reads the old logprobs before the
+    construction, as TRL does); a separate pass would change nothing. An off-policy correction
+    then weighs each token by exp(those logprobs - the sampler's), which the update's forward
+    provides as well. The pass is kept when something reads the old logprobs before the
     update or across optimizer steps: several epochs or mini-batches, the KL penalty in the
     reward."""
     return alg.ppo_epochs > 1 or alg.mini_batches > 1 or alg.kl_options.in_reward
@@ -178,7 +178,7 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
             global_tokens=tokens,
             global_seqs=seqs,
             max_len=rollout.max_tokens,
-            sampler_logprobs=micro["sampler_logprobs"] if opts.tis_cap else None,
+            sampler_logprobs=micro["sampler_logprobs"] if opts.off_policy.active else None,
             entropy=ent,
             ref_logprobs=micro["ref_logprobs"] if opts.kl_coef > 0 else None,
         )
