@@ -303,6 +303,17 @@ class RunConfig:
                 "rollout.routing_replay with a multi-turn env: routes are captured per single-"
                 "turn call; accepted: rollout.routing_replay=false with env.name / env.agent"
             )
+        if (
+            self.env.multi_turn
+            and self.env.scheduler == "stream"
+            and self.rollout.tensor_parallel > 1
+        ):
+            raise ConfigError(
+                f"env.scheduler=stream with rollout.tensor_parallel="
+                f"{self.rollout.tensor_parallel}: "
+                "the ranks of a vLLM instance would have to step its scheduler in lockstep; "
+                "accepted: env.scheduler=waves, or rollout.tensor_parallel=1"
+            )
 
 
 def _field_types(cls) -> dict[str, Any]:

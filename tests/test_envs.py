@@ -479,3 +479,23 @@ def test_env_scheduler_is_checked():
     assert EnvConfig(name="retry", scheduler="stream").scheduler == "stream"
     with pytest.raises(ConfigError, match=r"env.scheduler='async'; accepted: waves or stream"):
         EnvConfig(name="retry", scheduler="async")
+
+
+@pytest.mark.parametrize(
+    "rollout, env, message",
+    [
+        ({"tensor_parallel": 2}, {"scheduler": "stream"}, "accepted: env.scheduler=waves, or"),
+        ({"routing_replay": True}, {}, "accepted: rollout.routing_replay=false with env.name"),
+    ],
+)
+def test_multi_turn_refuses_what_its_schedulers_cannot_serve(rollout, env, message):
+    from megarl.config import RunConfig, build
+    from megarl.errors import ConfigError
+    from tests.tiny import TINY_LLAMA
+
+    tree = {"model": {"config": TINY_LLAMA}, "rollout": rollout, "env": {"name": "retry", **env}}
+    with pytest.raises(ConfigError, match=message):
+        build(RunConfig, tree)
+    tree["env"] = {"name": "retry"}  # waves serve any layout
+    if "tensor_parallel" in rollout:
+        assert build(RunConfig, tree).env.scheduler == "waves"

@@ -193,9 +193,9 @@ class AlgorithmConfig:
     @property
     def policy_loss_options(self) -> PolicyLossOptions:
         """clip_low, clip_high, dual_clip, agg_mode, the off-policy correction, entropy_coef and
-        the KL term (its
-        coefficient only when kl_in=loss) as `megarl.algorithms.losses.PolicyLossOptions`; the
-        ratio level comes with the loss `policy_loss` names (`get_policy_loss`)."""
+        the KL term (its coefficient only when kl_in=loss) as
+        `megarl.algorithms.losses.PolicyLossOptions`; the ratio level comes with the loss
+        `policy_loss` names (`get_policy_loss`)."""
         kl = self.kl_options
         return PolicyLossOptions(
             clip_low=self.clip_low,

@@ -11,13 +11,16 @@ decoding: no turn waits for a wave to fill or for the slowest sample of the prev
 The price is determinism: which requests share a batch, and so the last bits of their logits,
 depends on the threads' timing. The sampled tokens of a seeded request are the same whenever
 its logits are; waves give the same batches on every run whatever the timing (with fast
-environments), streams do not promise that. After each step the batcher waits (at most
-`wait_s`) for the trajectories it just answered to ask again or enter their environment, so a
-fast environment's next turn joins the next step. Time limits (`busy`) are those of waves.
+environments), streams do not promise that. While the engine is idle (the first step) the
+batcher waits, like a wave, for every live trajectory to ask or `wait_s`; after each step it
+waits (at most `wait_s`) for the trajectories it just answered to ask again or enter their
+environment, so a fast environment's next turn joins the next step. Time limits (`busy`) are
+those of waves.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -93,18 +96,26 @@ class StreamBatcher(TurnBatcher):
                 self.lock.wait(until - now)
 
     def _collect(self) -> list[Client] | None:
-        """The turns asked since the last step; blocks while nothing runs and nothing is asked;
-        None when every trajectory is over."""
+        """The turns asked since the last step (while the engine is idle: once every live
+        trajectory asked, or `wait_s` after the first); None when every trajectory is over."""
         with self.lock:
             while True:
                 now = self.clock()
                 self._expire(now)
-                pending = [c for c in self._clients if not c.done and c.request is not None]
-                if pending or self._in_flight:
-                    return pending
                 live = [c for c in self._clients if not c.done]
-                if not live:
+                if not live and not self._in_flight:
                     return None
+                pending = [c for c in live if c.request is not None]
+                if self._in_flight:
+                    return pending
+                # the engine is idle: like a wave, the first step waits for every live
+                # trajectory to ask, or wait_s after the first request
+                wake = math.inf
+                if pending:
+                    first = min(c.asked_at for c in pending)
+                    if len(pending) == len(live) or now - first >= self.wait_s:
+                        return pending
+                    wake = first + self.wait_s
                 deadlines = [c.deadline for c in live if c.deadline is not None]
-                wake = min(deadlines, default=None)
-                self.lock.wait(None if wake is None else max(wake - now, 1e-3))
+                wake = min([wake, *deadlines])
+                self.lock.wait(None if wake == math.inf else max(wake - now, 1e-3))
