@@ -259,16 +259,37 @@ def _train(args: argparse.Namespace) -> int:
 
     faults.install_stop_signals()  # from here on SIGTERM / SIGUSR1 ask for a clean stop
 
-    import torch.distributed as dist
-
     from megarl.distributed.process_group import init_distributed  # deferred: imports torch (2 s)
-    from megarl.metrics.sinks import wandb_mode  # deferred: imports torch (2 s)
     from megarl.trainer import loop, offline  # deferred: imports torch (2 s)
-    from megarl.trainer.finish import TrainingDiverged  # deferred: imports torch (2 s)
 
     train = offline.train if cfg.algorithm.offline else loop.train
 
-    init_distributed(faults.collective_timeout(cfg.trainer))
+    init_distributed(
+        faults.collective_timeout(cfg.trainer),
+        placement=cfg.rollout.placement,
+        engines=cfg.rollout.ranks,
+    )
+    from megarl.distributed.placement import placement  # deferred: imports torch (2 s)
+    from megarl.rollout import separate  # deferred: imports torch (2 s)
+
+    if placement().role == "rollout":  # an engine rank: serves trainer rank 0 until it stops
+        return separate.serve()
+    status = 1  # what the engines exit with when the trainer raises
+    try:
+        status = _train_ranks(args, cfg, given, stem, train)
+    finally:
+        separate.stop_engines(status)
+    return status
+
+
+def _train_ranks(args: argparse.Namespace, cfg, given: tuple, stem: str, train) -> int:
+    """The trainer ranks' part of `megarl train` (every rank, when the engines are colocated)."""
+    import torch.distributed as dist
+
+    from megarl.metrics.sinks import wandb_mode  # deferred: imports torch (2 s)
+    from megarl.trainer import faults  # deferred: imports torch (2 s)
+    from megarl.trainer.finish import TrainingDiverged  # deferred: imports torch (2 s)
+
     out = _out_dir(args.out, stem)
     if args.resume and dist.get_rank() == 0:
         print(f"megarl: resuming {out}", file=sys.stderr, flush=True)

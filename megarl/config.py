@@ -314,6 +314,33 @@ class RunConfig:
                 "the ranks of a vLLM instance would have to step its scheduler in lockstep; "
                 "accepted: env.scheduler=waves, or rollout.tensor_parallel=1"
             )
+        if self.rollout.placement == "separate":
+            self._check_separate(rl)
+        elif self.algorithm.max_staleness > 0:
+            raise ConfigError(
+                f"algorithm.max_staleness={self.algorithm.max_staleness} with rollout.placement="
+                f"{self.rollout.placement}: colocated engines share the trainer's devices, so "
+                "generation cannot run ahead of training; accepted: rollout.placement=separate, "
+                "or algorithm.max_staleness=0"
+            )
+
+    def _check_separate(self, rl: bool) -> None:
+        """What `rollout.placement=separate` does not do yet, refused before anything starts."""
+        refused = [
+            (not rl, f"algorithm.name={self.algorithm.name} builds no rollout"),
+            (self.env.multi_turn, "multi-turn environments (env.name / env.agent) run in-process"),
+            (self.rollout.routing_replay, "routing replay is captured in the trainer's process"),
+            (
+                self.rollout.tensor_parallel > 1,
+                f"rollout.tensor_parallel={self.rollout.tensor_parallel}: each engine rank runs "
+                "one vLLM TP=1 engine",
+            ),
+        ]
+        for bad, why in refused:
+            if bad:
+                raise ConfigError(
+                    f"rollout.placement=separate: {why}; accepted: rollout.placement=colocated"
+                )
 
 
 def _field_types(cls) -> dict[str, Any]:

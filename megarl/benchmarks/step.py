@@ -29,7 +29,9 @@ def suite(args) -> list[dict]:
         subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f][2:]
-    stages = sorted({k for r in rows for k in r["time_s"] if k != "step"})
+    # stages are the numbers; a dict (`sync_detail`) is a breakdown of one of them
+    stages = sorted({k for r in rows for k, v in r["time_s"].items() if k != "step"
+                     and isinstance(v, int | float)})
     med = {s: statistics.median(r["time_s"].get(s, 0.0) for r in rows) for s in stages}
     step = statistics.median(r["time_s"]["step"] for r in rows)
     common = dict(config="embedded default (tiny GRPO, CPU, fp32)", steps_measured=len(rows))

@@ -171,7 +171,15 @@ def gather_full_state(
         if name in VOCAB_PARAMS and _is_tp_sharded(p):  # (not the critic's value head)
             t = t[: _vocab_size(chunks)]
         if expert_owner if is_expert(p) else dense_owner:
-            local[name] = t.float().cpu() if grads else t.cpu()
+            t = t.float().cpu() if grads else t.cpu()
+            alone = dist.get_world_size() == 1  # no collective below makes the copy
+            if alone or t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                # (a view into megatron's flat parameter / gradient buffer: pickled by the object
+                # collectives below, it would carry the whole buffer, once per tensor)
+                t = t.clone()
+            local[name] = t
+    if dist.get_world_size() == 1:
+        return local
     parts: list[dict | None] = [None] * dist.get_world_size()
     if to_all:
         dist.all_gather_object(parts, local)

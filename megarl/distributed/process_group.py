@@ -22,15 +22,16 @@ import torch.distributed as dist
 
 from megarl.distributed import device
 from megarl.distributed.launch import free_port
+from megarl.distributed.placement import init_placement
 from megarl.distributed.writer_queue import fork_write_results_queue
 
 
-def attempt_store(timeout: timedelta | None) -> dict:
-    """`init_process_group` keywords for a worker under torchrun: the rendezvous store of
-    `MASTER_ADDR:MASTER_PORT`, its keys prefixed with torchrun's restart count (module doc);
-    {} outside torchrun (torch's env:// rendezvous as before)."""
+def attempt_store(timeout: timedelta | None):
+    """For a worker under torchrun: the rendezvous store of `MASTER_ADDR:MASTER_PORT`, its keys
+    prefixed with torchrun's restart count (module doc); None outside torchrun (torch's env://
+    rendezvous as before)."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return {}
+        return None
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -43,13 +44,18 @@ def attempt_store(timeout: timedelta | None) -> dict:
         multi_tenant=True,
     )
     prefix = f"megarl/attempt_{env['TORCHELASTIC_RESTART_COUNT']}"
-    return {"store": dist.PrefixStore(prefix, store), "rank": rank, "world_size": world}
+    return dist.PrefixStore(prefix, store)
 
 
-def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
+def init_distributed(
+    timeout: timedelta | None = None, *, placement: str = "colocated", engines: int = 0
+) -> tuple[int, int]:
     """torch.distributed from torchrun's environment, or a one-process group when run plainly.
     `timeout`: of every collective on the default group (None: torch's default;
-    `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's)."""
+    `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's).
+    `placement` / `engines`: `rollout.placement` / `rollout.ranks`; with "separate" the
+    default group holds this rank's role only (`megarl.distributed.placement`). Returns the
+    rank and world of the default group."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(
@@ -61,7 +67,7 @@ def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
             )
         device.setup()
         _checkpoint_queue()  # before the group's sockets exist: the forked manager holds none
-        dist.init_process_group(device.backend(), timeout=timeout, **attempt_store(timeout))
+        init_placement(device.backend(), placement, engines, attempt_store(timeout), timeout)
     _checkpoint_queue()  # a group made by the caller (made once: a no-op after the one above)
     return dist.get_rank(), dist.get_world_size()
 

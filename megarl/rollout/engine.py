@@ -64,7 +64,7 @@ from megarl.rollout.config import RolloutConfig, RolloutConfigError
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # weight_state values
 DUMMY, SYNCED, PARTIAL, ASLEEP = "dummy", "synced", "partial", "asleep"
 
@@ -92,6 +92,9 @@ class Rollout:
     trajectories: list | None = None
     """Multi-turn: per sample, its `megarl.rollout.trajectory.TrajectoryRecord` (conversation,
     turns, tool calls, environment rewards and errors); None for single-turn samples."""
+    staleness: list[int] | None = None
+    """Per sample, how many policy updates the weights that generated it (every one of its
+    tokens) are behind the policy that trains on it (`algorithm.max_staleness`); None = 0."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -149,10 +152,10 @@ class RolloutEngine:
     """
 
     def __init__(self, model_dir: str, arch: ModelArch, cfg: RolloutConfig, *, dtype: str = "fp32"):
-        if dtype not in _DTYPES:
-            raise RolloutConfigError(f"rollout dtype={dtype!r}; accepted: {sorted(_DTYPES)}")
+        if dtype not in ENGINE_DTYPES:
+            raise RolloutConfigError(f"rollout dtype={dtype!r}; accepted: {sorted(ENGINE_DTYPES)}")
         self.arch, self.cfg, self.dtype = arch, cfg, dtype
-        self.torch_dtype = getattr(torch, _DTYPES[dtype])
+        self.torch_dtype = getattr(torch, ENGINE_DTYPES[dtype])
         self.gpu = device.use_gpu()
         if not self.gpu and cfg.tensor_parallel != 1:
             raise RolloutConfigError(
@@ -174,7 +177,7 @@ class RolloutEngine:
             model=model_dir,
             skip_tokenizer_init=True,
             load_format="dummy",
-            dtype=_DTYPES[dtype],
+            dtype=ENGINE_DTYPES[dtype],
             enforce_eager=cfg.enforce_eager,
             kv_cache_memory_bytes=kv_bytes,
             logprobs_mode="processed_logprobs",

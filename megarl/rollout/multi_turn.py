@@ -89,9 +89,13 @@ class MultiTurnRollout:
         """Turns per wave of the last `generate` on this rank."""
 
     # ------------------------------------------------------------------ the component
-    def generate(self, prompts, positions: list[int], seed: int, **sampling) -> Rollout:
+    def generate(
+        self, prompts, positions: list[int], seed: int, *, upcoming=(), **sampling
+    ) -> Rollout:
         """This DP rank's trajectories of `prompts` (a `PromptBatch`), n per prompt; see
-        `RolloutComponent.generate`."""
+        `RolloutComponent.generate` (`upcoming`: always empty, the engines are colocated)."""
+        if upcoming:
+            raise ValueError("multi-turn rollouts generate one step at a time (upcoming=())")
         items = [
             {
                 "messages": prompt_messages(p, self.system_prompt, "prompt"),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megarl.config import ConfigError, RunConfig
 from megarl.distributed import Topology, TopologyError, device
+from megarl.distributed.placement import JobPlacement
 from megarl.models.builder import BuildConfig, build_gpt_chunk, num_params
 from megarl.models.hf_config import (
     ModelArch,
@@ -140,6 +141,15 @@ def dry_run(
         raise ConfigError(f"--world-size {world_size}: accepted: a number of ranks >= 1")
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank {rank}: accepted: 0 to {world_size - 1} (--world-size)")
+    where = JobPlacement.split(rank, world_size, cfg.rollout.placement, cfg.rollout.ranks)
+    job_world = world_size
+    if where.role == "rollout":
+        raise ConfigError(
+            f"--rank {rank} hosts a vLLM engine only (rollout.placement=separate: ranks "
+            f"{world_size - where.world}-{world_size - 1} of {world_size}); accepted: a trainer "
+            f"rank, 0 to {world_size - where.world - 1}"
+        )
+    world_size, rank = where.world, where.rank  # the trainers' own world
     check_shape_source(cfg)
     arch = load_arch(cfg)
     try:
@@ -186,7 +196,7 @@ def dry_run(
         critic_params=critic,
         model_params=num_params(arch),
         dtype=cfg.precision.dtype,
-        notes=_notes(cfg),
+        notes=_notes(cfg, job_world),
     )
 
 
@@ -256,9 +266,15 @@ def _count(chunks: list[torch.nn.Module], arch: ModelArch) -> list[Chunk]:
     return out
 
 
-def _notes(cfg: RunConfig) -> list[str]:
+def _notes(cfg: RunConfig, job_world: int) -> list[str]:
     p = cfg.precision
     notes = []
+    if cfg.rollout.placement == "separate":
+        first = job_world - cfg.rollout.ranks
+        notes.append(
+            f"placement: separate; ranks {first}-{job_world - 1} of {job_world} host vLLM "
+            f"engines only (rollout.ranks={cfg.rollout.ranks}), the layout above is the trainers'"
+        )
     models = ["actor (trainable)"]
     if cfg.algorithm.needs_reference:
         why = (

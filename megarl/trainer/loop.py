@@ -13,6 +13,7 @@ time-based checkpoints, and watches each step for hangs.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -31,6 +32,7 @@ from megarl.metrics.throughput import flops_per_token, precision_mfu
 from megarl.metrics.timer import StageTimer
 from megarl.models.routing import moe_metrics
 from megarl.rollout.multi_turn import trajectory_metrics
+from megarl.rollout.staleness import staleness_metrics
 from megarl.rollout.trajectory import completion_texts
 from megarl.trainer import recipe
 from megarl.trainer.balance import balance_over_dp
@@ -89,10 +91,11 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
         with timer("train"):
             train_metrics = update(run, batch)
         with timer("sync"):
-            run.rollout.sync_weights()
+            synced = run.rollout.sync_weights()
         run.step += 1
+        times = {**timer.step_times(), **sync_times(synced)}
         metrics = collect_metrics(
-            run, rollout, batch, scored, train_metrics, timer.step_times(), time.perf_counter() - t0
+            run, rollout, batch, scored, train_metrics, times, time.perf_counter() - t0
         )
         timer.reset()
         metrics.update(evaluate(run))  # every eval.every steps and after the last
@@ -111,14 +114,35 @@ def train(cfg: RunConfig, out_dir: str) -> Run:
 def generate(run: Run):
     """This DP rank's prompts and their samples (each prompt generated once, by the engines of
     its model-parallel group: `megarl.rollout.dispatch`); then the engine sleeps (GPU: frees its
-    weights and KV cache for the trainer) until the next weight sync wakes it."""
+    weights and KV cache for the trainer) until the next weight sync wakes it. With
+    `algorithm.max_staleness` k > 0 the rollout also learns the next k steps' requests, which
+    it may start generating now."""
     prompts = run.data.dataset.batch(run.data.sampler.next_step())
-    count = len(prompts.prompt_ids)
-    positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
-    seed = step_seed(run.cfg.trainer.seed, run.step)
-    rollout = run.rollout.generate(prompts, positions, seed)
+    request = step_request(run, prompts.prompt_ids, run.step)
+    rollout = run.rollout.generate(prompts, *request[1:], upcoming=upcoming_requests(run))
     run.rollout.release()
     return prompts, rollout
+
+
+def step_request(run: Run, prompt_ids: list, step: int) -> tuple[list, list[int], int]:
+    """(prompt ids, their positions in the step's global batch, the step's sampling seed)."""
+    count = len(prompt_ids)
+    positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
+    return prompt_ids, positions, step_seed(run.cfg.trainer.seed, step)
+
+
+def upcoming_requests(run: Run) -> list[tuple[list, list[int], int]]:
+    """The requests of the next `algorithm.max_staleness` steps (none past the last), drawn
+    from a copy of the prompt sampler: the run's own advances one step per trained step, so a
+    checkpoint holds the trained position and a resumed run asks for the same prompts."""
+    if run.cfg.algorithm.max_staleness == 0:
+        return []
+    ahead = copy.deepcopy(run.data.sampler)
+    last = min(run.step + run.cfg.algorithm.max_staleness, run.cfg.trainer.steps - 1)
+    return [
+        step_request(run, run.data.dataset.batch(ahead.next_step()).prompt_ids, step)
+        for step in range(run.step + 1, last + 1)
+    ]
 
 
 def score(run: Run, prompts, rollout) -> Scored:
@@ -268,6 +292,7 @@ def collect_metrics(
     local.add_sum("tokens", batch.seq_len.sum())
     local.update(scored.metrics)
     local.update(trajectory_metrics(rollout))  # multi-turn: turns, tool calls, env errors, ...
+    local.update(staleness_metrics(rollout, run.cfg.algorithm.max_staleness))
     local.update(train_metrics)
     # router load balance, aux loss (MoE only)
     local.update(moe_metrics(run.models.actor.chunks, run.arch))
@@ -292,6 +317,20 @@ def collect_metrics(
     out["tokens_per_s"] = tokens / step_s
     out.update(_train_mfu(run, tokens, times.get("train"), batch))
     return out
+
+
+def sync_times(stats: dict) -> dict:
+    """`time_s.sync_detail`, this rank's figures of the weight sync (part of `time_s.sync`, so
+    not a stage of its own): `transfer` (colocated: the exchange between trainer ranks;
+    separate: the broadcast to the engines) and, separate only, `floor`: a raw broadcast of the
+    same bytes, timed once at start-up."""
+    keys = {
+        "exchange_seconds": "transfer",
+        "broadcast_seconds": "transfer",
+        "floor_seconds": "floor",
+    }
+    detail = {name: stats[k] for k, name in keys.items() if stats.get(k) is not None}
+    return {"sync_detail": detail} if detail else {}
 
 
 def reward_std(rewards: torch.Tensor, mean: float, group) -> float:

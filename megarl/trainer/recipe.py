@@ -38,6 +38,7 @@ from megarl.data.sampler import PromptSampler
 from megarl.data.tokenizer import load_tokenizer as load_tokenizer_dir
 from megarl.data.toy import toy_tokenizer
 from megarl.distributed import Topology, device
+from megarl.distributed.placement import placement
 from megarl.distributed.process_group import init_distributed
 from megarl.distributed.topology import Groups, TopologyError
 from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run, wandb_mode
@@ -47,6 +48,7 @@ from megarl.rollout.checks import check_kv_cache, require_vllm
 from megarl.rollout.colocated import ColocatedRollout
 from megarl.rollout.multi_turn import MultiTurnRollout, load_multi_turn
 from megarl.rollout.routes import check_routing_replay
+from megarl.rollout.separate import SeparateRollout
 from megarl.rollout.stop_tokens import resolve_stop_tokens
 from megarl.trainer.evaluate import Evaluator
 from megarl.trainer.faults import collective_timeout
@@ -104,9 +106,19 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
         resume=resume,
     )
     if stage.engine:
-        run.rollout = ColocatedRollout.build(
-            cfg.rollout, arch, models.policy(), groups, out_dir, cfg.precision.dtype
-        )
+        if placement().separate:  # engines on ranks of their own, waiting in `serve`
+            run.rollout = SeparateRollout.connect(
+                cfg.rollout,
+                arch,
+                models.policy(),
+                groups,
+                cfg.precision.dtype,
+                max_staleness=cfg.algorithm.max_staleness,
+            )
+        else:
+            run.rollout = ColocatedRollout.build(
+                cfg.rollout, arch, models.policy(), groups, out_dir, cfg.precision.dtype
+            )
         if multi_turn is not None:  # trajectories with an environment, on the same engines
             run.rollout = MultiTurnRollout(
                 run.rollout, multi_turn, tokenizer, cfg.data.system_prompt

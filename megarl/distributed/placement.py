@@ -1,0 +1,118 @@
+"""Which ranks of a torchrun job train and which only host vLLM engines.
+
+`rollout.placement: colocated` (the default): every rank trains and holds an engine; the
+default process group is the whole job. `separate`: the last `rollout.ranks` ranks of the job
+host engines only. Megatron-core builds its groups over the default process group's world, so
+the two roles get default groups of their own (the trainers' world is then exactly TP x PP x
+CP x DP), made from torchrun's rendezvous store under different key prefixes; a third group,
+the link, joins trainer rank 0 with every engine rank (member 0 = trainer rank 0, member 1 + i =
+engine i). Prompts, samples and weights travel over the link (gloo on CPU; a raw
+`ProcessGroupGloo`, not registered with torch.distributed, because its members are not one
+default world).
+
+`JobPlacement.split` is the arithmetic (pure); `init_placement` makes the groups.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megarl.errors import UserError
+
+PLACEMENTS = ("colocated", "separate")
+
+
+class PlacementError(UserError, ValueError):
+    """A placement the job's ranks cannot make; the message shows the arithmetic."""
+
+
+@dataclass(frozen=True)
+class JobPlacement:
+    """This rank's role in the job and its rank within that role's default process group."""
+
+    role: str
+    """"train" or "rollout"."""
+    job_rank: int
+    job_world: int
+    rank: int
+    """Rank in the role's default process group."""
+    world: int
+    """Ranks of this role."""
+    engines: int
+    """Engine ranks in the job (0: colocated)."""
+
+    @staticmethod
+    def split(job_rank: int, job_world: int, placement: str, engines: int) -> JobPlacement:
+        """The role of `job_rank` of `job_world` ranks; `engines`: `rollout.ranks` (read with
+        `separate` only)."""
+        if placement not in PLACEMENTS:
+            raise PlacementError(f"rollout.placement={placement!r}; accepted: {PLACEMENTS}")
+        if placement == "colocated":
+            return JobPlacement("train", job_rank, job_world, job_rank, job_world, 0)
+        if engines < 1 or job_world - engines < 1:
+            raise PlacementError(
+                f"rollout.placement=separate with rollout.ranks={engines} of a {job_world}-rank "
+                f"job leaves {job_world - engines} trainer ranks; accepted: 1 <= rollout.ranks "
+                f"< the job's ranks (launch with torchrun --nproc-per-node <trainers + "
+                f"{max(engines, 1)}>)"
+            )
+        trainers = job_world - engines
+        if job_rank < trainers:
+            return JobPlacement("train", job_rank, job_world, job_rank, trainers, engines)
+        return JobPlacement("rollout", job_rank, job_world, job_rank - trainers, engines, engines)
+
+    @property
+    def separate(self) -> bool:
+        return self.engines > 0
+
+    @property
+    def link_rank(self) -> int | None:
+        """This rank's member index in the link (None: not a member)."""
+        if self.role == "rollout":
+            return 1 + self.rank
+        return 0 if self.separate and self.rank == 0 else None
+
+
+_PLACEMENT: JobPlacement | None = None
+_LINK = None
+
+
+def init_placement(backend: str, placement: str, engines: int, store, timeout) -> JobPlacement:
+    """This rank's default process group (its role's ranks) and, with `separate`, the link
+    (module docstring). `store`: torchrun's rendezvous store, keys of this attempt prefixed;
+    collective over the job."""
+    global _PLACEMENT, _LINK
+    env = os.environ
+    where = JobPlacement.split(int(env["RANK"]), int(env["WORLD_SIZE"]), placement, engines)
+    if store is None and where.separate:
+        raise PlacementError(
+            "rollout.placement=separate needs the job's ranks from torchrun (or Slurm through "
+            f"torchrun): launch with torchrun --nproc-per-node <trainers + {engines}>"
+        )
+    timeout = timeout or timedelta(minutes=30)
+    kw = {} if store is None else {"store": dist.PrefixStore(where.role, store)}
+    dist.init_process_group(backend, timeout=timeout, rank=where.rank, world_size=where.world, **kw)
+    if where.link_rank is not None:
+        _LINK = dist.ProcessGroupGloo(
+            dist.PrefixStore("link", store), where.link_rank, engines + 1, timeout
+        )
+    _PLACEMENT = where
+    return where
+
+
+def placement() -> JobPlacement:
+    """This rank's placement (colocated, whole world, before `init_placement` ran)."""
+    if _PLACEMENT is None:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return JobPlacement("train", rank, world, rank, world, 0)
+    return _PLACEMENT
+
+
+def link():
+    """The link's process group on its members (trainer rank 0 and the engine ranks), else
+    None."""
+    return _LINK

@@ -1,0 +1,91 @@
+"""Messages and tensors over the link between trainer rank 0 and the engine ranks
+(`megarl.distributed.placement`): a raw gloo process group, so point-to-point `send` / `recv`
+and `broadcast` are called on the group object itself, member 0 being trainer rank 0.
+
+An object travels as its pickle: an int64 length, then the bytes. Sends go through an `Outbox`
+and complete in the background: gloo completes a send only when the peer posts the matching
+receive, so two members that each waited for their own send to the other (the trainer sending
+the next request or a weight update while the engine sends the samples it just made) would wait
+for ever. Receives block. A failure of the group (a peer that died, a timeout) is raised as
+`LinkError` naming the member, so a job whose engine rank is gone ends with that name rather
+than a gloo socket error.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+
+_TAG = 7
+
+
+class LinkError(RuntimeError):
+    """The link to a member failed (the member died, or did not answer in time)."""
+
+
+def _member(k: int) -> str:
+    return "trainer rank 0" if k == 0 else f"engine {k - 1} (rollout rank {k - 1})"
+
+
+def _wait(work, what: str, peer: int) -> None:
+    """Wait for `work`: a posted operation, or a function that posts it (gloo raises at either)."""
+    try:
+        (work() if callable(work) else work).wait()
+    except RuntimeError as e:
+        raise LinkError(f"{what} {_member(peer)} failed: {e}") from e
+
+
+class Outbox:
+    """This member's sends over `pg`, in flight until their receivers take them (module doc);
+    each keeps its buffers alive until it completes."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self._flying: list[tuple[object, torch.Tensor, int]] = []
+
+    def send(self, obj, dst: int) -> None:
+        """Post `obj` to member `dst`; raises a `LinkError` of an earlier send that failed."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        for t in (size, data):  # gloo keeps the order of sends to one member on one tag
+            try:
+                self._flying.append((self.pg.send([t], dst, _TAG), t, dst))
+            except RuntimeError as e:
+                raise LinkError(f"sending to {_member(dst)} failed: {e}") from e
+        self._collect(block=False)
+
+    def flush(self) -> None:
+        """Wait until every send was received."""
+        self._collect(block=True)
+
+    def _collect(self, block: bool) -> None:
+        flying = []
+        for work, t, dst in self._flying:
+            if block or work.is_completed():
+                _wait(work, "sending to", dst)  # raises what a failed send raised
+            else:
+                flying.append((work, t, dst))
+        self._flying = flying
+
+
+def recv_object(pg, src: int):
+    size = torch.empty(1, dtype=torch.int64)
+    _wait(lambda: pg.recv([size], src, _TAG), "receiving from", src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(lambda: pg.recv([data], src, _TAG), "receiving from", src)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast(pg, tensor: torch.Tensor) -> None:
+    """`tensor` from member 0 (trainer rank 0) to every member, in place."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    try:
+        pg.broadcast([tensor], opts).wait()
+    except RuntimeError as e:
+        if pg.rank() == 0:
+            who = "engine 0" if pg.size() == 2 else f"engines 0-{pg.size() - 2}"
+            raise LinkError(f"broadcasting to {who} (rollout ranks) failed: {e}") from e
+        raise LinkError(f"receiving a broadcast from trainer rank 0 failed: {e}") from e

