@@ -20,7 +20,6 @@ those of waves.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -105,17 +104,10 @@ class StreamBatcher(TurnBatcher):
                 live = [c for c in self._clients if not c.done]
                 if not live and not self._in_flight:
                     return None
-                pending = [c for c in live if c.request is not None]
                 if self._in_flight:
-                    return pending
+                    return [c for c in live if c.request is not None]
                 # the engine is idle: like a wave, the first step waits for every live
                 # trajectory to ask, or wait_s after the first request
-                wake = math.inf
-                if pending:
-                    first = min(c.asked_at for c in pending)
-                    if len(pending) == len(live) or now - first >= self.wait_s:
-                        return pending
-                    wake = first + self.wait_s
-                deadlines = [c.deadline for c in live if c.deadline is not None]
-                wake = min([wake, *deadlines])
-                self.lock.wait(None if wake == math.inf else max(wake - now, 1e-3))
+                wave = self._wave_or_wait(live, now)
+                if wave is not None:
+                    return wave

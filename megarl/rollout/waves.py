@@ -110,6 +110,22 @@ class TurnBatcher:
             if not c.done and c.deadline is not None and now > c.deadline:
                 c.done = c.timed_out = True
 
+    def _wave_or_wait(self, live: list[Client], now: float) -> list[Client] | None:
+        """The asking clients once a wave is due: every `live` trajectory asked, or `wait_s`
+        passed since the first asked. Otherwise wait on the lock until then, the next deadline
+        or a notify, and return None (call under the lock, in a loop)."""
+        pending = [c for c in live if c.request is not None]
+        wake = math.inf
+        if pending:
+            first = min(c.asked_at for c in pending)
+            if len(pending) == len(live) or now - first >= self.wait_s:
+                return pending
+            wake = first + self.wait_s
+        deadlines = [c.deadline for c in live if c.deadline is not None]
+        wake = min([wake, *deadlines])
+        self.lock.wait(None if wake == math.inf else max(wake - now, 1e-3))
+        return None
+
 
 class WaveBatcher(TurnBatcher):
     """Serves the turns of many trajectories in waves (module docstring)."""
@@ -148,13 +164,6 @@ class WaveBatcher(TurnBatcher):
                 live = [c for c in self._clients if not c.done]
                 if not live:
                     return None
-                pending = [c for c in live if c.request is not None]
-                wake = math.inf
-                if pending:
-                    first = min(c.asked_at for c in pending)
-                    if len(pending) == len(live) or now - first >= self.wait_s:
-                        return pending
-                    wake = first + self.wait_s
-                deadlines = [c.deadline for c in live if c.deadline is not None]
-                wake = min([wake, *deadlines])
-                self.lock.wait(None if wake == math.inf else max(wake - now, 1e-3))
+                wave = self._wave_or_wait(live, now)
+                if wave is not None:
+                    return wave
