@@ -154,6 +154,7 @@ def gather_full_state(
     expert_owner = ps.get_expert_data_parallel_rank() == 0 and (
         ps.get_expert_tensor_parallel_rank() == 0
     )
+    alone = dist.get_world_size() == 1  # no collective below makes the copies
     local: dict[str, torch.Tensor] = {}
     for name, _, p in local_params(chunks):
         t = p.data
@@ -172,13 +173,12 @@ def gather_full_state(
             t = t[: _vocab_size(chunks)]
         if expert_owner if is_expert(p) else dense_owner:
             t = t.float().cpu() if grads else t.cpu()
-            alone = dist.get_world_size() == 1  # no collective below makes the copy
             if alone or t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 # (a view into megatron's flat parameter / gradient buffer: pickled by the object
                 # collectives below, it would carry the whole buffer, once per tensor)
                 t = t.clone()
             local[name] = t
-    if dist.get_world_size() == 1:
+    if alone:
         return local
     parts: list[dict | None] = [None] * dist.get_world_size()
     if to_all:

@@ -33,6 +33,7 @@ run vLLM TP=1 each; a weight update waits for the generation in progress (no in-
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -155,9 +156,14 @@ class SeparateRollout:
         dist.all_gather_object(gathered, mine)
         per_rank = None
         if self.link is not None:
-            per_rank = self._generate_all(gathered, sampling)
+            try:
+                per_rank = self._generate_all(gathered, sampling)
+            except StaleRolloutError as e:  # raised on every trainer rank, below
+                per_rank = [e] * len(gathered)
         out: list = [None]
         dist.scatter_object_list(out, per_rank, src=0)
+        if isinstance(out[0], StaleRolloutError):
+            raise out[0]
         if isinstance(out[0], str):
             raise EngineRankError(f"generating: {out[0]}")
         return out[0]
@@ -368,13 +374,13 @@ def _receive_weights(pg, engine: RolloutEngine, buckets: list) -> dict:
     def items():
         nonlocal received
         for bucket in buckets:
-            numel = sum(_numel(shape) for _, shape in bucket)
+            numel = sum(math.prod(shape) for _, shape in bucket)
             flat = torch.empty(numel, dtype=dtype)
             broadcast(pg, flat)
             received += 1
             offset = 0
             for name, shape in bucket:
-                t = flat[offset : offset + _numel(shape)].view(shape)
+                t = flat[offset : offset + math.prod(shape)].view(shape)
                 offset += t.numel()
                 got.add(name, t)
                 yield name, t
@@ -384,25 +390,18 @@ def _receive_weights(pg, engine: RolloutEngine, buckets: list) -> dict:
         engine.reset_prefix_cache()
     finally:
         for bucket in buckets[received:]:
-            broadcast(pg, torch.empty(sum(_numel(s) for _, s in bucket), dtype=dtype))
+            broadcast(pg, torch.empty(sum(math.prod(s) for _, s in bucket), dtype=dtype))
     return got.state()
 
 
 def _raw_broadcasts(pg, buckets: list, dtype: torch.dtype) -> float:
     """Seconds to broadcast the sync's buckets as plain buffers (no checksums, no loading):
     the floor a sync is measured against. Both sides call it, in the same order."""
-    flats = [torch.zeros(sum(_numel(s) for _, s in b), dtype=dtype) for b in buckets]
+    flats = [torch.zeros(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
     t0 = time.perf_counter()
     for flat in flats:
         broadcast(pg, flat)
     return time.perf_counter() - t0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def stop_engines(exit_status: int) -> None:
