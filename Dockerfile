@@ -1,7 +1,7 @@
 # GPU image: megarl with vLLM, megatron-core and Transformer-Engine built against ONE torch.
 #   docker build -t megarl .
-#   docker run --gpus all --ipc=host -v /models:/models megarl \
-#     torchrun --nproc_per_node 8 -m megarl train examples/grpo_qwen2.5_7b_gsm8k.yaml
+#   then prepare the data, convert and train with the model, data and runs on mounted volumes
+#   (docs/install.md, "Docker", shows the three `docker run` lines)
 #
 # Why the order below: vLLM pins an exact PyPI torch. NGC's torch is a different build, so
 # installing vLLM on top of it replaces torch and leaves the image's Transformer-Engine (and

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Slurm launch for examples/grpo_llama3_70b_fp8.yaml: 4 nodes x 8 GPUs, srun + torchrun, with
 # preemption-safe checkpoints and requeue (docs/preemption.md).
-#   sbatch examples/slurm_llama3_70b.sh [--set key=value ...]
+# needs: /models/Meta-Llama-3-70B-Instruct /ckpt/llama3-70b /data/math_train.jsonl (downloaded,
+#   converted and prepared by the commands in the first lines of examples/grpo_llama3_70b_fp8.yaml)
+#   sbatch examples/slurm_llama3_70b.sh                             # --set key=value ... overrides
 #   RUN_NAME=llama3-70b-1234 sbatch examples/slurm_llama3_70b.sh   # continue an earlier job's run
 # The run directory (--out) must be on a filesystem every node sees: megatron's distributed
 # checkpoints are written by all ranks into one directory, a resume reads them back from any

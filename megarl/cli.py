@@ -11,6 +11,8 @@ from its newest checkpoint.
 prints what rank R holds (groups, layers, parameters) without GPUs, weights, data or vLLM.
 `megarl plan CONFIG --gpus N --gpu-mem GIB [--nodes K]` adds the memory of one GPU in every
 phase of a step; exit status 0 when it fits, 1 when it does not (with what to change).
+`megarl plan --stage-costs RUN... --gpus N` predicts the step time of colocated vs separate
+rollout from a run's stage times (or a YAML file of stated ones) and names the fastest.
 `megarl eval CONFIG` or `megarl eval MODEL_DIR [--config CONFIG]` evaluates a model on the
 config's held-out prompts (eval.*) without training; MODEL_DIR is an HF directory (model.hf)
 or a megarl checkpoint (model.mcore_ckpt). `megarl train --show-samples` prints each step's
@@ -78,9 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pl.add_argument(
         "--gpu-mem",
         type=float,
-        required=True,
         metavar="GIB",
-        help="memory per GPU in GiB as the driver reports it (H100/H200 SXM: 80 / 141)",
+        help="memory per GPU in GiB as the driver reports it (H100/H200 SXM: 80 / 141); "
+        "required for the memory plan",
+    )
+    pl.add_argument(
+        "--stage-costs",
+        nargs="+",
+        metavar="SOURCE",
+        help="instead of memory: step time of colocated vs separate rollout (every split, "
+        "generating ahead or not) on --gpus devices, from the stage costs of run directories "
+        "(colocated runs at one or more device counts; separate runs add their sync) or of one "
+        "YAML file of stated costs (megarl.plan.timing)",
     )
     pl.add_argument("--nodes", type=int, metavar="K", help="nodes (default: 8 GPUs per node)")
     for name, (_, what) in TOOLS.items():  # listed in --help; `main` hands them their argv
@@ -220,6 +231,16 @@ def _plan(args: argparse.Namespace) -> int:
     from megarl.config import load_config  # deferred: imports torch (2 s)
     from megarl.plan import plan  # deferred: imports torch (2 s)
 
+    if args.stage_costs:
+        from megarl.plan.render import describe_timing  # deferred: imports torch (2 s)
+        from megarl.plan.timing import load_costs  # deferred: imports torch (2 s)
+
+        if args.gpus < 1:
+            raise ConfigError(f"--gpus {args.gpus}: accepted: a number of devices >= 1")
+        print(describe_timing(load_costs(args.stage_costs), args.gpus), end="")
+        return 0
+    if args.gpu_mem is None:
+        raise ConfigError("--gpu-mem: required for the memory plan (or --stage-costs SOURCE)")
     cfg = load_config(args.config, args.overrides)
     result = plan(
         cfg, gpus=args.gpus, gpu_mem_gib=args.gpu_mem, nodes=args.nodes, config_path=args.config

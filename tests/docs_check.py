@@ -14,11 +14,12 @@ cannot show a command nobody checks.
   `srun`): with `--dry-run`, run for real (meta device, seconds); otherwise resolved with
   `--print-config` (the file and every `--set` key), and under torchrun with a model whose shape
   is at hand also dry-run at the launch's world size. `megarl plan` runs for real (exit status 0
-  or 1: it fits or it does not), `megarl config` too, `megarl prepare-data` on the shipped file it
-  names (its `--out` redirected to a scratch directory). Every other subcommand (`bench`,
-  `convert`, `fetch-model`, ...) and `python tools/*.py` is argument-checked: its own argparse
-  parser parses the documented arguments (the subcommand and every option must exist, types and
-  choices must fit), and nothing runs.
+  or 1: it fits or it does not; with `--stage-costs` of run directories, argument-checked),
+  `megarl config` too, `megarl prepare-data` on the shipped file it names (its `--out` redirected
+  to a scratch directory), `--help` of any subcommand too (it must print a usage). Every other
+  subcommand (`bench`, `convert`, `fetch-model`, ...) and `python tools/*.py` is
+  argument-checked: its own argparse parser parses the documented arguments (the subcommand and
+  every option must exist, types and choices must fit), and nothing runs.
 - A command whose inputs are placeholders (`/models/...`, `DIR`, `CONFIG.yaml`, `$VAR`) is
   argument-checked only, with its `--set` keys checked against the config schema.
 - `make T`: the Makefile has target T; `pip install`: the extras exist in setup.py and pinned
@@ -26,6 +27,9 @@ cannot show a command nobody checks.
   exists, parses (`bash -n`), and knows the options given; `pytest` / `ruff`: the paths exist.
 - Python blocks are executed (`>>>` blocks as doctests); YAML blocks of config sections have
   their keys checked.
+
+Paths: `tests/docs_paths.py` says what each command reads and writes, and reports a read that
+neither the repository nor an earlier command of the same page provides.
 
 Running: the checks that need megarl's command line run in ONE child process
 (`tests/docs_worker.py`, started by tests/test_docs.py), so the imports are paid once and no
@@ -62,7 +66,7 @@ NOOP = {
     "cd", "git", "export", "source", "ls", "cat", "tail", "head", "less", "jq", "grep", "du",
     "mkdir", "cp", "mv", "rm", "touch", "echo", "printf", "tee", "sleep", "nvidia-smi", "lscpu",
     "nproc", "free", "df", "ps", "wandb", "tensorboard", "watch", "squeue", "scontrol", "scancel",
-    "sacct", "kill", "wc", "sort", "diff", "sha256sum",
+    "sacct", "kill", "wc", "sort", "diff", "sha256sum", "hf", "huggingface-cli",
 }  # fmt: skip
 # prefixes that run the rest of the line as a command: checked as that command
 WRAPPERS = {"timeout", "nohup", "time", "env", "exec"}
@@ -210,7 +214,7 @@ def _strip_env(words: list[str]) -> list[str]:
     return words
 
 
-def _option_value(argv: list[str], name: str) -> str | None:
+def option_value(argv: list[str], name: str) -> str | None:
     for i, w in enumerate(argv):
         if w == name and i + 1 < len(argv):
             return argv[i + 1]
@@ -221,10 +225,8 @@ def _option_value(argv: list[str], name: str) -> str | None:
 
 def _world(launcher: list[str]) -> int | None:
     """Ranks of a torchrun launch: --nproc_per_node x --nnodes, when both are numbers."""
-    nproc = _option_value(launcher, "--nproc_per_node") or _option_value(
-        launcher, "--nproc-per-node"
-    )
-    nodes = _option_value(launcher, "--nnodes") or "1"
+    nproc = option_value(launcher, "--nproc_per_node") or option_value(launcher, "--nproc-per-node")
+    nodes = option_value(launcher, "--nnodes") or "1"
     if nproc and nproc.isdigit() and nodes.isdigit():
         return int(nproc) * int(nodes)
     return None
@@ -257,6 +259,10 @@ def classify(doc: str, line: int, command: str, words: list[str]) -> Check:
         head.startswith("python") and words[1:3] == ["-m", "torch.distributed.run"]
     ):
         at = [i for i in range(len(words) - 1) if words[i : i + 2] == ["-m", "megarl"]]
+        if not at and head == "docker":  # `docker run [OPTIONS] IMAGE megarl SUB ...`
+            # the command `megarl` follows the image, a word that is neither `run` nor an option
+            at = [i - 1 for i, w in enumerate(words) if w == "megarl" and i > 2]
+            at = [i for i in at if words[i] != "run" and not words[i].startswith("-")][-1:]
         if not at:
             c.kind = "noop" if head == "docker" else c.kind
             return c
@@ -307,13 +313,26 @@ def _megarl(c: Check, argv: list[str], world: int | None = None) -> Check:
     for w in argv:
         if w.rstrip("/") in PENDING_FILES:
             c.pending = w.rstrip("/")
-    if placeholders or sub not in {"train", "plan", "config", "prepare-data"}:
+    if "--help" in argv or "-h" in argv:
+        c.mode = "help"
+    elif placeholders or sub not in {"train", "plan", "config", "prepare-data"}:
+        c.mode = "args"
+    elif sub == "plan" and not all((ROOT / w).exists() for w in stage_costs(argv)):
+        # run directories the page's training commands write: the path check follows them
         c.mode = "args"
     elif sub == "train":
         c.mode = "dry-run" if "--dry-run" in argv else "print-config"
     else:
         c.mode = "run"
     return c
+
+
+def stage_costs(argv: list[str]) -> list[str]:
+    """The sources of `megarl plan --stage-costs SOURCE...` (none without the option)."""
+    if "--stage-costs" not in argv:
+        return []
+    rest = argv[argv.index("--stage-costs") + 1 :]
+    return rest[: next((i for i, w in enumerate(rest) if w.startswith("-")), len(rest))]
 
 
 def doc_files() -> list[Path]:

@@ -147,6 +147,11 @@ def run_megarl_check(c: dict, scratch: str) -> tuple[bool, str]:
     argv, mode = list(c["argv"]), c["mode"]
     if argv and argv[0] not in subcommands() and not argv[0].startswith("-"):
         return False, f"megarl has no subcommand {argv[0]!r} (it has {sorted(subcommands())})"
+    if mode == "help":
+        from megarl import cli
+
+        code, text, _ = _captured(lambda: cli.main(list(argv)))
+        return code == 0 and "usage:" in text, f"exit status {code}: {text.strip()[-1500:]}"
     if mode == "args":
         return _args_check(argv)
     if mode == "dry-run":

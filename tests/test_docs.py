@@ -1,8 +1,11 @@
 """README.md and docs/*.md: every command they show is run, dry-run or argument-checked, every
-Python block runs, every config key they name exists, every relative link resolves, and none of
-them (nor the code) names issue numbers or paths outside the repository.
+path a command reads is shipped or written by an earlier command of the same page (or declared
+as the reader's own), every Python block runs, every config key they name exists, every relative
+link resolves, and none of them (nor the code) names issue numbers or paths outside the
+repository.
 
-How each command is checked: `tests/docs_check.py` (module docstring). The checks that need
+How each command is checked: `tests/docs_check.py` (module docstring); what each reads and
+writes: `tests/docs_paths.py`. The checks that need
 megarl's command line run in one child process for the whole module; the rest are pure reads.
 The synthetic docs at the end show that the check fails where it should.
 """
@@ -10,15 +13,19 @@ The synthetic docs at the end show that the check fails where it should.
 from __future__ import annotations
 
 import re
+import shlex
 import textwrap
 
 import pytest
 
 from tests import docs_check as dc
+from tests import docs_paths as dp
 from tests.docs_worker import in_one_process
 
 DOCS = {p.relative_to(dc.ROOT).as_posix(): p.read_text(encoding="utf-8") for p in dc.doc_files()}
-PARSED = {doc: dc.checks_of(doc, text) for doc, text in DOCS.items()}
+# the commands in the examples' comments, each example a page of one shell block
+EXAMPLES = dp.example_pages()
+PARSED = {doc: dc.checks_of(doc, text) for doc, text in {**DOCS, **EXAMPLES}.items()}
 COMMANDS = [c for cmds, _, _ in PARSED.values() for c in cmds if c.kind != "noop"]
 PYTHON = [(doc, line, code) for doc, (_, py, _) in PARSED.items() for line, code in py]
 
@@ -36,6 +43,7 @@ BAD_DOC = textwrap.dedent(
     megarl train /models/x.yaml --set algorithm.nope=1
     python tools/convert.py hf-to-mcore --hf /models/Llama-3-8B
     megarl frobnicate --all
+    megarl frobnicate --help
     make no-such-target
     pip install -e '.[no_such_extra]'
     pip install megatron-core==0.99.0
@@ -62,6 +70,8 @@ GOOD_DOC = textwrap.dedent(
     ```bash
     megarl train examples/grpo_tiny_cpu.yaml --set algorithm.kl_coef=0.01
     megarl prepare-data gsm8k --in examples/data/gsm8k_format_sample.jsonl --out data/x.jsonl
+    megarl train --help
+    megarl convert hf-to-mcore --help
     ```
     """
 )
@@ -124,6 +134,12 @@ def test_doc_command(check, results):
 def test_doc_python_block(doc, line, code, results):
     ok, text, _ = results[f"{doc}:{line}:python"]
     assert ok, f"{doc}:{line}: the Python block fails:\n{text}"
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS) + sorted(EXAMPLES))
+def test_doc_commands_read_only_what_is_shipped_or_written_before(doc):
+    problems = dp.page_problems(doc, {**DOCS, **EXAMPLES}[doc])
+    assert problems == [], "\n".join(problems)
 
 
 def _key_problems(doc: str, text: str) -> list[str]:
@@ -197,7 +213,7 @@ def test_a_key_that_does_not_exist_fails():
 
 def test_bad_commands_fail_and_good_ones_pass(results):
     bad, _, _ = SYNTHETIC["bad"]
-    assert len(bad) == 13
+    assert len(bad) == 14
     for c in bad:
         ok, text = _outcome(c, results)
         assert not ok, f"the docs check accepted {c.command!r} ({c.kind} {c.mode}): {text}"
@@ -208,7 +224,7 @@ def test_bad_commands_fail_and_good_ones_pass(results):
     for c in good:
         ok, text = _outcome(c, results)
         assert ok, f"{c.command}: {text}"
-    assert [c.mode for c in good] == ["print-config", "run"]
+    assert [c.mode for c in good] == ["print-config", "run", "help", "help"]
 
 
 def test_links_outside_the_repository_fail():
@@ -237,3 +253,69 @@ def test_commands_are_taken_apart_as_a_shell_would():
     assert (c.kind, c.argv) == ("megarl", ["train"])
     block = dc.Block("bash", 1, "cat > x.yaml <<'EOF'\ntrainer:\n  steps: 2\nEOF\nmake test\n")
     assert [c for _, c in dc.command_lines(block)] == ["cat > x.yaml <<'EOF'", "make test"]
+
+
+# a page whose commands read what no step of it writes: each read must be reported
+UNWRITTEN_DOC = textwrap.dedent(
+    """\
+    ```bash
+    megarl train examples/grpo_tiny_cpu.yaml --out runs/a
+    megarl train examples/grpo_tiny_cpu.yaml --set data.path=data/nowhere.jsonl --out runs/c
+    megarl show runs/b
+    megarl convert mcore-to-hf --ckpt runs/b/checkpoints/step_000002 --out exported/b
+    megarl train examples/no_such_config.yaml --dry-run
+    megarl train examples/grpo_tiny_cpu.yaml --resume
+    # needs: /data/prompts.jsonl
+    megarl prepare-data gsm8k --in /data/prompts.jsonl --out data/p.jsonl
+    bash examples/slurm_llama3_70b.sh
+    ```
+    """
+)
+# the same reads, each provided: by an earlier step, the repository or a declaration
+WRITTEN_DOC = textwrap.dedent(
+    """\
+    ```bash
+    # needs: /data/prompts.jsonl (your prompts, one JSON object a line)
+    megarl prepare-data gsm8k --in /data/prompts.jsonl --out data/p.jsonl
+    megarl train examples/grpo_tiny_cpu.yaml --set data.path=data/p.jsonl --out runs/b
+    megarl show runs/b
+    megarl convert mcore-to-hf --ckpt runs/b/checkpoints/step_000002 --out exported/b
+    megarl train examples/grpo_tiny_cpu.yaml
+    megarl train examples/grpo_tiny_cpu.yaml --resume
+    hf download Qwen/Qwen2.5-7B-Instruct --local-dir /models/Qwen2.5-7B-Instruct
+    megarl convert hf-to-mcore --hf /models/Qwen2.5-7B-Instruct --out /ckpt/qwen7b
+    megarl train CONFIG.yaml --set model.hf=DIR
+    ```
+    """
+)
+
+
+def test_a_read_that_no_step_writes_is_reported():
+    problems = dp.page_problems("synthetic", UNWRITTEN_DOC)
+    for read in ("data/nowhere.jsonl", "runs/b", "runs/b/checkpoints/step_000002",
+                 "examples/no_such_config.yaml", "runs/grpo_tiny_cpu-*", "/data/prompts.jsonl",
+                 "/data/math_train.jsonl", "/ckpt/llama3-70b"):  # fmt: skip
+        assert any(f" reads {read}, " in p for p in problems), (read, problems)
+    assert len(problems) == 9, "\n".join(problems)  # the script's config reads three paths
+    assert dp.page_problems("synthetic", WRITTEN_DOC) == []
+
+
+def test_what_commands_read_and_write():
+    def rw(words):
+        return dp.reads_writes(dc.classify("d", 1, shlex.join(words), words))
+
+    assert rw(["megarl", "train", "examples/grpo_tiny_cpu.yaml", "--out", "runs/x"]) == (
+        ["examples/grpo_tiny_cpu.yaml"],
+        ["runs/x"],
+    )
+    reads, _ = rw(["megarl", "train", "examples/grpo_smollm2_arith_cpu.yaml"])
+    assert "models/smollm2" in reads and "examples/data/smollm2_arith_train.jsonl" in reads
+    config = "examples/grpo_qwen2.5_7b_gsm8k.yaml"
+    plan = ["megarl", "plan", config, "--set", "model.mcore_ckpt=null", "--set", "model.hf=m/x"]
+    assert rw(plan) == ([config, "m/x"], [])
+    assert rw(["make", "train"]) == ([], ["runs/default"])
+    assert rw(["megarl", "fetch-model", "smollm2-135m-instruct", "--out", "m"]) == ([], ["m"])
+    assert dp._shell_writes("cat > x.yaml <<'EOF'") == ["x.yaml"]
+    assert dp._shell_writes("git clone https://example.org/r.git /src/r") == ["/src/r"]
+    assert dp.is_own("RUN/checkpoints/step_N") and dp.is_own("$HOME/x") and dp.is_own("hf:gsm8k")
+    assert not dp.is_own("/models/Qwen2.5-7B-Instruct") and not dp.is_own("runs/x")

@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from megarl.trainer.faults import EXIT_STOPPED
 
@@ -91,14 +92,32 @@ def test_separate_equals_colocated_bit_for_bit_across_the_resume(runs):
     assert col[-1]["rollout/samples_generated"] == 8 * 4  # every prompt once
 
 
+def test_each_run_records_its_job_and_the_planner_reads_both_placements(runs):
+    from megarl.plan.render import describe_timing
+    from megarl.plan.timing import load_costs
+
+    col, sep = (yaml.safe_load((runs[k] / "job.yaml").read_text())
+                for k in ("colocated", "separate"))
+    assert col == {"ranks": 1, "trainer_ranks": 1, "engine_ranks": 0, "threads_per_rank": 1,
+                   "device": "cpu"}
+    assert (sep["ranks"], sep["trainer_ranks"], sep["engine_ranks"]) == (2, 1, 1)
+    costs = load_costs([str(runs["colocated"]), str(runs["separate"])])
+    assert costs.devices == 1 and costs.samples_per_step == 8 * 4
+    assert costs.generate > 0 and costs.trainer > 0 and costs.separate_sync > 0
+    text = describe_timing(costs, 2)
+    assert re.search(r"\| separate( \*\*fastest\*\*)? \| 1 : 1 \| >= 1 \|", text), text
+    assert "separate 1 : 1, k=0 on 2: measured" in text
+
+
 def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path):
     rc, log = _launch(tmp_path / "skip", SEPARATE, nproc=2, module="tests.separate_worker",
                       env={"SKIP_SYNC": "2"})  # the sync after step 1's update
     assert rc != 0
     assert "engine 0 holds other weights than sent (policy version 2" in log, log[-4000:]
     assert "model.layers.N.mlp.down_proj.weight" in log
-    rows = _metrics(tmp_path / "skip") if (tmp_path / "skip" / "metrics.jsonl").exists() else []
-    assert rows == []  # step 1 never completed: its sync is part of it
+    rows = _metrics(tmp_path / "skip")
+    # the sync after step 1 is checked before step 2 takes a sample: step 2 never completes
+    assert [r["step"] for r in rows] == [1]
 
 
 @pytest.fixture(scope="module")

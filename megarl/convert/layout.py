@@ -138,12 +138,18 @@ def is_contributor(p) -> bool:
 
 
 def gather_full_state(
-    chunks: list[torch.nn.Module], *, grads: bool = False, to_all: bool = True
+    chunks: list[torch.nn.Module],
+    *,
+    grads: bool = False,
+    to_all: bool = True,
+    views: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The canonical full state (or full grads, from DDP `main_grad`) of a distributed model.
 
     Collective over the whole world. With `to_all=False` only global rank 0 gets the dict (others
-    get {}). Grads must already be reduced across DP (non-distributed-optimizer DDP)."""
+    get {}). Grads must already be reduced across DP (non-distributed-optimizer DDP). `views`:
+    on a world of one, the unsharded tensors are views of the live parameters, not copies (for
+    a caller done with them before the next update)."""
     from megatron.core import parallel_state as ps
 
     # every (PP, EP) coordinate holds different names; DP/TP replicas hold equal ones, so one
@@ -173,7 +179,8 @@ def gather_full_state(
             t = t[: _vocab_size(chunks)]
         if expert_owner if is_expert(p) else dense_owner:
             t = t.float().cpu() if grads else t.cpu()
-            if alone or t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            is_view = t.untyped_storage().nbytes() > t.numel() * t.element_size()
+            if (not views) if alone else is_view:
                 # (a view into megatron's flat parameter / gradient buffer: pickled by the object
                 # collectives below, it would carry the whole buffer, once per tensor)
                 t = t.clone()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megarl.plan.formulas import PHASES, gib
+from megarl.plan.timing import StageCosts, layouts, predict
 
 if TYPE_CHECKING:  # annotations only: memory imports this module to print its Plan
     from megarl.plan.memory import Plan, StagePlan
@@ -71,3 +72,77 @@ def _table(stage: StagePlan, plan: Plan) -> list[str]:
         lines.append(f"  {r.name:<{width}}  {gib(r.nbytes):>10}  {phases:<26}  {r.formula}")
     lines.append("  peak per phase: " + ", ".join(f"{p} {gib(stage.peak(p))}" for p in PHASES))
     return lines
+
+
+def describe_timing(costs: StageCosts, devices: int) -> str:
+    """`megarl plan --stage-costs`: the costs read, every layout's predicted step, the fastest,
+    and each measured layout beside its prediction (`megarl.plan.timing`)."""
+    c = costs
+    sync_sep = (
+        f"{c.separate_sync:.2f} s"
+        if c.separate_sync is not None
+        else "not measured: the colocated sync assumed"
+    )
+    lines = [
+        f"megarl plan: step time by rollout placement on {devices} devices",
+        f"stage costs from {', '.join(c.sources)}",
+        f"  generate {_curve(c.generate)}",
+        f"  trainer {_curve(c.trainer)}",
+    ]
+    if c.separate_trainer is not None:
+        lines.append(f"  trainer when separate {_curve(c.separate_trainer)}")
+    lines += [
+        f"  other {c.other:.2f} s; sync colocated {c.sync:.2f} s, separate {sync_sep}",
+        "",
+        "| placement | engines : trainers | max_staleness | generate s | trainer s | sync s "
+        f"| step s | {'samples/s | ' if c.samples_per_step else ''}vs colocated |",
+        f"|---|---|---|---|---|---|---|{'---|' if c.samples_per_step else ''}---|",
+    ]
+    rows = layouts(c, devices)
+    base = rows[0].step
+    best = min(rows, key=lambda r: r.step)
+    for r in rows:
+        where = "colocated" if r.engines == 0 else "separate"
+        split = "-" if r.engines == 0 else f"{r.engines} : {r.trainers}"
+        k = "0" if r.max_staleness == 0 else ">= 1"
+        rate = f"{c.samples_per_step / r.step:.2f} | " if c.samples_per_step else ""
+        mark = " **fastest**" if r is best else ""
+        lines.append(
+            f"| {where}{mark} | {split} | {k} | {r.generate:.2f} | {r.trainer:.2f} | "
+            f"{r.sync:.2f} | {r.step:.2f} | {rate}{base / r.step:.2f}x |"
+        )
+    what = (
+        "colocated"
+        if best.engines == 0
+        else f"separate, {best.engines} engine : {best.trainers} trainer devices, "
+        f"max_staleness {'0' if best.max_staleness == 0 else '>= 1'}"
+    )
+    lines += ["", f"fastest: {what}: {best.step:.2f} s/step, {base / best.step:.2f}x colocated"]
+    if c.measured:
+        lines += ["", "measured vs predicted:"]
+    for m in c.measured:
+        n = m.devices or devices
+        p = predict(c, n, m.engines, m.max_staleness)
+        col = predict(c, n, 0, 0).step
+        where = (
+            "colocated"
+            if m.engines == 0
+            else f"separate {m.engines} : {n - m.engines}, k={m.max_staleness}"
+        )
+        if m.step_s is not None:
+            got, want, unit = p.step, m.step_s, "s/step"
+        else:
+            got, want, unit = col / p.step, m.speedup, "x colocated"
+        lines.append(
+            f"  {where} on {n}: measured {want:.2f} {unit}, predicted {got:.2f} "
+            f"({(got - want) / want * 100:+.0f}%){f'  [{m.source}]' if m.source else ''}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _curve(curve) -> str:
+    """'12.00 s on 1, 10.00 s on 2 devices' (+ the exponent through a single point)."""
+    known = ", ".join(f"{t:.2f} s on {n}" for n, t in curve.points) + " devices"
+    if len(curve.points) == 1:
+        known += f" (elsewhere x (n0/n)^{curve.a:g})"
+    return known

@@ -11,9 +11,11 @@ one request at a time, in the order they were sent:
   scatters the samples back to the DP ranks. Each reply carries the policy version the engine's
   weights held (the number of syncs it had loaded).
 - weights: the full HF-named state, gathered to trainer rank 0, cast to the engine dtype and
-  broadcast in buckets; the engine loads it through vLLM's reload (the naive path's loader) and
-  answers with its checksums per tensor family (`megarl.rollout.checksum`) of what it loaded,
-  compared with the sender's: a missing, stale or corrupted tensor fails the sync by name.
+  broadcast in buckets; the engine receives every bucket, then loads them through vLLM's reload
+  (the naive path's loader) and answers with its checksums per tensor family
+  (`megarl.rollout.checksum`) of what it loaded. The trainer goes on once the bytes are sent
+  and compares the answer with its own checksums when it arrives, in order, before it takes any
+  sample generated after the sync: a missing, stale or corrupted tensor fails that step by name.
 - stop: the engine shuts down; its process exits with the trainer's exit status.
 
 Bounded staleness (`algorithm.max_staleness` k): at step t the trainer also sends the requests
@@ -51,7 +53,6 @@ from megarl.rollout.colocated import write_engine_dir
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.engine import ENGINE_DTYPES, Rollout, RolloutEngine
 from megarl.rollout.link import LinkError, Outbox, broadcast, recv_object
-from megarl.rollout.weight_sync import SyncError
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,38 @@ class _Request:
     def receive(self, pg, engines: int) -> None:
         if self.replies is None:
             self.replies = [recv_object(pg, 1 + e) for e in range(engines)]
+
+
+@dataclass
+class _Sync:
+    """A weight sync out to the engines, verified when their answers arrive (before any sample
+    generated after it is taken): the version sent and the sender's checksums."""
+
+    version: int
+    expect: dict
+    replies: list | None = None
+
+    @property
+    def key(self) -> tuple:
+        return ("weights", self.version)
+
+    def receive(self, pg, engines: int) -> None:
+        if self.replies is None:
+            self.replies = [recv_object(pg, 1 + e) for e in range(engines)]
+
+    def error(self) -> str | None:
+        """What went wrong in the engines' load, or None when each holds what was sent."""
+        for e, r in enumerate(self.replies):
+            if "error" in r:
+                return f"engine {e} failed to load the weights: {r['error']}"
+            bad = mismatched(self.expect, r["sums"])
+            if bad or r["version"] != self.version:
+                return (
+                    f"engine {e} holds other weights than sent (policy version {self.version}, "
+                    f"engine's {r['version']}); tensor families whose checksums differ: "
+                    f"{bad or 'none'}"
+                )
+        return None
 
 
 _ACTIVE: SeparateRollout | None = None
@@ -193,7 +226,12 @@ class SeparateRollout:
         at = next(i for i, p in enumerate(self._pending) if p.key == keys[0])
         for p in self._pending[: at + 1]:  # the engines answer in the order they were asked
             p.receive(self.link, self.engines)
-        request = self._pending.pop(at)
+        syncs = [p for p in self._pending[:at] if isinstance(p, _Sync)]
+        self._pending = [p for p in self._pending if not isinstance(p, _Sync) or p not in syncs]
+        error = next((e for e in (s.error() for s in syncs) if e is not None), None)
+        if error is not None:  # the samples after a failed sync are of other weights
+            return [error] * len(gathered)
+        request = self._pending.pop(at - len(syncs))
         for e, r in enumerate(request.replies):
             if "error" in r:
                 return [f"engine {e}: {r['error']}"] * len(gathered)
@@ -215,28 +253,29 @@ class SeparateRollout:
         that no engine is left sending to a trainer that has gone)."""
         for p in self._pending:
             p.receive(self.link, self.engines)
+            if isinstance(p, _Sync) and p.error() is not None:
+                log.warning("the last weight sync did not arrive: %s", p.error())
         self._pending.clear()
 
     def release(self) -> None:
         """Nothing to release: no engine shares the trainer's memory."""
 
     def sync_weights(self) -> dict:
-        """The policy's weights into every engine, verified (module docstring). Collective over
-        the trainer ranks."""
+        """The policy's weights into every engine (module docstring). Collective over the
+        trainer ranks. Returns once the bytes are sent; the engines' checksums are compared
+        when their answer arrives, before any sample generated after this sync is taken."""
         t0 = time.perf_counter()
-        full = gather_full_state(self.policy, to_all=False)  # trainer rank 0 holds the model
-        stats, error = {}, None
-        if self.link is not None:
-            try:
-                stats = self._send_weights(full)
-            except SyncError as e:
-                error = str(e)
+        # trainer rank 0 holds the model (alone: views of the parameters, sent before the update)
+        full = gather_full_state(self.policy, to_all=False, views=True)
+        t_gathered = time.perf_counter()
+        stats = self._send_weights(full) if self.link is not None else {}
         del full
-        self._agree(error, "weight sync")
         self.version += 1
+        stats["gather_seconds"] = t_gathered - t0
         return {**stats, "seconds": time.perf_counter() - t0, "version": self.version}
 
     def _send_weights(self, full: dict) -> dict:
+        t0 = time.perf_counter()
         tensors = [
             (name, t.to(self.dtype).contiguous())
             for name, t in canonical_to_hf(self.arch, full.items())
@@ -257,35 +296,20 @@ class SeparateRollout:
         if floor:
             self._floor_s = _raw_broadcasts(self.link, buckets, self.dtype)
         sent = FamilySums()
+        for name, t in tensors:
+            sent.add(name, t)
         t_send = time.perf_counter()
         it = iter(tensors)
-        for bucket in buckets:
-            chunk = [next(it) for _ in bucket]
-            flat = torch.cat([t.reshape(-1) for _, t in chunk])
-            for name, t in chunk:
-                sent.add(name, t)
-            broadcast(self.link, flat)
+        for bucket in buckets:  # the engines receive every bucket before they load any
+            broadcast(self.link, torch.cat([next(it)[1].reshape(-1) for _ in bucket]))
         t_sent = time.perf_counter()
-        expect = sent.state()
-        for p in self._pending:  # the engines answer in order: the requests sent before this
-            p.receive(self.link, self.engines)
-        for e in range(self.engines):
-            r = recv_object(self.link, 1 + e)
-            if "error" in r:
-                raise SyncError(f"engine {e} failed to load the weights: {r['error']}", None)
-            bad = mismatched(expect, r["sums"])
-            if bad or r["version"] != version:
-                raise SyncError(
-                    f"engine {e} holds other weights than sent (policy version {version}, "
-                    f"engine's {r['version']}); tensor families whose checksums differ: "
-                    f"{bad or 'none'}",
-                    bad[0] if bad else None,
-                )
+        self._pending.append(_Sync(version, sent.state()))
         return {
             "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+            "checksum_seconds": t_send - t0 - (self._floor_s if floor else 0.0),
             "broadcast_seconds": t_sent - t_send,
             "floor_seconds": self._floor_s,
-            "families_verified": len(expect),
+            "families_verified": len(sent.sums),
         }
 
     def samples_generated(self) -> int:
@@ -366,18 +390,16 @@ def _start(msg: dict) -> RolloutEngine:
 
 
 def _receive_weights(pg, engine: RolloutEngine, buckets: list) -> dict:
-    """Receive every bucket (all of them, even after a failed load: the broadcasts must stay
-    matched), load them through vLLM's reload, and return the checksums of what was loaded."""
+    """Receive every bucket, then load them through vLLM's reload, and return the checksums of
+    what was handed to the loader. All bytes first, so the trainer's broadcast does not wait
+    for the load (the cost: one copy of the weights in this process while it loads)."""
     dtype, got = engine.torch_dtype, FamilySums()
-    received = 0
+    flats = [torch.empty(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
+    for flat in flats:
+        broadcast(pg, flat)
 
     def items():
-        nonlocal received
-        for bucket in buckets:
-            numel = sum(math.prod(shape) for _, shape in bucket)
-            flat = torch.empty(numel, dtype=dtype)
-            broadcast(pg, flat)
-            received += 1
+        for bucket, flat in zip(buckets, flats, strict=True):
             offset = 0
             for name, shape in bucket:
                 t = flat[offset : offset + math.prod(shape)].view(shape)
@@ -385,12 +407,8 @@ def _receive_weights(pg, engine: RolloutEngine, buckets: list) -> dict:
                 got.add(name, t)
                 yield name, t
 
-    try:
-        engine.load_hf_weights(items())
-        engine.reset_prefix_cache()
-    finally:
-        for bucket in buckets[received:]:
-            broadcast(pg, torch.empty(sum(math.prod(s) for _, s in bucket), dtype=dtype))
+    engine.load_hf_weights(items())
+    engine.reset_prefix_cache()
     return got.state()
 
 

@@ -322,11 +322,14 @@ def collect_metrics(
 def sync_times(stats: dict) -> dict:
     """`time_s.sync_detail`, this rank's figures of the weight sync (part of `time_s.sync`, so
     not a stage of its own): `transfer` (colocated: the exchange between trainer ranks;
-    separate: the broadcast to the engines) and, separate only, `floor`: a raw broadcast of the
-    same bytes, timed once at start-up."""
+    separate: the broadcast to the engines) and, separate only, `gather` (the model to trainer
+    rank 0), `checksum` (the HF names, the engine dtype and the sender's checksums) and `floor`:
+    a raw broadcast of the same bytes, timed once at start-up."""
     keys = {
         "exchange_seconds": "transfer",
         "broadcast_seconds": "transfer",
+        "gather_seconds": "gather",
+        "checksum_seconds": "checksum",
         "floor_seconds": "floor",
     }
     detail = {name: stats[k] for k, name in keys.items() if stats.get(k) is not None}

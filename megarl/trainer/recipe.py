@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 
+import torch
 import torch.distributed as dist
 import yaml
 
@@ -194,9 +195,20 @@ def build_topology(
 
 
 def write_config(cfg: RunConfig, out_dir: str) -> None:
-    """The resolved config as `out_dir/config.yaml` (rank 0)."""
+    """The resolved config as `out_dir/config.yaml`, and the job it runs in as `job.yaml`
+    (rank 0): the ranks of each role, the torch threads per rank and the device, which
+    `megarl plan --stage-costs RUN` needs to scale the run's stage times."""
     if dist.get_rank() == 0:
         _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
+        where = placement()
+        job = {
+            "ranks": where.job_world,
+            "trainer_ranks": where.world,
+            "engine_ranks": where.engines,
+            "threads_per_rank": torch.get_num_threads(),
+            "device": "gpu" if device.use_gpu() else "cpu",
+        }
+        _write_yaml(os.path.join(out_dir, "job.yaml"), job)
 
 
 def build_logger(cfg: RunConfig, out_dir: str) -> MetricsLogger:
