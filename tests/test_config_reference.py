@@ -23,10 +23,19 @@ def test_every_key_has_a_docstring():
 def test_every_key_of_the_resolved_config_is_listed():
     text = reference_markdown()
     cfg = load_config()
+
+    def keys(prefix, obj):  # a dataclass-valued field is a nested section (model.lora.rank)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from keys(f"{prefix}.{f.name}", value)
+            else:
+                yield f"{prefix}.{f.name}"
+
     for name, _, _ in sections():
-        section = getattr(cfg, name)
-        for f in dataclasses.fields(section):
-            assert f"- `{name}.{f.name}` (" in text, f"{name}.{f.name}"
+        for key in keys(name, getattr(cfg, name)):
+            assert f"- `{key}` (" in text, key
+    assert "- `model.lora.rank` (int, default `0`): " in text
     assert "- `rollout.n` (int, default `8`): Samples per prompt." in text
     assert "- `optim.decay_steps` (int | null, default `null`): " in text
     assert "- `reward.functions` (list[str] | null, default `null`): " in text
@@ -45,7 +54,10 @@ def test_docs_config_md_is_current():
 def test_cli_prints_the_reference():
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "config", "--reference"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == reference_markdown()

@@ -224,6 +224,11 @@ def load_into(chunks: list[torch.nn.Module], source: CheckpointSource) -> None:
         model_sd = unwrap(chunk).sharded_state_dict(prefix=source.prefix)
         if into_critic and not source.value_head:  # the trunk only; the head stays as built
             model_sd = {n: v for n, v in model_sd.items() if not _is_head(n, source.prefix)}
+        # LoRA adapters keep their init when the checkpoint has none (a base model's)
+        lora_keys = source.prefix + "lora."
+        model_sd = {
+            n: v for n, v in model_sd.items() if not n.startswith(lora_keys) or n in file_keys
+        }
         match_norm_keys(model_sd, file_keys, source.prefix)
         sd[f"chunk{k}"] = model_sd
     loaded, missing, unexpected = dist_checkpointing.load(
@@ -248,7 +253,11 @@ def load_into(chunks: list[torch.nn.Module], source: CheckpointSource) -> None:
         part = strip_prefix(loaded[f"chunk{k}"], source.prefix)
         res = unwrap(chunk).load_state_dict(part, strict=False)
         skip = ("_extra_state", "output_layer.") if into_critic else ("_extra_state",)
-        left = [n for n in res.missing_keys if not any(s in n for s in skip)]
+        left = [
+            n
+            for n in res.missing_keys
+            if not any(s in n for s in skip) and not n.startswith("lora.")
+        ]
         if left or res.unexpected_keys:
             raise CheckpointError(
                 f"{where}: model keys not loaded {left[:8]}, unexpected {res.unexpected_keys[:8]}"

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.builder import unwrap
+from megarl.models.lora import is_lora
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -64,6 +65,8 @@ def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torc
             for i, layer in enumerate(model.decoder.layers):
                 layer_numbers[i] = layer.layer_number - 1
         for local_name, p in model.named_parameters():
+            if is_lora(p):  # adapters are not part of the model's canonical (HF) tensors
+                continue
             if local_name == "output_layer.weight" and getattr(
                 model, "share_embeddings_and_output_weights", False
             ):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig, transformer_config
+from megarl.models.lora import LoraConfig, apply_lora, check_lora
 from megarl.models.specs import block_spec, require_transformer_engine
 
 ROLES = ("actor", "reference", "critic", "reward")
@@ -31,6 +32,10 @@ class BuildConfig:
     routing_replay: bool = False
     """MoE: build the actor's and the reference's routers able to replay the rollout's routes
     (`megarl.models.routing`); the critic and the reward model route by themselves."""
+    lora: LoraConfig = LoraConfig()
+    """The actor's LoRA adapters (`megarl.models.lora`): its base frozen, only they train."""
+    lora_seed: int = 0
+    """Seed of the adapters' init (the same adapters at every layout)."""
 
 
 class ValueHead(torch.nn.Module):
@@ -166,11 +171,15 @@ def build_model(
     replay = build.routing_replay and role not in SCALAR_ROLES
     config = transformer_config(arch, parallel, precision, gpu=gpu, routing_replay=replay)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    lora = build.lora if role == "actor" else LoraConfig()
+    check_lora(lora, arch, tp=ps.get_tensor_model_parallel_world_size(), use_te=use_te)
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
         chunk = build_gpt_chunk(
             arch, config, vp_stage=vp_stage, role=role, build=build, use_te=use_te
         )
+        if lora.enabled:
+            apply_lora(chunk, lora, arch, build.lora_seed)
         if gpu:
             chunk.cuda(torch.cuda.current_device())
         if precision.dtype != "fp32":

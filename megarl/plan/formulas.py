@@ -141,6 +141,39 @@ def optimizer_bytes_per_param(dtype: str) -> tuple[int, str]:
     return 12, "12 B/param (fp32 master + Adam m, v)"
 
 
+def lora_adapter_params(arch: ModelArch, *, rank: int, modules: tuple[str, ...]) -> int:
+    """LoRA adapter parameters of the whole model: A [rank, in] and B [out, rank] per adapted
+    HF linear (`modules`: q_proj ... down_proj) and layer, so rank x (in + out) each."""
+    h, f = arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    sides = {  # HF name -> in + out
+        "q_proj": h + q,
+        "k_proj": h + kv,
+        "v_proj": h + kv,
+        "o_proj": q + h,
+        "gate_proj": h + f,
+        "up_proj": h + f,
+        "down_proj": f + h,
+    }
+    return arch.num_layers * rank * sum(sides[m] for m in modules)
+
+
+LORA_MERGE_FP32 = 4
+"""fp32 copies of one adapted weight while `megarl.models.lora.merged` merges it: its parts'
+deltas (scale B A), the fused delta, W in fp32 and W + delta (at most; 3 for o / down_proj)."""
+
+
+def lora_merged_bytes(adapted: int, largest: int, *, elem: int) -> tuple[float, str]:
+    """The weight sync's merged copies (`megarl.models.lora.merged`): W + scale B A of every
+    adapted weight on the rank at once, in the weight dtype, plus the fp32 working set of the
+    one being merged."""
+    text = (
+        f"{adapted:,} adapted base-weight elements x {elem} B (W + scale B A, all held during "
+        f"the sync) + {LORA_MERGE_FP32} x 4 B x {largest:,} (fp32 working set of the largest)"
+    )
+    return adapted * elem + LORA_MERGE_FP32 * 4 * largest, text
+
+
 def kv_bytes_per_token(arch: ModelArch, *, elem: int, vllm_tp: int) -> int:
     """vLLM's KV cache per token on one of its TP ranks (as `check_kv_cache`)."""
     kv_heads = max(1, arch.num_key_value_heads // vllm_tp)

@@ -12,6 +12,10 @@ one GPU holds (`formulas`) and the peak of each phase of an RL step:
 
 "Resident" = actor weights, its fp32 grad buffer and Adam state (sharded over DP by the
 DistributedOptimizer), the reference's weights, the critic's three, and the CUDA runtime.
+With LoRA (`model.lora`) the base is frozen: the grad buffer and Adam hold the adapters only,
+there is no reference copy (the reference is the base, adapters off), and the sync holds a merged
+copy of every adapted weight (`megarl.models.lora.merged`). The adapters' own activations
+(rank-sized, about 2 rank e B per adapted linear and token) are not counted.
 A run fits when every phase's peak is at most `HEADROOM` of the GPU (allocator fragmentation).
 """
 
@@ -28,7 +32,7 @@ from megarl.models.forward import sequence_multiple
 from megarl.plan import formulas as fm
 from megarl.plan.formulas import PHASES, gib
 from megarl.plan.render import describe
-from megarl.trainer.dry_run import dry_run
+from megarl.trainer.dry_run import dry_run, lora_refused_on_gpu
 from megarl.trainer.model_source import check_shape_source, load_arch
 
 ALL = PHASES
@@ -71,10 +75,17 @@ class Shape:
     """Parameters on the first rank of each pipeline stage, from the meta-device build."""
 
     params: tuple[int, ...]
+    """The model's own parameters (LoRA: the frozen base, without the adapters)."""
     expert_params: tuple[int, ...]
     layers: tuple[tuple[int, ...], ...]  # layers per model chunk, per stage
     critic: tuple[int, ...] | None
     padded_vocab: int
+    adapters: tuple[int, ...] = ()
+    """LoRA adapter parameters per stage (empty without LoRA)."""
+    adapted: tuple[int, ...] = ()
+    """LoRA: elements of the adapted base weights per stage (the sync's merged copies)."""
+    largest_adapted: tuple[int, ...] = ()
+    """LoRA: elements of the largest adapted weight per stage."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,8 @@ class Plan:
     arch: object
     stages: tuple[StagePlan, ...] = ()
     problems: tuple[str, ...] = ()
-    """Why this layout cannot run on this cluster at all (layout errors)."""
+    """Why this config cannot run on this cluster at all, each prefixed by what it is about
+    ("layout: " errors; "LoRA: " adapters on layers that refuse them)."""
     warnings: tuple[str, ...] = ()
     advice: tuple[str, ...] = field(default=())
 
@@ -139,11 +151,15 @@ def plan(
         arch=arch,
     )
     problems, warnings = _cluster_checks(cfg, gpus, nodes)
+    problems = [f"layout: {p}" for p in problems]
+    refused = lora_refused_on_gpu(cfg) if device == "gpu" else None
+    if refused:  # a real run stops at its model build (`check_lora`)
+        problems.append(f"LoRA: {refused}")
     advice = []
     try:
         shape, topo = count_params(cfg, gpus, dry_run)
     except TopologyError as e:  # no layout of the trainer: say what any layout would need
-        problems.append(str(e))
+        problems.append(f"layout: {e}")
         shape = topo = None
         advice = _lower_bound(cfg, arch, gpus, gpu_mem_gib * fm.GiB)
     if problems:
@@ -173,12 +189,18 @@ def count_params(cfg: RunConfig, world: int, dry_run) -> tuple[Shape, object]:
         dry_run(cfg, world_size=world, rank=s * world // first.topo.pp)
         for s in range(1, first.topo.pp)
     ]
+    lora = cfg.model.lora.enabled
     return Shape(
-        params=tuple(r.rank_params for r in runs),
+        params=tuple(r.rank_params - r.rank_adapters for r in runs),
         expert_params=tuple(sum(c.params.get("experts", 0) for c in r.chunks) for r in runs),
         layers=tuple(tuple(len(c.layers) for c in r.chunks) for r in runs),
         critic=tuple(r.critic_params for r in runs) if first.critic_params is not None else None,
         padded_vocab=first.padded_vocab,
+        adapters=tuple(r.rank_adapters for r in runs) if lora else (),
+        adapted=tuple(sum(c.adapted for c in r.chunks) for r in runs) if lora else (),
+        largest_adapted=(
+            tuple(max(c.largest_adapted for c in r.chunks) for r in runs) if lora else ()
+        ),
     ), first.topo
 
 
@@ -214,13 +236,20 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
     edp_shard = edp if cfg.optim.distributed else 1
     w = 1 if prec.fp8 and prec.fp8_param else e
     wname = "1 B (FP8 params)" if w == 1 else f"{e} B ({prec.dtype})"
-    rows.append(Row("actor weights", total * w, f"{total:,} params x {wname}"))
-    rows.append(Row("actor grads", total * 4, f"{total:,} x 4 B (fp32 main-grad buffer)"))
     per, per_text = fm.optimizer_bytes_per_param(prec.dtype)
-    opt = dense * per / dp_shard + experts * per / edp_shard
     shard = f"/ DP x CP {dp_shard}" + (f", experts / expert-DP {edp_shard}" if experts else "")
-    rows.append(Row("actor Adam", opt, f"{per_text} {shard}"))
-    if alg.needs_reference:
+    if cfg.model.lora.enabled:
+        rows += _lora_rows(cfg, shape, r, wname=wname, w=w, e=e)
+        ad = shape.adapters[r]  # dense: no adapter sits on an expert (check_lora)
+        rows.append(
+            Row("actor Adam", ad * per / dp_shard, f"{ad:,} adapter params x {per_text} {shard}")
+        )
+    else:
+        rows.append(Row("actor weights", total * w, f"{total:,} params x {wname}"))
+        rows.append(Row("actor grads", total * 4, f"{total:,} x 4 B (fp32 main-grad buffer)"))
+        opt = dense * per / dp_shard + experts * per / edp_shard
+        rows.append(Row("actor Adam", opt, f"{per_text} {shard}"))
+    if alg.needs_reference and not cfg.model.lora.enabled:
         rows.append(Row("reference weights", total * e, f"{total:,} x {e} B (frozen)"))
     if shape.critic is not None:
         c = shape.critic[r]
@@ -308,6 +337,24 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
     )
 
 
+def _lora_rows(cfg, shape: Shape, r: int, *, wname: str, w: int, e: int) -> list[Row]:
+    """LoRA's actor rows: the frozen base and the adapters, the adapters' grads, and the
+    sync's merged copies of the adapted weights."""
+    base, ad = shape.params[r], shape.adapters[r]
+    ref = "; the reference is this base with the adapters off (no copy)"
+    merged, merged_text = fm.lora_merged_bytes(shape.adapted[r], shape.largest_adapted[r], elem=e)
+    return [
+        Row(
+            "actor weights",
+            base * w + ad * e,
+            f"{base:,} frozen base params x {wname} + {ad:,} adapter params x {e} B"
+            f"{ref if cfg.algorithm.needs_reference else ''}",
+        ),
+        Row("actor grads", ad * 4, f"{ad:,} adapter params x 4 B (fp32 main-grad buffer)"),
+        Row("LoRA merged weights", merged, merged_text, ("sync",)),
+    ]
+
+
 def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
     ro = cfg.rollout
     weights = num_params(arch) * e / ro.tensor_parallel
@@ -391,16 +438,28 @@ def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
     """What no layout of `gpus` GPUs can avoid: the model states spread over every GPU."""
     n, e = num_params(arch), fm.ELEM[cfg.precision.dtype]
     per, _ = fm.optimizer_bytes_per_param(cfg.precision.dtype)
-    states = e + 4 + per + (e if cfg.algorithm.needs_reference else 0)
-    if cfg.algorithm.name == "ppo":
-        states += e + 4 + per
-    total = n * states
+    trained = e + 4 + per  # weights, fp32 grads, Adam
+    critic = ", critic" if cfg.algorithm.name == "ppo" else ""
+    lora = cfg.model.lora
+    if lora.enabled:  # the frozen base (also the reference) + the adapters, trained
+        ad = fm.lora_adapter_params(arch, rank=lora.rank, modules=lora.modules())
+        base = e + (trained if critic else 0)
+        total = n * base + ad * trained
+        what = (
+            f"{n:,} params x {base} B (frozen base{critic}) + {ad:,} LoRA adapter params x "
+            f"{trained} B (weights, fp32 grads, Adam; the reference is the base)"
+        )
+    else:
+        states = trained + (e if cfg.algorithm.needs_reference else 0) + (trained if critic else 0)
+        total = n * states
+        what = (
+            f"{n:,} params x {states} B (weights, fp32 grads, Adam"
+            f"{', reference' if cfg.algorithm.needs_reference else ''}{critic})"
+        )
     need = math.ceil(total / (HEADROOM * gpu_mem))
     fits = "" if total / gpus <= HEADROOM * gpu_mem else " (does not fit)"
     return [
-        f"model states alone: {n:,} params x {states} B (weights, fp32 grads, Adam"
-        f"{', reference' if cfg.algorithm.needs_reference else ''}"
-        f"{', critic' if cfg.algorithm.name == 'ppo' else ''}) = {gib(total)}; spread over "
+        f"model states alone: {what} = {gib(total)}; spread over "
         f"all {gpus} GPUs that is {gib(total / gpus)} per GPU{fits}",
         f"at least {need} GPUs of {gib(gpu_mem)} are needed for those alone; then set "
         "parallel.tensor_parallel x pipeline_parallel to divide the GPU count",
@@ -442,9 +501,14 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
     states = sum(
         r.nbytes for r in worst.rows if r.name.startswith(("actor", "reference", "critic"))
     )
+    dp_helps = (
+        "the frozen base is not sharded over DP (LoRA: Adam holds the adapters only)"
+        if cfg.model.lora.enabled
+        else "more GPUs (DP) shard the Adam row"
+    )
     out.append(
         f"model states take {gib(states)} of stage {worst.pp_rank}'s GPU: more "
-        f"tensor_parallel / pipeline_parallel divides them, more GPUs (DP) shard the Adam row"
+        f"tensor_parallel / pipeline_parallel divides them, {dp_helps}"
     )
     return out
 

@@ -12,14 +12,15 @@ if TYPE_CHECKING:  # annotations only: memory imports this module to print its P
 
 
 def describe(plan: Plan) -> str:
-    """The whole report: header, warnings, layout problems or the worst stage's table, the
-    verdict and what would change it."""
+    """The whole report: header, warnings, the problems (layout, LoRA) or the worst stage's
+    table, the verdict and what would change it."""
     lines = [_header(plan)]
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.problems:
-        lines += [f"layout: {p}" for p in plan.problems]
+        lines += list(plan.problems)
         lines += [f"  {a}" for a in plan.advice]
-        lines.append(f"DOES NOT FIT: this layout cannot run on {plan.gpus} GPUs")
+        what = "layout" if any(p.startswith("layout: ") for p in plan.problems) else "config"
+        lines.append(f"DOES NOT FIT: this {what} cannot run on {plan.gpus} GPUs")
         return "\n".join(lines) + "\n"
     t = plan.topo
     lines.append(
@@ -27,6 +28,7 @@ def describe(plan: Plan) -> str:
         f"{f', EP {t.ep}' if t.ep > 1 else ''}, sequence parallel "
         f"{'on' if plan.cfg.parallel.sequence_parallel else 'off'}, recompute "
         f"{plan.cfg.parallel.recompute}; vLLM TP {plan.cfg.rollout.tensor_parallel}"
+        + (f"; LoRA rank {lora.rank}, base frozen" if (lora := plan.cfg.model.lora).enabled else "")
     )
     worst = max(plan.stages, key=lambda s: s.worst[1])
     lines += _table(worst, plan)

@@ -47,6 +47,7 @@ from megarl.convert.layout import gather_full_state
 from megarl.convert.mapping import canonical_to_hf
 from megarl.distributed.placement import link, placement
 from megarl.distributed.topology import Groups
+from megarl.models import lora
 from megarl.models.hf_config import ModelArch
 from megarl.rollout.checksum import FamilySums, mismatched
 from megarl.rollout.colocated import write_engine_dir
@@ -266,7 +267,8 @@ class SeparateRollout:
         when their answer arrives, before any sample generated after this sync is taken."""
         t0 = time.perf_counter()
         # trainer rank 0 holds the model (alone: views of the parameters, sent before the update)
-        full = gather_full_state(self.policy, to_all=False, views=True)
+        with lora.merged(self.policy):  # LoRA: the engines get W + scale B A
+            full = gather_full_state(self.policy, to_all=False, views=True)
         t_gathered = time.perf_counter()
         stats = self._send_weights(full) if self.link is not None else {}
         del full

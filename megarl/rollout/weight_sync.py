@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from megarl.convert.layout import gather_full_state, is_expert, local_params, tp_shard
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
+from megarl.models import lora
 from megarl.models.hf_config import ModelArch
 from megarl.rollout.engine import RolloutEngine, WeightLoadError
 from megarl.rollout.pieces import PlanError
@@ -398,6 +399,10 @@ class WeightSync:
         """Collective over all trainer ranks: wakes the engine's weights, writes them, marks the
         engine synced and resets its prefix cache. Returns bytes written into vLLM and seconds
         (read by the sync benchmark and its tests)."""
+        with lora.merged(self.chunks):  # LoRA: the engine gets W + scale B A
+            return self._sync()
+
+    def _sync(self) -> dict:
         t0 = time.perf_counter()
         self.engine.prepare_weight_write()
         try:

@@ -10,6 +10,10 @@ Simplified on purpose:
 - no gloo side groups (megatron's CPU groups for the distributed optimizer need a real store);
 - megatron-core's local layer spec even where the real run builds Transformer-Engine layers (GPU,
   FP8): the parameters are the same (TE fuses each norm into the next linear layer, same count);
+- LoRA (`model.lora`): the adapters are attached to the meta-built actor as the real run does
+  (`apply_lora`) and counted as their own part; a GPU run's refusal of Transformer-Engine layers
+  with adapters is a note here (this process cannot know the run's device), an error in
+  `megarl plan`, which plans for GPUs;
 - only the model's shape is read (`model.config`, `model.hf`'s config.json or GGUF metadata, or
   the small files of `model.mcore_ckpt`): no weights, tokenizer, data, reward functions or vLLM
   engine. Paths the real run reads and this machine lacks are listed, not refused.
@@ -33,6 +37,7 @@ from megarl.models.hf_config import (
     check_fp8_shapes,
     transformer_config,
 )
+from megarl.models.lora import LoraConfig, apply_lora, check_lora
 from megarl.rollout.checks import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
 
@@ -42,6 +47,7 @@ PARTS = (
     ("decoder.final_layernorm.", "final norm"),
     ("output_layer.", "output layer"),
     ("decoder.layers.", "layers"),
+    ("lora.", "adapters"),  # LoRA's trainable pairs (`GPTModel.lora`), only with model.lora
 )
 
 
@@ -52,11 +58,21 @@ class Chunk:
     vp_stage: int | None
     layers: tuple[int, ...]
     params: dict[str, int]
-    """Parameter count per part (`PARTS`), split into "experts" / "layers" for MoE."""
+    """Parameter count per part (`PARTS`), split into "experts" / "layers" for MoE; "adapters"
+    only with LoRA."""
+    adapted: int = 0
+    """LoRA: elements of the base weights the adapters change (the adapted megatron linears:
+    linear_qkv, linear_proj, linear_fc1, linear_fc2), whose merged copies the weight sync holds."""
+    largest_adapted: int = 0
+    """LoRA: elements of the largest of those weights."""
 
     @property
     def total(self) -> int:
         return sum(self.params.values())
+
+    @property
+    def adapters(self) -> int:
+        return self.params.get("adapters", 0)
 
 
 @dataclass(frozen=True)
@@ -78,7 +94,13 @@ class DryRun:
 
     @property
     def rank_params(self) -> int:
+        """Every parameter on this rank, LoRA adapters included."""
         return sum(c.total for c in self.chunks)
+
+    @property
+    def rank_adapters(self) -> int:
+        """LoRA adapter parameters on this rank (0 without LoRA)."""
+        return sum(c.adapters for c in self.chunks)
 
     @property
     def padded_model_params(self) -> int:
@@ -116,16 +138,27 @@ class DryRun:
             layers = {0: "no layers", 1: f"layer {c.layers[0]}"}.get(
                 len(c.layers), f"layers {c.layers[0]}-{c.layers[-1]}"
             )
-            parts = " + ".join(f"{k} {v:,}" for k, v in c.params.items() if v)
+            parts = " + ".join(
+                f"{k} {v:,}{' (trainable)' if k == 'adapters' else ''}"
+                for k, v in c.params.items()
+                if v
+            )
             lines.append(f"  {name:<8} {layers:<14} {parts} = {c.total:,}")
         model, hf = self.padded_model_params, self.model_params
         nbytes = self.rank_params * PrecisionConfig(dtype=self.dtype).torch_dtype.itemsize
         size = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-        lines.append(
-            f"  total    {self.rank_params:,} ({self.rank_params / model:.2%} of the model's "
-            f"{model:,}{f' with its padded vocab; {hf:,} in HF' if model != hf else ''}; "
-            f"weights {size} in {self.dtype})"
+        base, adapters = self.rank_params - self.rank_adapters, self.rank_adapters
+        share = (
+            f"{base / model:.2%} of the model's "
+            f"{model:,}{f' with its padded vocab; {hf:,} in HF' if model != hf else ''}"
         )
+        if adapters:  # LoRA: the base's share of the model, then the adapters beside it
+            share = f"= {base:,} base ({share}) + {adapters:,} adapters"
+            lines.append(f"  total    {self.rank_params:,} {share}; weights {size} in {self.dtype}")
+        else:
+            lines.append(
+                f"  total    {self.rank_params:,} ({share}; weights {size} in {self.dtype})"
+            )
         if self.critic_params is not None:
             lines.append(f"  critic   {self.critic_params:,} (the actor's trunk with a value head)")
         lines += self.notes
@@ -159,6 +192,8 @@ def dry_run(
         raise TopologyError(f"parallel: {e}") from e
     if cfg.precision.fp8 is not None:
         check_fp8_shapes(arch, cfg.parallel, cfg.precision)
+    # the real run's check (megarl.models.builder) for local layers: the ones built here
+    check_lora(cfg.model.lora, arch, tp=topo.tp, use_te=False)
     if not cfg.algorithm.offline and cfg.rollout.kv_cache_memory_bytes is not None:
         # the run's own check of a set KV budget (a null one is sized from the GPU at start)
         check_kv_cache(arch, cfg.rollout, dtype=cfg.precision.dtype, gpu=True)
@@ -175,7 +210,8 @@ def dry_run(
         # megatron's local layers in the run's dtype: FP8 and TE are GPU-only (see the notes)
         precision = PrecisionConfig(dtype=cfg.precision.dtype, transformer_engine=False)
         config = transformer_config(arch, cfg.parallel, precision, gpu=False)
-        chunks = _count(_build(arch, config, build, "actor"), arch)
+        actor = _build(arch, config, build, "actor", cfg.model.lora, cfg.trainer.seed)
+        chunks = _count(actor, arch)
         critic = None
         if cfg.algorithm.name == "ppo":
             critic = sum(c.total for c in _count(_build(arch, config, build, "critic"), arch))
@@ -236,25 +272,38 @@ def _groups(topo: Topology, arch: ModelArch) -> dict[str, list[int]]:
     return {k: dist.get_process_group_ranks(g) for k, g in groups.items()}
 
 
-def _build(arch: ModelArch, config, build: BuildConfig, role: str) -> list[torch.nn.Module]:
+def _build(
+    arch: ModelArch,
+    config,
+    build: BuildConfig,
+    role: str,
+    lora: LoraConfig = LoraConfig(),
+    seed: int = 0,
+) -> list[torch.nn.Module]:
     """This rank's `GPTModel` chunks of `role`, unwrapped (no DDP, whose grad buffers would be
-    real memory), on the meta device."""
+    real memory), on the meta device; with `lora`'s adapters (seeded by `seed`) on them."""
     from megatron.core import parallel_state as ps
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    with torch.device("meta"):
-        return [
-            build_gpt_chunk(arch, config, vp_stage=vp, role=role, build=build, use_te=False)
-            for vp in (range(vpp) if vpp else [None])
-        ]
+    chunks = []
+    with torch.device("meta"):  # the adapters' A and B too: their init draws nothing here
+        for vp in range(vpp) if vpp else [None]:
+            chunk = build_gpt_chunk(arch, config, vp_stage=vp, role=role, build=build, use_te=False)
+            if lora.enabled:
+                apply_lora(chunk, lora, arch, seed)
+            chunks.append(chunk)
+    return chunks
 
 
 def _count(chunks: list[torch.nn.Module], arch: ModelArch) -> list[Chunk]:
     out = []
     for vp, chunk in enumerate(chunks):
-        params = {name: 0 for _, name in PARTS}
+        adapters = getattr(chunk, "lora", None)
+        params = {name: 0 for _, name in PARTS if name != "adapters"}
         if arch.is_moe:
             params["experts"] = 0
+        if adapters is not None:
+            params["adapters"] = 0
         for name, param in chunk.named_parameters():
             part = next(part for prefix, part in PARTS if name.startswith(prefix))
             if part == "layers" and ".mlp.experts." in name:
@@ -262,7 +311,16 @@ def _count(chunks: list[torch.nn.Module], arch: ModelArch) -> list[Chunk]:
             params[part] += param.numel()
         # megatron numbers layers from 1 across the whole model
         layers = tuple(layer.layer_number - 1 for layer in chunk.decoder.layers)
-        out.append(Chunk(vp_stage=vp if len(chunks) > 1 else None, layers=layers, params=params))
+        weights = [a.weight.numel() for a in adapters.adapted] if adapters is not None else []
+        out.append(
+            Chunk(
+                vp_stage=vp if len(chunks) > 1 else None,
+                layers=layers,
+                params=params,
+                adapted=sum(weights),
+                largest_adapted=max(weights, default=0),
+            )
+        )
     return out
 
 
@@ -275,21 +333,32 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
             f"placement: separate; ranks {first}-{job_world - 1} of {job_world} host vLLM "
             f"engines only (rollout.ranks={cfg.rollout.ranks}), the layout above is the trainers'"
         )
-    models = ["actor (trainable)"]
+    adapters = cfg.model.lora
+    models = [
+        f"actor (base frozen; LoRA rank {adapters.rank} on {', '.join(adapters.modules())} trains)"
+        if adapters.enabled
+        else "actor (trainable)"
+    ]
     if cfg.algorithm.needs_reference:
         why = (
             f"algorithm.dpo_loss={cfg.algorithm.dpo_loss}"
             if cfg.algorithm.offline
             else f"algorithm.kl_coef={cfg.algorithm.kl_coef}"
         )
-        models.append(f"reference (frozen, actor's shape; {why})")
+        if adapters.enabled:
+            models.append(f"reference = the actor with its adapters off (no copy; {why})")
+        else:
+            models.append(f"reference (frozen, actor's shape; {why})")
     if cfg.algorithm.offline:
         models.append(f"no rollout engine (offline stage algorithm.name={cfg.algorithm.name})")
     if cfg.algorithm.name == "ppo":
         models.append("critic (trainable)")
     notes.append("models on every rank: " + " + ".join(models))
     layers = "megatron-core local layers on the meta device (no memory)"
-    if p.transformer_engine is not False:
+    refused = lora_refused_on_gpu(cfg)
+    if refused:
+        layers += f"; a GPU run refuses this config: {refused}"
+    elif p.transformer_engine is not False:
         fp8 = f" with FP8 {p.fp8}, recipe {p.fp8_recipe}" if p.fp8 else ""
         layers += (
             f"; the real run on GPU builds Transformer-Engine layers{fp8} (same parameters, "
@@ -304,6 +373,27 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
     if missing:
         notes.append(f"not found on this machine (the real run reads them): {', '.join(missing)}")
     return notes
+
+
+def lora_refused_on_gpu(cfg: RunConfig) -> str | None:
+    """Why a GPU run refuses `cfg`'s LoRA adapters, or None: on GPU the run builds
+    Transformer-Engine layers unless precision.transformer_engine is false
+    (`megarl.models.builder.resolve_use_te`; FP8 needs them), and `check_lora` refuses those."""
+    p, lora = cfg.precision, cfg.model.lora
+    if not lora.enabled or p.transformer_engine is False:
+        return None
+    if p.fp8:
+        why, fix = f"precision.fp8={p.fp8} needs them", "precision.fp8: null and "
+    elif p.transformer_engine:
+        why, fix = "precision.transformer_engine=true", ""
+    else:
+        why, fix = "precision.transformer_engine=null: the GPU default", ""
+    return (
+        f"model.lora.rank={lora.rank} with Transformer-Engine layers ({why}): the adapters "
+        "read the input of linear_qkv / linear_fc1, which TE normalises inside the layer; "
+        f"accepted: {fix}precision.transformer_engine: false (megatron-core's local layers), "
+        "or model.lora.rank: 0 (full fine-tuning)"
+    )
 
 
 def _rank_list(ranks: list[int]) -> str:

@@ -11,8 +11,10 @@ import os
 
 import torch.distributed as dist
 
+from megarl.convert.peft import save_peft
 from megarl.convert.stream import save_hf_streaming
 from megarl.metrics.plots import plot_run
+from megarl.models import lora
 from megarl.trainer.run import Run
 
 log = logging.getLogger("megarl")
@@ -59,6 +61,14 @@ def finish(run: Run, *, role: str = "actor") -> None:
             plot_run(run.out_dir)
         except ValueError as e:  # e.g. a resumed run that had no step left to do
             log.warning("no plot: %s", e)
+    adapters = run.cfg.model.lora
+    if adapters.enabled and role == "actor":
+        save_peft(
+            run.models.actor.chunks,
+            adapters,
+            os.path.join(run.out_dir, "adapter"),
+            base_model=run.cfg.model.hf,
+        )
     if run.cfg.trainer.export_hf:
         export_hf(run, os.path.join(run.out_dir, "hf"), role=role)
     run.close()
@@ -70,11 +80,13 @@ def export_hf(run: Run, out: str, role: str = "actor") -> None:
     directory written by rank 0, streamed one tensor at a time (collective; no rank holds the
     whole model)."""
     tok_dir = os.path.join(run.out_dir, "tokenizer")  # only rank 0 reads it
-    save_hf_streaming(
-        getattr(run.models, role).chunks,
-        run.arch,
-        out,
-        tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
-        overwrite=True,
-    )
+    chunks = getattr(run.models, role).chunks
+    with lora.merged(chunks):  # LoRA: the base with the adapters merged in
+        save_hf_streaming(
+            chunks,
+            run.arch,
+            out,
+            tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
+            overwrite=True,
+        )
     dist.barrier()

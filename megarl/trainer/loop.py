@@ -176,8 +176,9 @@ def forward_passes(run: Run, batch: StepBatch) -> None:
     # without the pass, the update's own forward provides the old logprobs (one epoch, one mb)
     if recompute_old_logprobs(run.cfg.algorithm) or not _trains_policy(run):
         batch.old_logprobs = forward_logprobs(m.actor.chunks, batch.fields(), **kw)
-    if m.reference is not None:
-        batch.ref_logprobs = forward_logprobs(m.reference, batch.fields(), **kw)
+    with m.reference_policy() as reference:
+        if reference is not None:
+            batch.ref_logprobs = forward_logprobs(reference, batch.fields(), **kw)
     if m.critic is not None:
         batch.old_values = forward_values(m.critic.chunks, batch.fields(), **split)
 

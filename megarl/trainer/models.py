@@ -17,6 +17,7 @@ DistributedOptimizer copies the parameters when it is made).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -26,7 +27,9 @@ import torch.distributed as dist
 
 from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.config import ConfigError, RunConfig
+from megarl.convert.peft import load_peft
 from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
+from megarl.models import lora
 from megarl.models.builder import BuildConfig, ValueHead, build_model, unwrap
 from megarl.models.hf_config import ModelArch
 from megarl.models.optim import build_optimizer
@@ -67,7 +70,10 @@ class Models:
     """The policy that trains (what an SFT / DPO / RL run improves and exports); None in a
     reward-model run."""
     reference: list | None = None
-    """Frozen chunks of the initial policy (the KL term); None when nothing reads it."""
+    """Frozen chunks of the initial policy (the KL term); None when nothing reads it or when
+    the reference is the actor's base (`reference_is_base`)."""
+    reference_is_base: bool = False
+    """LoRA: the initial policy is the actor with its adapters off (no second model)."""
     critic: Trained | None = None
     """The value model (PPO): a trunk with a scalar head."""
     reward: Trained | list | None = None
@@ -84,6 +90,16 @@ class Models:
         """The chunks of the policy the rollout engine generates with: the trained actor's, or
         the frozen policy of an evaluation (`build_frozen_policy`)."""
         return self.actor.chunks if self.actor is not None else self.reference
+
+    @contextlib.contextmanager
+    def reference_policy(self):
+        """The chunks whose forward is the reference policy inside the block: the frozen copy,
+        or the actor's own with the adapters off (LoRA); None without a reference."""
+        if self.reference_is_base:
+            with lora.disabled(self.actor.chunks) as chunks:
+                yield chunks
+        else:
+            yield self.reference
 
     def checkpointed(self) -> dict:
         """{name: (chunks, optimizer)} of what a checkpoint holds (the trained models; frozen
@@ -110,7 +126,10 @@ def build_models(
     actor = build_actor(cfg, arch, make, updates)
     frozen_rm = build_reward(make, reward) if reward is not None else None
     models = Models(actor=actor, reward=frozen_rm, archs={"actor": arch})
-    if reference:
+    if reference and cfg.model.lora.enabled:
+        models.reference_is_base = True
+        models.archs["reference"] = arch
+    elif reference:
         models.reference = build_reference(make, arch, actor)
         models.archs["reference"] = arch
     if critic:
@@ -146,6 +165,8 @@ def _maker(cfg: RunConfig, gpu: bool):
     build = BuildConfig(
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         routing_replay=cfg.rollout.routing_replay,
+        lora=cfg.model.lora,
+        lora_seed=cfg.trainer.seed,
     )
 
     def make(role: str, arch: ModelArch, frozen: bool | None = None) -> list:
@@ -159,6 +180,8 @@ def _maker(cfg: RunConfig, gpu: bool):
 def build_actor(cfg: RunConfig, arch: ModelArch, make, updates: int) -> Trained:
     chunks = make("actor", arch)
     load_initial_weights(cfg, arch, chunks)
+    if cfg.model.lora.init_from:
+        load_peft(chunks, cfg.model.lora, cfg.model.lora.init_from)
     opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
     return Trained(chunks, opt, sched)
 

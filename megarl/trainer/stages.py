@@ -400,16 +400,17 @@ class DPO(_PolicyStage):
         which computes no loss)."""
         if not self.reference:
             return
-        lp = forward_logprobs(
-            run.models.reference,
-            batch,
-            micro_batch_size=self.alg.micro_batch_size,
-            vocab_size=run.arch.vocab_size,
-            groups=run.groups,
-            temperature=1.0,
-            pad_to=run.pad_to,
-            max_tokens=self.alg.max_tokens_per_micro_batch,
-        )
+        with run.models.reference_policy() as reference:
+            lp = forward_logprobs(
+                reference,
+                batch,
+                micro_batch_size=self.alg.micro_batch_size,
+                vocab_size=run.arch.vocab_size,
+                groups=run.groups,
+                temperature=1.0,
+                pad_to=run.pad_to,
+                max_tokens=self.alg.max_tokens_per_micro_batch,
+            )
         rows = batch["tokens"].shape[0]
         batch["ref_logps"] = (
             torch.zeros(rows)

@@ -1,0 +1,149 @@
+"""LoRA adapters in and out as a PEFT adapter directory (`adapter_config.json` +
+`adapter_model.safetensors`), the form `peft.PeftModel.from_pretrained(base, DIR)` and vLLM's
+LoRA loader read.
+
+Each adapter pair of `megarl.models.lora` is one PEFT module (`...layers.{i}.self_attn.q_proj`,
+`...mlp.down_proj`); its tensors are whole in the file and sliced to this rank's shard on
+load (column-parallel: `B`'s rows; row-parallel: `A`'s columns), so one directory loads at any
+layout. Writing gathers the shards over TP and the layers over PP to rank 0 (object
+collectives: adapters are small) and writes atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megarl.convert.hf_io import AtomicDir
+from megarl.errors import UserError
+from megarl.models.lora import LoraConfig, adapters_of, peft_key
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+
+
+class PeftError(UserError, ValueError):
+    """A PEFT adapter directory that does not fit the run; the message names file and key."""
+
+
+def _shard(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full` for adapter parameter `p` (its TP split, or all of it)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return full
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return full.chunk(tp, dim=p.partition_dim)[rank]
+
+
+def read_adapter_config(directory: str, cfg: LoraConfig) -> dict:
+    """The directory's adapter_config.json, checked against `cfg` (rank, alpha, targets)."""
+    path = os.path.join(directory, CONFIG)
+    if not os.path.isfile(path):
+        raise PeftError(
+            f"model.lora.init_from={directory!r}: no {CONFIG}; accepted: a PEFT adapter "
+            "directory (adapter_config.json + adapter_model.safetensors)"
+        )
+    with open(path) as f:
+        conf = json.load(f)
+    targets = conf.get("target_modules") or []
+    targets = sorted(targets) if isinstance(targets, list) else [targets]
+    checks = {
+        "peft_type": (conf.get("peft_type"), "LORA"),
+        "r": (conf.get("r"), cfg.rank),
+        "lora_alpha": (conf.get("lora_alpha"), cfg.alpha),
+        "target_modules": (targets, sorted(cfg.modules())),
+        "use_rslora": (bool(conf.get("use_rslora")), False),
+        "use_dora": (bool(conf.get("use_dora")), False),
+    }
+    for key, (have, want) in checks.items():
+        if have != want:
+            raise PeftError(
+                f"{path}: {key}={have!r}, the run has {want!r} (model.lora.rank / alpha / "
+                "targets); accepted: an adapter trained with the run's LoRA settings"
+            )
+    return conf
+
+
+@torch.no_grad()
+def load_peft(chunks, cfg: LoraConfig, directory: str) -> None:
+    """Copy a PEFT adapter directory's tensors into this rank's adapter shards."""
+    from safetensors import safe_open
+
+    read_adapter_config(directory, cfg)
+    path = os.path.join(directory, WEIGHTS)
+    if not os.path.isfile(path):
+        raise PeftError(f"model.lora.init_from={directory!r}: no {WEIGHTS}")
+    with safe_open(path, framework="pt") as f:
+        names = set(f.keys())
+        for adapters in adapters_of(chunks):
+            for layer, name, pair in adapters.pairs():
+                for part, p in (("A", pair.A), ("B", pair.B)):
+                    key = peft_key(layer, name, part)
+                    if key not in names:
+                        raise PeftError(f"{path}: no tensor {key!r} (layer {layer} {name})")
+                    t = _shard(p, f.get_tensor(key))
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise PeftError(
+                            f"{path}: {key!r} has shape {tuple(f.get_slice(key).get_shape())}, "
+                            f"which does not fit the model ({name} of hidden size / heads)"
+                        )
+                    p.copy_(t)
+
+
+@torch.no_grad()
+def peft_tensors(chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{PEFT key: whole fp32 tensor} of every adapter (`grads`: their gradients, reduced over
+    DP by a plain DDP), on global rank 0 ({} elsewhere). Collective over the world."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    owner = owner and ps.get_tensor_model_parallel_rank() == 0
+    local = {}
+    for adapters in adapters_of(chunks):
+        for layer, name, pair in adapters.pairs():
+            for part, p in (("A", pair.A), ("B", pair.B)):
+                t = getattr(p, "main_grad", p.grad) if grads else p
+                t = t.detach().float().cpu().contiguous()
+                if getattr(p, "tensor_model_parallel", False) and dist.get_world_size(tp_group) > 1:
+                    shards = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+                    dist.all_gather(shards, t, group=tp_group)
+                    t = torch.cat(shards, dim=p.partition_dim)
+                if owner:
+                    local[peft_key(layer, name, part)] = t
+    if dist.get_world_size() == 1:
+        return local
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    return {k: v for part in parts or [] for k, v in (part or {}).items()}
+
+
+def save_peft(chunks, cfg: LoraConfig, directory: str, *, base_model: str | None) -> None:
+    """Write the adapters of `chunks` as a PEFT directory (rank 0, atomically). Collective."""
+    from safetensors.torch import save_file
+
+    tensors = peft_tensors(chunks)
+    if dist.get_rank() != 0:
+        return
+    conf = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": sorted(cfg.modules()),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+    with AtomicDir(directory, overwrite=True) as out:
+        with open(os.path.join(out.tmp, CONFIG), "w") as f:
+            json.dump(conf, f, indent=1)
+        save_file(tensors, os.path.join(out.tmp, WEIGHTS), metadata={"format": "pt"})

@@ -1,0 +1,168 @@
+"""Workers of the LoRA tests (module-level so spawn can import them): PEFT on transformers as
+the reference, megarl's adapters on megatron at a given layout."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.convert.layout import gather_full_state
+from megarl.convert.mapping import canonical_to_hf
+from megarl.convert.peft import load_peft, peft_tensors, save_peft
+from megarl.convert.sharded import load_hf_sharded
+from megarl.distributed import ParallelConfig, Topology
+from megarl.models import forward, lora
+from megarl.models.builder import BuildConfig, build_model
+from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+from megarl.models.optim import OptimConfig, build_optimizer, wire_grad_finalization
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def peft_reference(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
+    """An HF model and a PEFT adapter with non-zero B (written to out/hf, out/adapter), its
+    logits, loss, adapter grads by PEFT key, and its merged weights by HF name."""
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**hf)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(f"{out}/hf")
+    cfg = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(TARGETS), init_lora_weights=False
+    )
+    model = peft.get_peft_model(model, cfg)
+    model.save_pretrained(f"{out}/adapter")
+    logits = model(input_ids=batch["tokens"]).logits.float()
+    lp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][..., None])[..., 0]
+    loss = -(lp * batch["mask"]).sum() / batch["mask"].sum()
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:  # ...q_proj.lora_A.default.weight -> PEFT's file key
+            grads[name.replace(".default", "")] = p.grad.detach().clone()
+    merged = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
+    return {"logits": logits.detach(), "loss": float(loss), "grads": grads, "merged": merged}
+
+
+def _actor(world, hf, out, batch, r, alpha, layout, ddp=None):
+    """(chunks, groups, micro-batches, loss_fn) of a LoRA actor at `layout`: the base from
+    out/hf, the adapters from out/adapter."""
+    arch = arch_from_hf(hf)
+    par = ParallelConfig(**layout)
+    groups = Topology.for_model(par, world, arch).initialize(seed=0)
+    cfg = lora.LoraConfig(rank=r, alpha=alpha, targets=TARGETS)
+    build = BuildConfig(lora=cfg)
+    chunks = build_model(arch, par, PrecisionConfig(), role="actor", build=build, ddp_config=ddp)
+    load_hf_sharded(chunks, arch, f"{out}/hf")
+    load_peft(chunks, cfg, f"{out}/adapter")
+    tokens = batch["mask"].sum()
+    per = batch["tokens"].shape[0] // groups.dp_size
+    idx = torch.arange(groups.dp_rank * per, (groups.dp_rank + 1) * per)
+    mbs = [
+        {k: batch[k][i] for k in ("tokens", "targets", "mask")} | {"idx": i} for i in idx.chunk(2)
+    ]
+
+    def loss_fn(mb, logits):
+        lp = forward.vocab_parallel_logprobs(
+            logits, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
+        )
+        loss = -(lp * mb["mask"]).sum() / tokens
+        full = forward.gather_vocab(logits.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
+        return loss, {"idx": mb["idx"], "logits": full, "loss": loss.detach()}
+
+    return chunks, groups, mbs, loss_fn, cfg
+
+
+def _logits(res, groups) -> dict:
+    out = {}
+    if groups.tp_rank == 0:
+        for m in res:
+            out.update(zip(m["idx"].tolist(), m["logits"], strict=True))
+    return out
+
+
+def megarl_side(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, layout):
+    """megarl's actor with LoRA at `layout`, its adapters from out/adapter: logits by sample
+    (with the adapters on and off), adapter grads and merged HF weights (rank 0), the names of
+    base parameters that train (none), the optimizer's element count, and the adapters written
+    back as a PEFT directory (out/export-{world})."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
+    chunks, groups, mbs, loss_fn, cfg = _actor(world, hf, out, batch, r, alpha, layout, ddp)
+    arch = arch_from_hf(hf)
+    wire_grad_finalization(chunks)
+    dp = groups.dp_size
+    res = forward.forward_backward(chunks, mbs, loss_fn, forward_only=False, dp_size=dp)
+    grads = peft_tensors(chunks, grads=True)
+    base_grads = [
+        n
+        for c in chunks
+        for n, p in c.named_parameters()
+        if p.requires_grad and not lora.is_lora(p)
+    ]
+    with lora.merged(chunks):
+        full = gather_full_state(chunks)
+    merged = dict(canonical_to_hf(arch, full.items())) if rank == 0 else {}
+    with lora.disabled(chunks):
+        base = forward.forward_backward(chunks, mbs, loss_fn, forward_only=True, dp_size=dp)
+    opt, _ = build_optimizer(chunks, OptimConfig(lr=1e-2), dtype="fp32")
+    n_opt = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    save_peft(chunks, cfg, f"{out}/export-{world}", base_model=f"{out}/hf")
+    return {
+        "logits": _logits(res, groups),
+        "base_logits": _logits(base, groups),
+        "grads": grads,
+        "merged": merged,
+        "base_grads": base_grads,
+        "optimizer_numel": n_opt,
+    }
+
+
+def single_rank(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
+    """`peft_reference` and `megarl_side` at one rank, in one process."""
+    ref = peft_reference(rank, world, hf, out, batch, r, alpha)
+    return ref, megarl_side(rank, world, hf, out, batch, r, alpha, {})
+
+
+TP2_SP = {"tensor_parallel": 2, "sequence_parallel": True}
+PP2 = {"pipeline_parallel": 2}
+
+
+def two_ranks(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
+    """`megarl_side` at TP2 + SP and at PP2, and `resume_elsewhere`, in one pair of processes."""
+    layouts = {
+        n: megarl_side(rank, world, hf, out, batch, r, alpha, lay)
+        for n, lay in (("tp2-sp", TP2_SP), ("pp2", PP2))
+    }
+    return layouts, resume_elsewhere(rank, world, hf, out, batch, r, alpha)
+
+
+def _adam_step(chunks, opt, mbs, loss_fn, groups) -> None:
+    for c in chunks:
+        c.zero_grad_buffer()
+    opt.zero_grad()
+    forward.forward_backward(chunks, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
+    opt.step()
+
+
+def resume_elsewhere(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
+    """One Adam step at TP2 + SP, a checkpoint, a second step; the checkpoint loaded at PP2 and
+    the same second step: {layout: adapters after the second step} (rank 0)."""
+    from megarl.checkpoint.training import load_models, save
+
+    after = {}
+    for name, layout in (("tp2-sp", TP2_SP), ("pp2", PP2)):
+        chunks, groups, mbs, loss_fn, _ = _actor(world, hf, out, batch, r, alpha, layout)
+        opt, _ = build_optimizer(chunks, OptimConfig(lr=1e-2), dtype="fp32")
+        models = {"actor": (chunks, opt)}
+
+        if name == "tp2-sp":
+            _adam_step(chunks, opt, mbs, loss_fn, groups)
+            save(f"{out}/run", 1, models, {"step": 1}, keep_last=0)
+        else:
+            load_models(f"{out}/run/checkpoints/step_000001", models)
+        _adam_step(chunks, opt, mbs, loss_fn, groups)
+        after[name] = peft_tensors(chunks)
+    return after

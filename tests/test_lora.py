@@ -1,0 +1,129 @@
+"""LoRA (`megarl.models.lora`, `megarl.convert.peft`) against PEFT on transformers: the same
+logits and adapter gradients at 1 rank, TP2 + SP and PP2 (fp32, <= 1e-5), the same merged
+weights, the base with the adapters off, only adapters in the optimizer, a PEFT directory that
+`peft` loads with the same logits, a checkpoint written at TP2 + SP that resumes at PP2, and
+the config errors. Two process launches in all (one rank, then two)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.distributed.launch import spawn
+from megarl.errors import ConfigError
+from megarl.models.hf_config import arch_from_hf
+from megarl.models.lora import LoraConfig, check_lora
+from tests import lora_worker as lw
+from tests.tiny import TINY_LLAMA, TINY_MIXTRAL
+
+R, ALPHA = 4, 8.0
+TOL = 1e-5
+
+
+def _batch() -> dict:
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, TINY_LLAMA["vocab_size"], (4, 12), generator=g)
+    return {"tokens": tok, "targets": torch.roll(tok, -1, 1), "mask": torch.ones(4, 12)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("lora"))
+    ref, one = spawn(lw.single_rank, 1, TINY_LLAMA, out, _batch(), R, ALPHA)[0]
+    two = spawn(lw.two_ranks, 2, TINY_LLAMA, out, _batch(), R, ALPHA)
+    return out, ref, one, two
+
+
+def _stack(results: list[dict], key: str) -> torch.Tensor:
+    rows = {}
+    for r in results:
+        rows.update(r[key])
+    return torch.stack([rows[i] for i in range(len(rows))])
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:4]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _layouts(runs):
+    _, _, one, two = runs
+    yield "1 rank", [one]
+    for name in ("tp2-sp", "pp2"):
+        yield name, [layouts[name] for layouts, _ in two]
+
+
+def test_logits_and_adapter_grads_match_peft_at_every_layout(runs):
+    _, ref, _, _ = runs
+    assert len(ref["grads"]) == 2 * len(lw.TARGETS) * TINY_LLAMA["num_hidden_layers"]
+    assert max(v.abs().max().item() for v in ref["grads"].values()) > 1e-3  # not all zero
+    for name, results in _layouts(runs):
+        logits = (_stack(results, "logits") - ref["logits"]).abs().max().item()
+        grads = _max_diff(results[0]["grads"], ref["grads"])
+        print(f"{name}: logits {logits:.1e}, adapter grads {grads:.1e}")
+        assert logits <= TOL and grads <= TOL, name
+
+
+def test_merged_weights_are_peft_merge_and_unload(runs):
+    _, ref, _, _ = runs
+    for name, results in _layouts(runs):
+        assert _max_diff(results[0]["merged"], ref["merged"]) <= TOL, name
+
+
+def test_the_base_alone_trains_nothing_and_the_adapters_off_give_the_base(runs):
+    _, ref, one, two = runs
+    base = _stack([one], "base_logits")
+    # B != 0 here, so the adapters move the logits; switched off, the model is the base
+    assert (base - ref["logits"]).abs().max() > 1e-3
+    for name, results in _layouts(runs):
+        assert (_stack(results, "base_logits") - base).abs().max() <= TOL, name
+        assert all(r["base_grads"] == [] for r in results), name
+    # the optimizer holds the adapters only: rank x (in + out) per adapted linear
+    h, f, q, kv = 64, 128, 64, 32
+    per_layer = R * ((h + q) * 2 + (h + kv) * 2 + (h + f) * 3)  # q o, k v, gate up down
+    assert one["optimizer_numel"] == per_layer * TINY_LLAMA["num_hidden_layers"]
+    pp = [layouts["pp2"]["optimizer_numel"] for layouts, _ in two]
+    assert pp == [per_layer * 2, per_layer * 2]
+
+
+def test_a_written_adapter_loads_in_peft_with_the_same_logits(runs):
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    out, ref, _, _ = runs
+    written, given = (
+        load_file(f"{out}/export-2/adapter_model.safetensors"),
+        load_file(f"{out}/adapter/adapter_model.safetensors"),
+    )
+    assert _max_diff(written, given) == 0.0  # read at TP2 / PP2, gathered back whole
+    base = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/hf", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, f"{out}/export-2")
+    logits = model(input_ids=_batch()["tokens"]).logits
+    assert (logits - ref["logits"]).abs().max() <= 1e-6
+
+
+def test_a_checkpoint_resumes_at_another_layout(runs):
+    _, _, _, two = runs
+    after = two[0][1]
+    diff = _max_diff(after["tp2-sp"], after["pp2"])
+    print(f"adapters after step 2, TP2+SP straight vs resumed at PP2: {diff:.1e}")
+    assert 0 < len(after["pp2"]) and diff <= 1e-6
+
+
+def test_settings_that_cannot_run_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="model.lora.targets.*qkv_proj"):
+        LoraConfig(rank=8, targets=("qkv_proj",))
+    with pytest.raises(ConfigError, match="model.lora.rank=-1"):
+        LoraConfig(rank=-1)
+    with pytest.raises(ConfigError, match="model.lora.merge=false"):
+        LoraConfig(rank=8, merge=False)
+    on = LoraConfig(rank=8)
+    with pytest.raises(ConfigError, match="Transformer-Engine"):
+        check_lora(on, arch_from_hf(TINY_LLAMA), tp=1, use_te=True)
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        check_lora(on, arch_from_hf(TINY_MIXTRAL), tp=1, use_te=False)
+    check_lora(LoraConfig(rank=8, targets=("q_proj", "v_proj")), arch_from_hf(TINY_MIXTRAL),
+               tp=1, use_te=False)  # fmt: skip
+    with pytest.raises(ConfigError, match="dropout"):
+        check_lora(LoraConfig(rank=8, dropout=0.1), arch_from_hf(TINY_LLAMA), tp=2, use_te=False)
