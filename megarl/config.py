@@ -294,6 +294,12 @@ class RunConfig:
                 f"eval.pass_reward={self.eval.pass_reward!r} is not one of reward.functions; "
                 f"accepted: {list(fns)}"
             )
+        if self.model.lora.enabled and self.algorithm.name == "rm":
+            raise ConfigError(
+                "model.lora.rank with algorithm.name=rm: the reward model trains in full (LoRA "
+                "adapters sit on the policy); accepted: model.lora.rank=0, or start the reward "
+                "model from a LoRA run's merged export (RUN/hf)"
+            )
         if not fns and (self.eval.every or self.eval.path or self.eval.fraction):
             raise ConfigError("eval: reward.functions is empty; a pass needs a reward function")
         if self.env.multi_turn and not rl:
@@ -344,6 +350,12 @@ class RunConfig:
                 raise ConfigError(
                     f"rollout.placement=separate: {why}; accepted: rollout.placement=colocated"
                 )
+        if self.model.lora.enabled and not self.model.lora.merge:
+            raise ConfigError(
+                "rollout.placement=separate with model.lora.merge=false: the separate engines "
+                "receive merged weights only; accepted: model.lora.merge=true, or "
+                "rollout.placement=colocated"
+            )
 
 
 def _field_types(cls) -> dict[str, Any]:

@@ -131,3 +131,40 @@ def measure_vllm(rank, world, hf: dict, kv_bytes: int) -> dict:
     out = {"engine": m.growth, "engine_held": rss() - m.base}
     del engine
     return out
+
+
+def measure_lora(rank, world, hf: dict, dtype: str, lora_rank: int) -> dict:
+    """Bytes of a LoRA actor's parts as built by the trainer (`build_model`, megatron's DDP and
+    DistributedOptimizer, one Adam step), counted from the tensors themselves: `weights` every
+    parameter, `main_grads` the fp32 grads of the parameters in DDP's buffer, `grad_buffer` the
+    buffer with megatron's alignment padding, `optimizer` Adam's m, v and fp32 master copies,
+    `merged` the weight sync's merged copies (`lora.merged`)."""
+    from megarl.models import lora
+    from megarl.models.builder import BuildConfig, build_model
+    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+    from megarl.models.optim import OptimConfig, build_optimizer
+
+    arch = arch_from_hf(hf)
+    par = ParallelConfig()
+    Topology.create(par, world).initialize(seed=0)
+    build = BuildConfig(lora=lora.LoraConfig(rank=lora_rank))
+    chunks = build_model(arch, par, PrecisionConfig(dtype=dtype), role="actor", build=build)
+    params = [p for c in chunks for p in c.parameters()]
+    buffers = [b for c in chunks for b in c.buffers]
+    optimizer, _ = build_optimizer(chunks, OptimConfig(lr=1e-5), dtype=dtype)
+    optimizer.step()  # Adam's m and v are made at the first step
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    masters = [p for o in inner for g in o.param_groups for p in g["params"]]
+    fp32_params = {p.data_ptr() for p in params if p.dtype == torch.float32}
+    state = [t for o in inner for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+    with lora.merged(chunks):
+        merged = sum(a.weight.nbytes for ad in lora.adapters_of(chunks) for a in ad.adapted)
+    return {
+        "weights": sum(p.nbytes for p in params),
+        "adapters": sum(p.numel() for p in params if lora.is_lora(p)),
+        "main_grads": sum(p.main_grad.nbytes for p in params if p.requires_grad),
+        "grad_buffer": sum(b.grad_data.nbytes for b in buffers),
+        "optimizer": sum(t.nbytes for t in state if t.dim() > 0)  # not Adam's step counter
+        + sum(p.nbytes for p in masters if p.data_ptr() not in fp32_params),  # fp32 masters
+        "merged": merged,
+    }

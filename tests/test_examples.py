@@ -30,6 +30,7 @@ EXAMPLES = {
     "grpo_qwen2.5_7b_gsm8k.yaml": (8, "qwen2.5-7b-instruct"),
     "grpo_qwen3_30b_a3b_ep8.yaml": (8, "qwen3-30b-a3b"),
     "grpo_llama3_70b_fp8.yaml": (32, "llama3-70b-instruct"),
+    "grpo_llama3_70b_lora.yaml": (8, "llama3-70b-instruct"),
 }
 
 # a stage scored by an earlier stage's reward model: the dry run has no such run to read, so it

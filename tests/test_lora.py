@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megarl.config import load_config
 from megarl.distributed.launch import spawn
 from megarl.errors import ConfigError
 from megarl.models.hf_config import arch_from_hf
@@ -116,8 +117,15 @@ def test_settings_that_cannot_run_are_refused_naming_the_key():
         LoraConfig(rank=8, targets=("qkv_proj",))
     with pytest.raises(ConfigError, match="model.lora.rank=-1"):
         LoraConfig(rank=-1)
-    with pytest.raises(ConfigError, match="model.lora.merge=false"):
-        LoraConfig(rank=8, merge=False)
+    with pytest.raises(ConfigError, match="model.lora.rank=1024 with model.lora.merge=false"):
+        LoraConfig(rank=1024)
+    LoraConfig(rank=1024, merge=True)
+    with pytest.raises(ConfigError, match="placement=separate with model.lora.merge=false"):
+        load_config(overrides=["model.lora.rank=8", "rollout.placement=separate"])
+    load_config(overrides=["model.lora.rank=8", "rollout.placement=separate",
+                           "model.lora.merge=true"])  # fmt: skip
+    with pytest.raises(ConfigError, match="model.lora.rank with algorithm.name=rm"):
+        load_config("examples/rm_copy_cpu.yaml", ["model.lora.rank=8"])
     on = LoraConfig(rank=8)
     with pytest.raises(ConfigError, match="Transformer-Engine"):
         check_lora(on, arch_from_hf(TINY_LLAMA), tp=1, use_te=True)

@@ -1,7 +1,7 @@
 """The offline stages end to end through `torchrun -m megarl train` on CPU: SFT at TP2 (+SP) from
 random init, DPO at PP2 from its checkpoint (`model.mcore_ckpt` = the SFT run directory),
 resumed at one rank from a PP2 checkpoint, and a GRPO run (real vLLM) started from the SFT
-export. No rollout engine is built for SFT / DPO."""
+export, and DPO with LoRA from that export. No rollout engine is built for SFT / DPO."""
 
 from __future__ import annotations
 
@@ -119,3 +119,23 @@ def test_grpo_starts_from_an_offline_export(sft, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["logprob_mismatch_max"] for r in rows) <= 1e-4
     assert rows[0]["reward_mean"] > 0.05  # random init scores ~0.03; the SFT model does better
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_from_the_sft_export(sft, tmp_path):
+    out = tmp_path / "dpo-lora"
+    lora = ["model.lora.rank=8", "optim.lr=5e-3", "trainer.steps=3", "trainer.save_every=3"]
+    _train(out, "model.mcore_ckpt=null", f"model.hf={sft / 'hf'}", *lora, *SMALL, config=DPO)
+    rows = _metrics(out)
+    # the reference is the base with the adapters off, and B starts at zero: every reward is 0
+    # before the first update, not after it
+    assert rows[1]["rewards/chosen"] == pytest.approx(0, abs=1e-6)
+    assert rows[1]["loss"] == pytest.approx(0.693147, abs=1e-5)
+    assert abs(rows[-1]["rewards/margins"]) > 1e-4
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    # the checkpoint holds the adapters (the frozen base comes from model.hf at a resume)
+    from megatron.core import dist_checkpointing
+
+    keys = dist_checkpointing.load_tensors_metadata(files.latest_checkpoint(str(out)))
+    model_keys = [k for k in keys if k.startswith("actor.")]
+    assert model_keys and all(k.startswith("actor.lora.") for k in model_keys), model_keys[:3]

@@ -11,7 +11,12 @@ against a measurement.
     bf16, TP2 with sequence parallelism and recompute, PP2 with two micro-batches in flight, a
     Qwen3-MoE at EP2 (experts' Adam over expert-DP), and PPO's critic; vLLM's KV-cache term
     as the difference of two engines;
-(e) `parallel.recompute=full` changes no gradient (bitwise).
+(e) `parallel.recompute=full` changes no gradient (bitwise);
+(f) LoRA (`model.lora`): the 70B LoRA example fits 8 x 80 GiB where the same config fully
+    fine-tuned does not; its rows are the adapters' (grads, Adam) beside the frozen base, no
+    reference copy, the sync's merged copies; FP8 / Transformer-Engine layers with adapters are
+    a reported problem naming the keys; a tiny LoRA actor's parameter, main-grad, Adam and merged
+    bytes, counted from the trainer's own tensors, equal the plan's rows.
 vLLM's GPU budget, the CUDA runtime, Transformer-Engine activations and FP8 copies are GPU
 figures with stated assumptions and are not measured here.
 """
@@ -33,6 +38,7 @@ from megarl.plan import formulas as fm
 from megarl.plan import plan
 from tests import plan_worker
 from tests.test_dry_run import EXAMPLE_70B, LLAMA3_70B
+from tests.tiny import TINY_LLAMA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
@@ -296,8 +302,19 @@ def test_each_row_against_the_measured_rss(case, monkeypatch):
     )
     estimate = plan(cfg, gpus=world, gpu_mem_gib=24, device="cpu")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MiB))
-    measured = spawn(plan_worker.measure, world, hf, layout, dtype, 512, 2, micros, entropy, critic,
-                     start_method="spawn")  # its memory is measured: a fresh interpreter
+    measured = spawn(
+        plan_worker.measure,
+        world,
+        hf,
+        layout,
+        dtype,
+        512,
+        2,
+        micros,
+        entropy,
+        critic,
+        start_method="spawn",
+    )  # its memory is measured: a fresh interpreter
     report, failures = [], []
     for rank, m in enumerate(measured):
         stage = estimate.stages[rank * estimate.topo.pp // world]
@@ -388,3 +405,141 @@ def test_the_kv_cache_row_against_the_measured_engine(monkeypatch):
     large = spawn(plan_worker.measure_vllm, 1, hf, 256 * MiB, **fresh)[0]["engine_held"]
     print(f"\nengine resident: {small / MiB:.1f} MiB (KV 64 MiB), {large / MiB:.1f} MiB (KV 256)")
     assert large - small == pytest.approx(192 * MiB, rel=0.05)
+
+
+# ------------------------------------------------------------------ (f) LoRA
+EXAMPLE_70B_LORA = "examples/grpo_llama3_70b_lora.yaml"
+R70, TP70 = 16, 8  # the example's adapter rank and tensor parallelism
+
+
+def _lora_70b(llama70b: str, *overrides: str) -> RunConfig:
+    from megarl.config import load_config
+
+    return load_config(
+        EXAMPLE_70B_LORA, ["model.mcore_ckpt=null", f"model.hf={llama70b}", *overrides]
+    )
+
+
+def _by_hand_70b() -> dict:
+    """Per-GPU counts of the 70B at TP 8, PP 1 from its HF config: the base (linear weights over
+    TP, two norms per layer, padded embedding and output layer, final norm), the rank-16
+    adapters on all seven linears (column-parallel: A [r, in] whole, B [out / TP, r]; row-
+    parallel o / down: A [r, in / TP], B [out, r] whole), and the adapted megatron weights."""
+    h, f, n = LLAMA3_70B["hidden_size"], LLAMA3_70B["intermediate_size"], 80
+    q, kv, r, tp = h, h // 8, R70, TP70  # 64 heads of 128, 8 KV heads
+    vocab = 129024  # 128256 padded to a multiple of 128 x TP
+    linears = h * (q + 2 * kv) + q * h + h * 2 * f + f * h
+    column = sum(r * i + r * o // tp for i, o in ((h, q), (h, kv), (h, kv), (h, f), (h, f)))
+    row = sum(r * i // tp + r * o for i, o in ((q, h), (f, h)))
+    return {
+        "base": n * (linears // tp + 2 * h) + 2 * vocab // tp * h + h,
+        "adapters": n * (column + row),
+        "adapted": n * linears // tp,
+        "largest": 2 * f // tp * h,  # linear_fc1: gate and up rows
+        "whole_adapters": n * r * ((h + q) * 2 + (h + kv) * 2 + (h + f) * 3),
+    }
+
+
+def test_lora_70b_fits_on_8_gpus_where_full_fine_tuning_does_not(llama70b):
+    lora = plan(_lora_70b(llama70b), gpus=8, gpu_mem_gib=80)
+    text = lora.describe()
+    assert lora.fits, text
+    assert "layout: TP 8 x PP 1 x DP 1" in text and "LoRA rank 16, base frozen" in text
+    assert "FITS: peak 53.7 GiB (sync, stage 0) of 76.0 GiB usable" in text
+    # the same config fully fine-tuned: grads, Adam and a reference copy of the whole shard
+    full = plan(_lora_70b(llama70b, "model.lora.rank=0"), gpus=8, gpu_mem_gib=80).describe()
+    assert "DOES NOT FIT: peak 198.8 GiB (rollout, stage 0)" in full
+    assert "model states take 164.3 GiB of stage 0's GPU" in full
+    # no layout of 8 GPUs: what any layout needs, the adapters (of the whole model) trained
+    bound = plan(_lora_70b(llama70b, "parallel.pipeline_parallel=16"), gpus=8, gpu_mem_gib=80)
+    ad = _by_hand_70b()["whole_adapters"]
+    assert ad == 207_093_760
+    assert (
+        f"70,553,706,496 params x 2 B (frozen base) + {ad:,} LoRA adapter params x 18 B"
+        in bound.describe()
+    )
+    assert "at least 2 GPUs of 80.0 GiB" in bound.describe()
+
+
+def test_lora_rows_are_the_adapters_beside_the_frozen_base(llama70b):
+    from megarl.trainer.dry_run import dry_run
+
+    cfg = _lora_70b(llama70b)
+    n = _by_hand_70b()
+    for gpus, dp in ((8, 1), (16, 2)):
+        stage = plan(cfg, gpus=gpus, gpu_mem_gib=80).stages[0]
+        rows = {r.name: r for r in stage.rows}
+        assert "reference weights" not in rows
+        assert "the reference is this base with the adapters off" in rows["actor weights"].formula
+        assert rows["actor weights"].nbytes == (n["base"] + n["adapters"]) * 2
+        assert rows["actor grads"].nbytes == n["adapters"] * 4
+        assert rows["actor Adam"].nbytes == n["adapters"] * 12 / dp
+        merged = rows["LoRA merged weights"]
+        assert merged.phases == ("sync",)
+        assert merged.nbytes == n["adapted"] * 2 + 4 * 4 * n["largest"]
+        resident = sum(r.nbytes for r in stage.rows if len(r.phases) == 4)
+        woken = rows["vLLM weights (woken for sync)"].nbytes
+        assert stage.peak("sync") == resident + woken + merged.nbytes
+        assert stage.peak("rollout") == resident + rows["vLLM (awake)"].nbytes
+    text = dry_run(cfg, world_size=8, rank=7).describe()
+    assert f"+ adapters {n['adapters']:,} (trainable) = {n['base'] + n['adapters']:,}" in text
+    assert "reference = the actor with its adapters off (no copy" in text
+
+
+def test_lora_on_fp8_or_transformer_engine_layers_is_a_problem_naming_the_keys(llama70b):
+    from megarl.config import load_config
+
+    fp8 = load_config(
+        EXAMPLE_70B, ["model.mcore_ckpt=null", f"model.hf={llama70b}", "model.lora.rank=16"]
+    )
+    result = plan(fp8, gpus=32, gpu_mem_gib=80)
+    assert not result.fits and len(result.problems) == 1, result.problems
+    problem = result.problems[0]
+    for key in ("model.lora.rank=16", "precision.fp8=hybrid", "Transformer-Engine"):
+        assert key in problem, problem
+    assert "accepted: precision.fp8: null and precision.transformer_engine: false" in problem
+    assert result.describe().rstrip().endswith("DOES NOT FIT: this config cannot run on 32 GPUs")
+    te = plan(_lora_70b(llama70b, "precision.transformer_engine=null"), gpus=8, gpu_mem_gib=80)
+    assert not te.fits
+    assert "precision.transformer_engine=null: the GPU default" in te.problems[0]
+    assert "accepted: precision.transformer_engine: false" in te.problems[0]
+    # a CPU run builds local layers: nothing refused
+    assert plan(_lora_70b(llama70b, "precision.transformer_engine=null"), gpus=8,
+                gpu_mem_gib=80, device="cpu").problems == ()  # fmt: skip
+
+
+def test_lora_rows_equal_the_trainers_own_tensors():
+    r = 4
+    cfg = build(
+        RunConfig,
+        {
+            "model": {
+                "config": TINY_LLAMA,
+                "tokenizer": "toy",
+                "lora": {"rank": r, "merge": True},  # the sync holds the merged copies
+            },
+            "precision": {"dtype": "bf16"},
+            "data": {"path": "toy", "max_prompt_length": 16, "prompts_per_step": 2},
+            "rollout": {"max_tokens": 16, "n": 1},
+            "algorithm": {"micro_batch_size": 1, "kl_coef": 0.001},
+        },
+    )
+    stage = plan(cfg, gpus=1, gpu_mem_gib=24, device="cpu").stages[0]
+    rows = {row.name: row.nbytes for row in stage.rows}
+    h, f, q, kv, layers = 64, 128, 64, 32, TINY_LLAMA["num_hidden_layers"]
+    adapters = layers * r * ((h + q) * 2 + (h + kv) * 2 + (h + f) * 3)  # q o, k v, gate up down
+    adapted = layers * (h * (q + 2 * kv) + q * h + 2 * f * h + f * h)
+    m = spawn(plan_worker.measure_lora, 1, TINY_LLAMA, "bf16", r)[0]
+    assert m["adapters"] == adapters
+    assert rows["actor grads"] == m["main_grads"] == adapters * 4
+    # megatron aligns each parameter in its buffer to 64 elements and the bucket's end to 128:
+    # padding at most, no base weight in it
+    assert 0 <= m["grad_buffer"] - m["main_grads"] <= 4 * (63 * 2 * 7 * layers + 127)
+    assert rows["actor Adam"] == m["optimizer"] == adapters * 12
+    assert rows["actor weights"] == m["weights"]
+    assert (
+        rows["LoRA merged weights"]
+        == m["merged"] + 4 * 4 * 2 * f * h
+        == (adapted * 2 + 16 * 2 * f * h)
+    )
+    assert "reference weights" not in rows

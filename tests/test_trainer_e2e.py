@@ -243,16 +243,20 @@ def test_resume_at_another_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_run_syncs_merged_weights_and_writes_a_peft_adapter(tmp_path):
-    _train(tmp_path, "trainer.steps=4", "model.lora.rank=8", "optim.lr=5e-3",
-           "trainer.export_hf=true", *SEQ[1:])  # fmt: skip
-    rows = _metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+def test_lora_run_adapter_only_and_merged_syncs_agree_and_write_a_peft_adapter(tmp_path):
+    lora = ("model.lora.rank=8", "optim.lr=5e-3", *SEQ[1:])
+    _train(tmp_path / "merged", "trainer.steps=3", "model.lora.merge=true", *lora)
+    _train(tmp_path, "trainer.steps=3", "trainer.export_hf=true", *lora)  # adapters only
+    rows, merged = _metrics(tmp_path), _metrics(tmp_path / "merged")
+    assert [r["step"] for r in rows] == [1, 2, 3]
     # the adapters move the policy away from the reference (the base, adapters off) ...
     assert all(r["kl"] > 1e-3 for r in rows[1:]), [r["kl"] for r in rows]
-    # ... and the engine samples from base + scale B A: the trainer's logprobs of its samples
-    # agree, which a sync of the base alone (KL > 1e-3 away) would not
-    assert max(r["logprob_mismatch_max"] for r in rows) <= 1e-4
+    # ... the engine samples from base + scale B A: the trainer's logprobs of its samples
+    # agree (a base-only engine would be KL > 1e-3 away), with the adapters in vLLM's LoRA
+    # layers as with merged weights, and the two runs are the same run
+    for a, b in zip(rows, merged, strict=True):
+        assert max(a["logprob_mismatch_max"], b["logprob_mismatch_max"]) <= 1e-4
+        assert abs(a["kl"] - b["kl"]) <= 1e-5 and abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
     with open(tmp_path / "adapter" / "adapter_config.json") as f:
         conf = json.load(f)
     assert (conf["peft_type"], conf["r"], len(conf["target_modules"])) == ("LORA", 8, 7)

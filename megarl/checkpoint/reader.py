@@ -157,6 +157,14 @@ def _open_trainer(path: str, role: str | None) -> CheckpointSource:
     tensors = dist_checkpointing.load_tensors_metadata(path)
     roles = _trainer_roles(path, tensors)
     role = role or "actor"
+    if role not in roles and any(k.startswith(f"{role}.lora.") for k in tensors):
+        run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        raise CheckpointError(
+            f"{path} holds the LoRA adapters of a LoRA run's {role}, not its base (a resume "
+            f"rebuilds that from the run's model source); accepted: the merged model "
+            f"{os.path.join(run, 'hf')} (trainer.export_hf) as model.hf, or the base as "
+            f"model.hf with model.lora.init_from={os.path.join(run, 'adapter')}"
+        )
     if role not in roles:
         raise CheckpointError(
             f"{path} holds no role {role!r}; roles in this checkpoint: {list(roles)}"

@@ -26,13 +26,22 @@ from megarl.checkpoint.keys import strip_prefix
 from megarl.checkpoint.vetting import check_dcp_metadata
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.models.builder import unwrap
+from megarl.models.lora import adapters_of
 
 OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _model_sd(chunks, prefix: str) -> dict:
-    # the GPTModel itself: DDP / Float16Module wrappers would add "module." to every key
-    return {f"chunk{i}": unwrap(c).sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
+    """The chunks' sharded state (of the GPTModel itself: DDP / Float16Module wrappers would
+    add "module." to every key). A LoRA model's is its adapters only: the frozen base is
+    rebuilt from the run's model source, as a frozen reference is."""
+    out = {}
+    for i, c in enumerate(chunks):
+        sd = unwrap(c).sharded_state_dict(prefix=prefix)
+        if adapters_of([c]):
+            sd = {k: v for k, v in sd.items() if k.startswith(f"{prefix}lora.")}
+        out[f"chunk{i}"] = sd
+    return out
 
 
 def _sharded(models: dict, is_loading: bool) -> dict:
@@ -123,6 +132,8 @@ def load_models(path: str, models: dict) -> None:
             part = strip_prefix(loaded[name][f"chunk{i}"], f"{name}.")
             missing, unexpected = unwrap(c).load_state_dict(part, strict=False)
             unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+            if adapters_of([c]):  # LoRA: the base came from the model source (`_model_sd`)
+                missing = [k for k in missing if k.startswith("lora.")]
             if missing or unexpected:
                 raise RuntimeError(
                     f"checkpoint {path}: {name} chunk {i} missing keys {missing}, "

@@ -100,21 +100,10 @@ def peft_tensors(chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
     DP by a plain DDP), on global rank 0 ({} elsewhere). Collective over the world."""
     from megatron.core import parallel_state as ps
 
-    tp_group = ps.get_tensor_model_parallel_group()
     owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     owner = owner and ps.get_tensor_model_parallel_rank() == 0
-    local = {}
-    for adapters in adapters_of(chunks):
-        for layer, name, pair in adapters.pairs():
-            for part, p in (("A", pair.A), ("B", pair.B)):
-                t = getattr(p, "main_grad", p.grad) if grads else p
-                t = t.detach().float().cpu().contiguous()
-                if getattr(p, "tensor_model_parallel", False) and dist.get_world_size(tp_group) > 1:
-                    shards = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
-                    dist.all_gather(shards, t, group=tp_group)
-                    t = torch.cat(shards, dim=p.partition_dim)
-                if owner:
-                    local[peft_key(layer, name, part)] = t
+    local = _tp_whole(chunks, grads=grads)
+    local = local if owner else {}
     if dist.get_world_size() == 1:
         return local
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -122,14 +111,47 @@ def peft_tensors(chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
     return {k: v for part in parts or [] for k, v in (part or {}).items()}
 
 
-def save_peft(chunks, cfg: LoraConfig, directory: str, *, base_model: str | None) -> None:
-    """Write the adapters of `chunks` as a PEFT directory (rank 0, atomically). Collective."""
-    from safetensors.torch import save_file
+@torch.no_grad()
+def whole_adapters(chunks) -> dict[str, torch.Tensor]:
+    """{PEFT key: whole fp32 tensor} of every adapter of the model, on every rank (each
+    model-parallel group gathers its own copy: over TP, then the layers over PP). Collective
+    over the world; the adapters' bytes cross ranks, not the base's."""
+    from megatron.core import parallel_state as ps
 
-    tensors = peft_tensors(chunks)
-    if dist.get_rank() != 0:
-        return
-    conf = {
+    local = _tp_whole(chunks)
+    pp = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp) == 1:
+        return local
+    parts = [None] * dist.get_world_size(pp)
+    dist.all_gather_object(parts, local, group=pp)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _tp_whole(chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's adapters (or their grads) made whole over TP, by PEFT key. Collective over
+    the TP group."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(tp_group)
+    out = {}
+    for adapters in adapters_of(chunks):
+        for layer, name, pair in adapters.pairs():
+            for part, p in (("A", pair.A), ("B", pair.B)):
+                t = getattr(p, "main_grad", p.grad) if grads else p
+                # a copy: the receiver (vLLM folds alpha / r into B in place) must not alias it
+                t = t.detach().to("cpu", torch.float32, copy=True).contiguous()
+                if getattr(p, "tensor_model_parallel", False) and tp > 1:
+                    shards = [torch.empty_like(t) for _ in range(tp)]
+                    dist.all_gather(shards, t, group=tp_group)
+                    t = torch.cat(shards, dim=p.partition_dim)
+                out[peft_key(layer, name, part)] = t
+    return out
+
+
+def adapter_config(cfg: LoraConfig, *, base_model: str | None) -> dict:
+    """The adapter_config.json of `cfg`'s adapters (PEFT's keys; vLLM reads the same)."""
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -143,6 +165,16 @@ def save_peft(chunks, cfg: LoraConfig, directory: str, *, base_model: str | None
         "use_dora": False,
         "inference_mode": True,
     }
+
+
+def save_peft(chunks, cfg: LoraConfig, directory: str, *, base_model: str | None) -> None:
+    """Write the adapters of `chunks` as a PEFT directory (rank 0, atomically). Collective."""
+    from safetensors.torch import save_file
+
+    tensors = peft_tensors(chunks)
+    if dist.get_rank() != 0:
+        return
+    conf = adapter_config(cfg, base_model=base_model)
     with AtomicDir(directory, overwrite=True) as out:
         with open(os.path.join(out.tmp, CONFIG), "w") as f:
             json.dump(conf, f, indent=1)

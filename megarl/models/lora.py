@@ -70,9 +70,10 @@ class LoraConfig:
     targets: tuple[str, ...] = ("all-linear",)
     """HF names of the adapted linears: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj, or all-linear."""
-    merge: bool = True
-    """Sync the rollout engine by merging the adapters into the base weights it receives
-    (W + scale B A, computed shard by shard). An adapter-only sync is not available."""
+    merge: bool = False
+    """false: the rollout engine serves the adapters with vLLM's LoRA layers and each sync sends
+    only them (the base once); true: each sync sends the merged weights W + scale B A (computed
+    shard by shard), for engines or modules that cannot take adapters."""
     init_from: str | None = None
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start the
     adapters from; its rank, alpha and targets must match these."""
@@ -90,10 +91,10 @@ class LoraConfig:
                 f"model.lora.targets={list(self.targets)}: {bad or 'empty'}; accepted: a list "
                 f"of {', '.join(HF_TARGETS)}, or [all-linear]"
             )
-        if not self.merge:
+        if not self.merge and self.rank > 512:
             raise ConfigError(
-                "model.lora.merge=false (adapter-only sync into vLLM) is not available; "
-                "accepted: true (the engine receives the merged weights)"
+                f"model.lora.rank={self.rank} with model.lora.merge=false: vLLM's LoRA layers "
+                "take ranks up to 512; accepted: a rank <= 512, or merge=true"
             )
 
     @property

@@ -13,9 +13,11 @@ one GPU holds (`formulas`) and the peak of each phase of an RL step:
 "Resident" = actor weights, its fp32 grad buffer and Adam state (sharded over DP by the
 DistributedOptimizer), the reference's weights, the critic's three, and the CUDA runtime.
 With LoRA (`model.lora`) the base is frozen: the grad buffer and Adam hold the adapters only,
-there is no reference copy (the reference is the base, adapters off), and the sync holds a merged
-copy of every adapted weight (`megarl.models.lora.merged`). The adapters' own activations
-(rank-sized, about 2 rank e B per adapted linear and token) are not counted.
+there is no reference copy (the reference is the base, adapters off), and a merging sync
+(`model.lora.merge: true`) holds a merged copy of every adapted weight
+(`megarl.models.lora.merged`). Not counted: the adapters' own activations (rank-sized, about
+2 rank e B per adapted linear and token) and, without merging, vLLM's adapter slots (allocated
+with its weights, inside its budget).
 A run fits when every phase's peak is at most `HEADROOM` of the GPU (allocator fragmentation).
 """
 
@@ -239,18 +241,14 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
     per, per_text = fm.optimizer_bytes_per_param(prec.dtype)
     shard = f"/ DP x CP {dp_shard}" + (f", experts / expert-DP {edp_shard}" if experts else "")
     if cfg.model.lora.enabled:
-        rows += _lora_rows(cfg, shape, r, wname=wname, w=w, e=e)
-        ad = shape.adapters[r]  # dense: no adapter sits on an expert (check_lora)
-        rows.append(
-            Row("actor Adam", ad * per / dp_shard, f"{ad:,} adapter params x {per_text} {shard}")
-        )
+        rows += _lora_rows(cfg, shape, r, w=w, wname=wname, e=e, dp_shard=dp_shard)
     else:
         rows.append(Row("actor weights", total * w, f"{total:,} params x {wname}"))
         rows.append(Row("actor grads", total * 4, f"{total:,} x 4 B (fp32 main-grad buffer)"))
         opt = dense * per / dp_shard + experts * per / edp_shard
         rows.append(Row("actor Adam", opt, f"{per_text} {shard}"))
-    if alg.needs_reference and not cfg.model.lora.enabled:
-        rows.append(Row("reference weights", total * e, f"{total:,} x {e} B (frozen)"))
+        if alg.needs_reference:
+            rows.append(Row("reference weights", total * e, f"{total:,} x {e} B (frozen)"))
     if shape.critic is not None:
         c = shape.critic[r]
         cexp = experts  # the critic shares the actor's trunk, experts included
@@ -337,13 +335,16 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
     )
 
 
-def _lora_rows(cfg, shape: Shape, r: int, *, wname: str, w: int, e: int) -> list[Row]:
-    """LoRA's actor rows: the frozen base and the adapters, the adapters' grads, and the
-    sync's merged copies of the adapted weights."""
+def _lora_rows(
+    cfg, shape: Shape, r: int, *, w: int, wname: str, e: int, dp_shard: int
+) -> list[Row]:
+    """LoRA's actor rows: the frozen base (also the reference) beside the adapters, which alone
+    have grads and Adam state (dense: no adapter sits on an expert, `check_lora`), and a
+    merging sync's copies of the adapted weights."""
     base, ad = shape.params[r], shape.adapters[r]
+    per, per_text = fm.optimizer_bytes_per_param(cfg.precision.dtype)
     ref = "; the reference is this base with the adapters off (no copy)"
-    merged, merged_text = fm.lora_merged_bytes(shape.adapted[r], shape.largest_adapted[r], elem=e)
-    return [
+    rows = [
         Row(
             "actor weights",
             base * w + ad * e,
@@ -351,8 +352,16 @@ def _lora_rows(cfg, shape: Shape, r: int, *, wname: str, w: int, e: int) -> list
             f"{ref if cfg.algorithm.needs_reference else ''}",
         ),
         Row("actor grads", ad * 4, f"{ad:,} adapter params x 4 B (fp32 main-grad buffer)"),
-        Row("LoRA merged weights", merged, merged_text, ("sync",)),
+        Row(
+            "actor Adam",
+            ad * per / dp_shard,
+            f"{ad:,} adapter params x {per_text} / DP x CP {dp_shard}",
+        ),
     ]
+    if cfg.model.lora.merge:  # the sync sends W + scale B A (`megarl.models.lora.merged`)
+        merged, text = fm.lora_merged_bytes(shape.adapted[r], shape.largest_adapted[r], elem=e)
+        rows.append(Row("LoRA merged weights", merged, text, ("sync",)))
+    return rows
 
 
 def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:

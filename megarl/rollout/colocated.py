@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from megarl.distributed.topology import Groups
 from megarl.models.hf_config import ModelArch
+from megarl.models.lora import LoraConfig
+from megarl.rollout.adapter_sync import AdapterSync
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.dispatch import RolloutDispatcher
 from megarl.rollout.engine import Rollout, RolloutEngine
@@ -71,26 +73,41 @@ class RolloutComponent(Protocol):
 class ColocatedRollout:
     """A vLLM engine in every trainer rank (module docstring)."""
 
-    def __init__(self, engine: RolloutEngine, sync: WeightSync, dispatcher: RolloutDispatcher):
+    def __init__(
+        self, engine: RolloutEngine, sync: WeightSync | AdapterSync, dispatcher: RolloutDispatcher
+    ):
         self.engine = engine
         self.sync = sync
         self.dispatcher = dispatcher
 
     @staticmethod
     def build(
-        cfg: RolloutConfig, arch: ModelArch, policy: list, groups: Groups, out_dir: str, dtype: str
+        cfg: RolloutConfig,
+        arch: ModelArch,
+        policy: list,
+        groups: Groups,
+        out_dir: str,
+        dtype: str,
+        lora: LoraConfig | None = None,
     ) -> ColocatedRollout:
         """An engine on every rank: SPMD (external_launcher, its own TP) on GPU; on CPU a TP=1
         engine per rank that receives the full model; `policy`: this rank's chunks of the model
-        it generates with. Collective."""
+        it generates with; `lora`: the policy's adapters, which the engine serves with its LoRA
+        layers unless `lora.merge` (then it receives merged weights). Collective."""
         # vLLM reads the model's config.json from a directory on every node: the first rank of
         # each node writes it (the same bytes; atomic per writer, so a shared directory is fine)
         model_dir = os.path.join(out_dir, "rollout_model")
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             write_engine_dir(model_dir, arch)
         dist.barrier()
-        engine = RolloutEngine(model_dir, arch, cfg, dtype=dtype)
-        sync = WeightSync(policy, arch, engine, groups)
+        adapters = lora is not None and lora.enabled and not lora.merge
+        engine = RolloutEngine(
+            model_dir, arch, cfg, dtype=dtype, lora_rank=lora.rank if adapters else 0
+        )
+        if adapters:
+            sync = AdapterSync(policy, arch, engine, groups, lora)
+        else:
+            sync = WeightSync(policy, arch, engine, groups)
         return ColocatedRollout(engine, sync, RolloutDispatcher(engine, groups.dp_rank))
 
     def generate(

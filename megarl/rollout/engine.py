@@ -55,10 +55,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megarl.distributed import device
 from megarl.models.hf_config import ModelArch
-from megarl.rollout import routes, vllm_patches
+from megarl.rollout import routes, vllm_lora, vllm_patches
 from megarl.rollout.checks import check_free_memory, check_kv_cache, check_model_dir
 from megarl.rollout.config import RolloutConfig, RolloutConfigError
 
@@ -151,7 +152,15 @@ class RolloutEngine:
     - `call(fn, ...)`: run `fn` on this rank's vLLM worker; `close()`: shut down.
     """
 
-    def __init__(self, model_dir: str, arch: ModelArch, cfg: RolloutConfig, *, dtype: str = "fp32"):
+    def __init__(
+        self,
+        model_dir: str,
+        arch: ModelArch,
+        cfg: RolloutConfig,
+        *,
+        dtype: str = "fp32",
+        lora_rank: int = 0,
+    ):
         if dtype not in ENGINE_DTYPES:
             raise RolloutConfigError(f"rollout dtype={dtype!r}; accepted: {sorted(ENGINE_DTYPES)}")
         self.arch, self.cfg, self.dtype = arch, cfg, dtype
@@ -194,6 +203,10 @@ class RolloutEngine:
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(longest, 4096))
         if cfg.routing_replay:
             kwargs.update(routes.engine_kwargs(self.gpu))
+        if lora_rank:  # adapters arrive in memory (`load_adapter`), one slot
+            kwargs.update(
+                enable_lora=True, max_lora_rank=vllm_lora.max_lora_rank(lora_rank), max_loras=1
+            )
         if self.gpu:
             kwargs.update(
                 distributed_executor_backend="external_launcher",
@@ -215,6 +228,7 @@ class RolloutEngine:
         self.routes = routes.RouteCapture(self) if cfg.routing_replay else None
         self._weight_state = DUMMY
         self._failed_param: str | None = None
+        self._lora = None  # the LoRARequest generation passes once adapters are loaded
         self._calls = 0
         self._asleep = False
         self._awake_tags: set[str] = set()
@@ -285,6 +299,35 @@ class RolloutEngine:
         """Record a sync that stopped part-way; `generate` refuses until the next full sync."""
         self._weight_state = PARTIAL
         self._failed_param = param
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """Make `tensors` ({PEFT key: whole tensor}, `config` their adapter_config.json) the
+        adapter every later generation uses, in memory (`megarl.rollout.vllm_lora`); the base
+        weights are the last ones synced. Needs an engine started with `lora_rank`."""
+        self.prepare_weight_write()
+        self._lora = None  # a load that fails part-way leaves no adapter to trust
+        self.call(vllm_lora.load, tensors, config)
+        self._lora = vllm_lora.request()
+
+    def adapter_sums(self) -> dict[str, tuple[float, float]] | None:
+        """{HF module: (sum of A², sum of B² with alpha / rank folded in)} of the adapter the
+        engine's LoRA layers hold (its TP shards summed); None before any `load_adapter`."""
+        if self._lora is None:
+            return None
+        local = self.call(vllm_lora.sums)
+        if local is None or self.tp_size == 1:
+            return local
+        # vLLM TP > 1: split factors (column: B, row: A) summed over the instance; a whole one
+        # is on every rank, so its sum is taken once (`tp_size` copies summed, then divided)
+        names = sorted(local)
+        t = torch.tensor([local[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(t, group=self._tp_group)
+        row = {n: n.endswith(("o_proj", "down_proj")) for n in names}
+        return {
+            n: (float(a) if row[n] else float(a) / self.tp_size,
+                float(b) / self.tp_size if row[n] else float(b))
+            for n, (a, b) in zip(names, t.tolist(), strict=True)
+        }  # fmt: skip
 
     def close(self) -> None:
         """Shut the engine down now (also done at exit), keeping the trainer's default process
@@ -378,7 +421,8 @@ class RolloutEngine:
         ]
         if self.routes is not None:
             self.routes.begin()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
         ro = Rollout.empty()
         for i, out in enumerate(outs):
             for ids, lps, finish in self._completions(out, i):
@@ -425,7 +469,9 @@ class RolloutEngine:
 
         params = self._sampling_params(1, seed, max_tokens, greedy, temperature)
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        self.llm.llm_engine.add_request(key, {"prompt_token_ids": list(ids)}, params)
+        self.llm.llm_engine.add_request(
+            key, {"prompt_token_ids": list(ids)}, params, lora_request=self._lora
+        )
 
     def step(self) -> list[tuple[str, list[int], list[float], str]]:
         """One scheduler step of the submitted requests: `(key, sampled ids, their logprobs,

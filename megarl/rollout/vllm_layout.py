@@ -39,7 +39,12 @@ def _hf_names(module_name: str, leaf: str, packed: list[str] | None) -> list[str
 
 
 def pieces_for_module(
-    kind: str, module_name: str, leaf: str, attrs: dict, packed: list[str] | None
+    kind: str,
+    module_name: str,
+    leaf: str,
+    attrs: dict,
+    packed: list[str] | None,
+    param_module: str | None = None,
 ) -> list[Piece]:
     """The pieces that fill parameter `module_name.leaf` of a module of `kind`.
 
@@ -51,10 +56,12 @@ def pieces_for_module(
       tp_size, output_size; replicated: output_size, input_size
     - vocab: org_start, org_end, org_vocab, hidden; full: shape (the parameter's shape)
     - experts: see `megarl.rollout.moe_layout.expert_pieces`
+    `param_module`: where the parameter really lives when it is not `module_name` (a linear that
+    vLLM's LoRA wrapped: `...qkv_proj.base_layer`).
     """
     if kind == "experts":
         return moe_layout.expert_pieces(module_name, leaf, attrs)
-    name = f"{module_name}.{leaf}"
+    name = f"{param_module or module_name}.{leaf}"
     hf = _hf_names(module_name, leaf, packed if kind in ("qkv", "merged") else None)
     is_bias = leaf == "bias"
 
@@ -225,7 +232,9 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
                 )
             shape = _logical_shape(module, kind, leaf, p)
             attrs_p = dict(attrs, shape=shape)
-            last = mod_name.rpartition(".")[2]
+            # vLLM's LoRA wraps each linear: its weight moves to `<linear>.base_layer`
+            logical = mod_name.replace(".base_layer", "")
+            last = logical.rpartition(".")[2]
             packed = packed_map.get(last) if kind in ("qkv", "merged") else None
             if kind in ("qkv", "merged") and packed is None:
                 raise PlanError(
@@ -238,7 +247,11 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
                     name, shape, type(module).__name__, repacked=attrs.get("repacked", repacked)
                 )
             )
-            pieces.extend(pieces_for_module(kind, mod_name, leaf, attrs_p, packed))
+            pieces.extend(
+                pieces_for_module(
+                    kind, logical, leaf, attrs_p, packed, mod_name if logical != mod_name else None
+                )
+            )
     dtype = next(iter(model.parameters())).dtype
     return VllmDescription(
         params=tuple(params),

@@ -395,11 +395,14 @@ class WeightSync:
     def _device(self):
         return self.params[0].device if self.params else torch.device("cpu")
 
-    def sync(self) -> dict:
+    def sync(self, *, merge_adapters: bool = True) -> dict:
         """Collective over all trainer ranks: wakes the engine's weights, writes them, marks the
         engine synced and resets its prefix cache. Returns bytes written into vLLM and seconds
-        (read by the sync benchmark and its tests)."""
-        with lora.merged(self.chunks):  # LoRA: the engine gets W + scale B A
+        (read by the sync benchmark and its tests). LoRA: the engine gets W + scale B A, or
+        with `merge_adapters=False` the base W (its adapters go separately, `AdapterSync`)."""
+        if not merge_adapters:
+            return self._sync()
+        with lora.merged(self.chunks):
             return self._sync()
 
     def _sync(self) -> dict:

