@@ -46,5 +46,29 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
         stale = str(e)
     second = sync.sync()
     after = {"adapters": whole_adapters(chunks), **_sample(engine)}
+    # an adapter load that fails: the engine refuses to generate until a sync succeeds again
+    bad = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(1)}  # not an adapter key
+    failed = []
+    for attempt in (lambda: engine.load_adapter(bad, sync.config), lambda: _sample(engine)):
+        try:
+            attempt()
+        except Exception as e:
+            failed.append(f"{type(e).__name__}: {e}")
+    third = sync.sync()  # the base again (weight_state was "partial"), then the adapters
+    again = _sample(engine)
+    # the same policy as merged weights (`model.lora.merge: true`), the engine's LoRA unused
+    sync.base.sync()
+    engine.unload_adapter()
+    merged = _sample(engine)
     engine.close()
-    return {"first": first, "second": second, "stale": stale, "before": before, "after": after}
+    return {
+        "first": first,
+        "second": second,
+        "stale": stale,
+        "before": before,
+        "after": after,
+        "failed": failed,
+        "third": third,
+        "again": again,
+        "merged": merged,
+    }

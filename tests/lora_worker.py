@@ -128,13 +128,15 @@ def single_rank(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: flo
 
 TP2_SP = {"tensor_parallel": 2, "sequence_parallel": True}
 PP2 = {"pipeline_parallel": 2}
+PP2_VPP2 = {"pipeline_parallel": 2, "virtual_pipeline_parallel": 2}  # one layer per chunk
 
 
 def two_ranks(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
-    """`megarl_side` at TP2 + SP and at PP2, and `resume_elsewhere`, in one pair of processes."""
+    """`megarl_side` at TP2 + SP, PP2 and PP2 x VPP2, and `resume_elsewhere`, in one pair of
+    processes."""
     layouts = {
         n: megarl_side(rank, world, hf, out, batch, r, alpha, lay)
-        for n, lay in (("tp2-sp", TP2_SP), ("pp2", PP2))
+        for n, lay in (("tp2-sp", TP2_SP), ("pp2", PP2), ("pp2-vpp2", PP2_VPP2))
     }
     return layouts, resume_elsewhere(rank, world, hf, out, batch, r, alpha)
 

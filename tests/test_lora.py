@@ -1,8 +1,8 @@
 """LoRA (`megarl.models.lora`, `megarl.convert.peft`) against PEFT on transformers: the same
-logits and adapter gradients at 1 rank, TP2 + SP and PP2 (fp32, <= 1e-5), the same merged
-weights, the base with the adapters off, only adapters in the optimizer, a PEFT directory that
-`peft` loads with the same logits, a checkpoint written at TP2 + SP that resumes at PP2, and
-the config errors. Two process launches in all (one rank, then two)."""
+logits and adapter gradients at 1 rank, TP2 + SP, PP2 and PP2 x VPP2 (fp32, <= 1e-5), the same
+merged weights, the base with the adapters off, only adapters in the optimizer, a PEFT directory
+that `peft` loads with the same logits, a checkpoint written at TP2 + SP that resumes at PP2,
+and the config errors. Two process launches in all (one rank, then two)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def _layouts(runs):
     _, _, one, two = runs
     yield "1 rank", [one]
-    for name in ("tp2-sp", "pp2"):
+    for name in ("tp2-sp", "pp2", "pp2-vpp2"):
         yield name, [layouts[name] for layouts, _ in two]
 
 

@@ -2,7 +2,9 @@
 engines with LoRA, from an actor at TP2 + SP: the engine's greedy samples and their logprobs
 equal PEFT's on transformers (the same base and adapters, fp32) before and after an update;
 the first sync writes the base, later ones adapters only (their bytes); an engine that still
-serves the previous adapters is caught by `verify`, naming a module. One 2-rank launch."""
+serves the previous adapters is caught by `verify`, naming a module; a failed adapter load
+stops generation until a sync succeeds; merged weights sample as the adapters do. One 2-rank
+launch."""
 
 from __future__ import annotations
 
@@ -78,3 +80,23 @@ def test_a_stale_engine_is_caught_by_verify(runs):
         assert r["stale"] is not None, "verify passed with the engine holding old adapters"
         assert "does not hold the trainer's LoRA adapters" in r["stale"]
         assert "model.layers.0." in r["stale"] and "sum of B^2" in r["stale"]
+
+
+def test_a_failed_adapter_load_stops_generation_until_a_full_sync(runs):
+    _, res = runs
+    for r in res:
+        assert len(r["failed"]) == 2, r["failed"]  # the load raised, then generate refused
+        assert "partially updated weights" in r["failed"][1] and "LoRA" in r["failed"][1]
+        assert r["third"]["base_bytes"] > 0  # the recovery rewrote the base, then the adapters
+        assert r["again"] == {k: r["after"][k] for k in ("ids", "logprobs")}
+
+
+def test_merged_weights_sample_as_the_adapters_do(runs):
+    """`model.lora.merge: true` (W + scale B A through the full-weight sync) and the adapters
+    in vLLM's LoRA layers give the same samples and logprobs."""
+    _, res = runs
+    for r in res:
+        assert r["merged"]["ids"] == r["after"]["ids"]
+        pairs = zip(r["merged"]["logprobs"], r["after"]["logprobs"], strict=True)
+        err = max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True))
+        assert err <= 1e-5, err

@@ -140,12 +140,12 @@ def _tp_whole(chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
             for part, p in (("A", pair.A), ("B", pair.B)):
                 t = getattr(p, "main_grad", p.grad) if grads else p
                 # a copy: the receiver (vLLM folds alpha / r into B in place) must not alias it
-                t = t.detach().to("cpu", torch.float32, copy=True).contiguous()
+                t = t.detach().to(torch.float32, copy=True).contiguous()
                 if getattr(p, "tensor_model_parallel", False) and tp > 1:
                     shards = [torch.empty_like(t) for _ in range(tp)]
-                    dist.all_gather(shards, t, group=tp_group)
+                    dist.all_gather(shards, t, group=tp_group)  # on the device (NCCL on GPU)
                     t = torch.cat(shards, dim=p.partition_dim)
-                out[peft_key(layer, name, part)] = t
+                out[peft_key(layer, name, part)] = t.cpu()
     return out
 
 

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.convert.peft import adapter_config, whole_adapters
+from megarl.distributed.device import device as dev
 from megarl.models.hf_config import ModelArch
 from megarl.models.lora import LoraConfig, adapters_of, peft_key
-from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.engine import SYNCED, RolloutEngine
 from megarl.rollout.weight_sync import SyncError, WeightSync
 
 RTOL = 1e-6
@@ -61,7 +62,7 @@ def trainer_sums(chunks, cfg: LoraConfig, dtype: torch.dtype) -> dict[str, tuple
                 pair_sums.append(s if split or tp_rank == 0 else torch.zeros_like(s))
             names.append(_module(peft_key(layer, name, "A")))
             values.append(torch.stack(pair_sums))
-    t = torch.stack(values) if values else torch.zeros(0, 2, dtype=torch.float64)
+    t = torch.stack(values) if values else torch.zeros(0, 2, dtype=torch.float64, device=dev())
     if dist.get_world_size(tp_group) > 1:  # split factors' shards, whole ones once (rank 0)
         dist.all_reduce(t, group=tp_group)
     local = {n: (float(a), float(b)) for n, (a, b) in zip(names, t.tolist(), strict=True)}
@@ -107,7 +108,7 @@ class AdapterSync:
         """Collective over all trainer ranks. Returns the bytes / seconds of this sync (the
         adapters') and of the base when it was written too."""
         out = {}
-        if self.engine.weight_state != "synced":
+        if self.engine.weight_state != SYNCED:  # the first sync, or the engine lost its weights
             out = {f"base_{k}": v for k, v in self.base.sync(merge_adapters=False).items()}
             self.base_syncs += 1
         t0 = time.perf_counter()
@@ -133,7 +134,7 @@ class AdapterSync:
         t0 = time.perf_counter()
         want = trainer_sums(self.chunks, self.cfg, self.engine.torch_dtype)
         bad = compare(want, self.engine.adapter_sums())
-        anywhere = torch.tensor([len(bad)])
+        anywhere = torch.tensor([len(bad)], device=dev())  # NCCL on GPU: a device tensor
         dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)  # every rank raises, none waits
         if anywhere.item() and not bad:
             raise SyncError("another trainer rank's engine does not hold the LoRA adapters", None)

@@ -54,7 +54,9 @@ class RolloutConfig:
     enforce_eager: bool = True
     """Run the model eagerly (no CUDA graphs / compilation)."""
     sleep_between_steps: bool = True
-    """GPU only: free vLLM's weights and KV cache while the trainer trains (sleep level 2)."""
+    """GPU only: free vLLM's weights and KV cache while the trainer trains (sleep level 2;
+    level 1, the weights kept in host memory, with model.lora adapters: their base is synced
+    once)."""
     max_model_len: int | None = None
     """Longest prompt + response the engine accepts; None = the model's max positions."""
     routing_replay: bool = False

