@@ -60,6 +60,12 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     sync.base.sync()
     engine.unload_adapter()
     merged = _sample(engine)
+    sync.base.sync(merge_adapters=False)  # the base alone again, as AdapterSync keeps it
+    # the adapters of `before` from an actor at PP2 (the layers gathered over the stages)
+    chunks, groups, _, _, cfg = lw._actor(world, hf, out, batch, r, alpha, lw.PP2)
+    pp2 = AdapterSync(chunks, arch, engine, groups, cfg)
+    pp2.sync()
+    at_pp2 = _sample(engine)
     engine.close()
     return {
         "first": first,
@@ -71,4 +77,5 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
         "third": third,
         "again": again,
         "merged": merged,
+        "pp2": at_pp2,
     }

@@ -167,4 +167,17 @@ def resume_elsewhere(rank, world, hf: dict, out: str, batch: dict, r: int, alpha
             load_models(f"{out}/run/checkpoints/step_000001", models)
         _adam_step(chunks, opt, mbs, loss_fn, groups)
         after[name] = peft_tensors(chunks)
+        after[f"{name}/fingerprint"] = lora.base_fingerprint(chunks)
+    # another base under the same adapters: a resume refuses it, naming the checkpoint
+    from megarl.config import load_config
+    from megarl.trainer.run import check_lora_base
+
+    with torch.no_grad():
+        next(p for n, p in chunks[0].named_parameters() if "linear_fc2.weight" in n).add_(1e-3)
+    cfg = load_config(overrides=["model.lora.rank=4"])
+    try:
+        check_lora_base(f"{out}/run/checkpoints/step_000001", after["pp2/fingerprint"], chunks, cfg)
+        after["other base"] = None
+    except Exception as e:
+        after["other base"] = f"{type(e).__name__}: {e}"
     return after

