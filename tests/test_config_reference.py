@@ -54,10 +54,7 @@ def test_docs_config_md_is_current():
 def test_cli_prints_the_reference():
     proc = subprocess.run(
         [sys.executable, "-m", "megarl", "config", "--reference"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == reference_markdown()

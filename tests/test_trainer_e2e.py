@@ -20,18 +20,8 @@ QUIET = ["logging.wandb=false", "logging.progress=false"]
 
 
 def _train(out, *overrides, nproc=1, config=None, check=True, env=None, module="megarl"):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(_port()),
-        "-m",
-        module,
-        "train",
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_port()), "-m", module, "train"]
     if config:
         cmd.append(os.path.join(ROOT, config))
     cmd += ["--out", str(out)]
@@ -40,14 +30,8 @@ def _train(out, *overrides, nproc=1, config=None, check=True, env=None, module="
     # output to a file, not a pipe: a crashed run's orphaned helper processes could hold a pipe
     log = os.path.join(str(out) + ".log")
     with open(log, "w") as f:
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-            env={**os.environ, **(env or {})},
-        )
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=900,
+                              env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         with open(log) as f:
             raise AssertionError(f"megarl train failed ({proc.returncode}):\n{f.read()[-6000:]}")
@@ -98,11 +82,9 @@ def _check_learning(rows, label: str) -> None:
     first, last = _learned(rows)
     len_first = sum(r["response_len"] for r in rows[:4]) / 4
     len_last = sum(r["response_len"] for r in rows[-4:]) / 4
-    print(
-        f"{label}: reward {first:.3f} -> {last:.3f}, response length {len_first:.2f} -> "
-        f"{len_last:.2f}, kl {rows[-1]['kl']:.4f}, mismatch max "
-        f"{max(r['logprob_mismatch_max'] for r in rows):.1e}"
-    )
+    print(f"{label}: reward {first:.3f} -> {last:.3f}, response length {len_first:.2f} -> "
+          f"{len_last:.2f}, kl {rows[-1]['kl']:.4f}, mismatch max "
+          f"{max(r['logprob_mismatch_max'] for r in rows):.1e}")
     # reward_mean is a mean over 512 samples: its step-to-step noise at random init is ~0.005,
     # and a run that learns the copy task gains 0.05-0.1 in its first 16 steps
     assert last > first + 0.03, (first, last)
@@ -112,25 +94,13 @@ def _check_learning(rows, label: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(
-            ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"],
-            id="tp2-sp",
-            marks=pytest.mark.extended,
-        ),  # CI: TP2 + SP parity; PPO at TP2 in test_rlhf_e2e
-        pytest.param(
-            [
-                "parallel.pipeline_parallel=2",
-                "parallel.virtual_pipeline_parallel=2",
-                "model.config.num_hidden_layers=4",
-            ],
-            id="pp2-vpp2",
-            marks=pytest.mark.extended,
-        ),  # CI: PP2 in the resume-at-another-layout test
-    ],
-)
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], id="tp2-sp",
+                 marks=pytest.mark.extended),  # CI: TP2 + SP parity; PPO at TP2 in test_rlhf_e2e
+    pytest.param(["parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2",
+                  "model.config.num_hidden_layers=4"], id="pp2-vpp2",
+                 marks=pytest.mark.extended),  # CI: PP2 in the resume-at-another-layout test
+])
 def test_grpo_learns_sequences_at_layout(tmp_path, layout):
     _train(tmp_path, *SEQ, *layout, nproc=2)
     rows = _metrics(tmp_path)
@@ -141,14 +111,8 @@ def test_grpo_learns_sequences_at_layout(tmp_path, layout):
 @pytest.mark.slow
 @pytest.mark.extended  # CI: PPO end to end in test_rlhf_e2e, DP1 == DP2 in test_metrics_global
 def test_ppo_with_kl_in_the_reward_learns_at_dp2(tmp_path):
-    _train(
-        tmp_path,
-        *SEQ,
-        "algorithm.kl_in=reward",
-        "algorithm.kl_coef=0.01",
-        nproc=2,
-        config="examples/ppo_tiny_cpu.yaml",
-    )
+    _train(tmp_path, *SEQ, "algorithm.kl_in=reward", "algorithm.kl_coef=0.01", nproc=2,
+           config="examples/ppo_tiny_cpu.yaml")
     rows = _metrics(tmp_path)
     _check_run(tmp_path, rows, STEPS)
     assert "value_loss" in rows[-1]
@@ -180,14 +144,8 @@ def test_resume_is_exact_and_survives_a_crash_mid_save(tmp_path):
     _train(straight, "trainer.steps=6", "trainer.export_hf=true", fixed)
     _train(halves, "trainer.steps=3", fixed)
     # the next save is killed half-way (after the tensor files, before the commit): the run dies
-    proc = _train(
-        halves,
-        "trainer.steps=6",
-        "trainer.save_every=6",
-        fixed,
-        module="tests.crash_in_save",
-        check=False,
-    )
+    proc = _train(halves, "trainer.steps=6", "trainer.save_every=6", fixed,
+                  module="tests.crash_in_save", check=False)
     assert proc.returncode != 0
     names = sorted(os.listdir(halves / "checkpoints"))
     assert "step_000003" in names and "step_000006" not in names, names
@@ -212,14 +170,8 @@ def test_resume_at_another_layout(tmp_path):
     # step 5's checkpoint loaded at TP=2: nothing left to train, the export must be identical
     dst = tmp_path / "tp2"
     shutil.copytree(src / "checkpoints" / "step_000005", dst / "checkpoints" / "step_000005")
-    _train(
-        dst,
-        "trainer.steps=5",
-        "trainer.export_hf=true",
-        "parallel.tensor_parallel=2",
-        fixed,
-        nproc=2,
-    )
+    _train(dst, "trainer.steps=5", "trainer.export_hf=true", "parallel.tensor_parallel=2", fixed,
+           nproc=2)
     a, b = _hf(src), _hf(dst)
     assert a.keys() == b.keys()
     for k in a:
@@ -275,15 +227,9 @@ def test_lora_run_syncs_adapters_and_writes_a_peft_adapter(tmp_path):
 
 @pytest.mark.slow
 def test_non_finite_loss_is_skipped_then_the_run_stops(tmp_path):
-    proc = _train(
-        tmp_path,
-        "trainer.steps=6",
-        "trainer.max_bad_steps=2",
-        "trainer.save_every=1",
-        "reward.functions=[tests.rewards_for_tests:inf_reward]",
-        "reward.weights=[1.0]",
-        check=False,
-    )
+    proc = _train(tmp_path, "trainer.steps=6", "trainer.max_bad_steps=2", "trainer.save_every=1",
+                  "reward.functions=[tests.rewards_for_tests:inf_reward]", "reward.weights=[1.0]",
+                  check=False)
     assert proc.returncode != 0  # megarl exits 3; torchrun reports any child failure as 1
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]

@@ -5,8 +5,8 @@ LoRA loader read.
 Each adapter pair of `megarl.models.lora` is one PEFT module (`...layers.{i}.self_attn.q_proj`,
 `...mlp.down_proj`); its tensors are whole in the file and sliced to this rank's shard on
 load (column-parallel: `B`'s rows; row-parallel: `A`'s columns), so one directory loads at any
-layout. Writing gathers the shards over TP and the layers over PP to rank 0 (object
-collectives: adapters are small) and writes atomically.
+layout. Writing gathers the shards over TP and the layers over PP (object collectives:
+adapters are small) and rank 0 writes atomically.
 """
 
 from __future__ import annotations
@@ -94,31 +94,21 @@ def load_peft(chunks, cfg: LoraConfig, directory: str) -> None:
                     p.copy_(t)
 
 
-@torch.no_grad()
 def peft_tensors(chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """{PEFT key: whole fp32 tensor} of every adapter (`grads`: their gradients, reduced over
-    DP by a plain DDP), on global rank 0 ({} elsewhere). Collective over the world."""
-    from megatron.core import parallel_state as ps
-
-    owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    owner = owner and ps.get_tensor_model_parallel_rank() == 0
-    local = _tp_whole(chunks, grads=grads)
-    local = local if owner else {}
-    if dist.get_world_size() == 1:
-        return local
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    return {k: v for part in parts or [] for k, v in (part or {}).items()}
+    """`whole_adapters` on global rank 0 ({} elsewhere): what a PEFT file holds."""
+    tensors = whole_adapters(chunks, grads=grads)
+    return tensors if dist.get_rank() == 0 else {}
 
 
 @torch.no_grad()
-def whole_adapters(chunks) -> dict[str, torch.Tensor]:
-    """{PEFT key: whole fp32 tensor} of every adapter of the model, on every rank (each
-    model-parallel group gathers its own copy: over TP, then the layers over PP). Collective
-    over the world; the adapters' bytes cross ranks, not the base's."""
+def whole_adapters(chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{PEFT key: whole fp32 tensor} of every adapter of the model (`grads`: their gradients,
+    reduced over DP by a plain DDP), on every rank: each model-parallel group gathers its own
+    copy, over TP, then the layers over PP. Collective over the world; the adapters' bytes
+    cross ranks, not the base's."""
     from megatron.core import parallel_state as ps
 
-    local = _tp_whole(chunks)
+    local = _tp_whole(chunks, grads=grads)
     pp = ps.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp) == 1:
         return local

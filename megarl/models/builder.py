@@ -172,7 +172,8 @@ def build_model(
     config = transformer_config(arch, parallel, precision, gpu=gpu, routing_replay=replay)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     lora = build.lora if role == "actor" else LoraConfig()
-    check_lora(lora, arch, tp=ps.get_tensor_model_parallel_world_size(), use_te=use_te)
+    tp = ps.get_tensor_model_parallel_world_size()
+    check_lora(lora, arch, tp=tp, use_te=use_te, precision=precision)
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
         chunk = build_gpt_chunk(

@@ -116,15 +116,38 @@ def is_lora(p: torch.Tensor) -> bool:
     return getattr(p, LORA_ATTR, False)
 
 
-def check_lora(cfg: LoraConfig, arch: ModelArch, *, tp: int, use_te: bool) -> None:
-    """Raise naming the key when `cfg` cannot run on `arch` at this layout."""
+def te_refusal(cfg: LoraConfig, precision) -> str | None:
+    """Why a GPU run refuses `cfg`'s adapters, or None: on GPU the run builds Transformer-Engine
+    layers unless precision.transformer_engine is false (`megarl.models.builder.resolve_use_te`;
+    FP8 needs them), and TE normalises the input of linear_qkv / linear_fc1 inside the layer,
+    where the adapters read it unnormalised."""
+    if not cfg.enabled or precision.transformer_engine is False:
+        return None
+    if precision.fp8:
+        why, fix = f"precision.fp8={precision.fp8} needs them", "precision.fp8: null and "
+    elif precision.transformer_engine:
+        why, fix = "precision.transformer_engine=true", ""
+    else:
+        why, fix = "precision.transformer_engine=null: the GPU default", ""
+    return (
+        f"model.lora.rank={cfg.rank} with Transformer-Engine layers ({why}): the adapters "
+        "read the input of linear_qkv / linear_fc1, which TE normalises inside the layer; "
+        f"accepted: {fix}precision.transformer_engine: false (megatron-core's local layers), "
+        "or model.lora.rank: 0 (full fine-tuning)"
+    )
+
+
+def check_lora(cfg: LoraConfig, arch: ModelArch, *, tp: int, use_te: bool, precision=None) -> None:
+    """Raise naming the key when `cfg` cannot run on `arch` at this layout (`use_te`: the layers
+    this run builds, `precision` their settings)."""
     if not cfg.enabled:
         return
     if use_te:
+        why = te_refusal(cfg, precision) if precision is not None else None
         raise ConfigError(
-            "model.lora with Transformer-Engine layers is not available (TE fuses the input norm "
-            "into linear_qkv / linear_fc1, which the adapters read unnormalised); accepted: "
-            "precision.transformer_engine: false"
+            why
+            or f"model.lora.rank={cfg.rank} with Transformer-Engine layers: not available; "
+            "accepted: precision.transformer_engine: false"
         )
     mlp = [t for t in cfg.modules() if _LINEAR[t][0].startswith("mlp.")]
     if arch.is_moe and mlp:

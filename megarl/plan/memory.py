@@ -31,10 +31,11 @@ from megarl.config import ConfigError, RunConfig
 from megarl.distributed import TopologyError
 from megarl.models.builder import num_params
 from megarl.models.forward import sequence_multiple
+from megarl.models.lora import te_refusal
 from megarl.plan import formulas as fm
 from megarl.plan.formulas import PHASES, gib
 from megarl.plan.render import describe
-from megarl.trainer.dry_run import dry_run, lora_refused_on_gpu
+from megarl.trainer.dry_run import dry_run
 from megarl.trainer.model_source import check_shape_source, load_arch
 
 ALL = PHASES
@@ -154,7 +155,7 @@ def plan(
     )
     problems, warnings = _cluster_checks(cfg, gpus, nodes)
     problems = [f"layout: {p}" for p in problems]
-    refused = lora_refused_on_gpu(cfg) if device == "gpu" else None
+    refused = te_refusal(cfg.model.lora, cfg.precision) if device == "gpu" else None
     if refused:  # a real run stops at its model build (`check_lora`)
         problems.append(f"LoRA: {refused}")
     advice = []

@@ -37,7 +37,7 @@ from megarl.models.hf_config import (
     check_fp8_shapes,
     transformer_config,
 )
-from megarl.models.lora import LoraConfig, apply_lora, check_lora
+from megarl.models.lora import LoraConfig, apply_lora, check_lora, te_refusal
 from megarl.rollout.checks import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
 
@@ -355,7 +355,7 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
         models.append("critic (trainable)")
     notes.append("models on every rank: " + " + ".join(models))
     layers = "megatron-core local layers on the meta device (no memory)"
-    refused = lora_refused_on_gpu(cfg)
+    refused = te_refusal(cfg.model.lora, cfg.precision)
     if refused:
         layers += f"; a GPU run refuses this config: {refused}"
     elif p.transformer_engine is not False:
@@ -373,27 +373,6 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
     if missing:
         notes.append(f"not found on this machine (the real run reads them): {', '.join(missing)}")
     return notes
-
-
-def lora_refused_on_gpu(cfg: RunConfig) -> str | None:
-    """Why a GPU run refuses `cfg`'s LoRA adapters, or None: on GPU the run builds
-    Transformer-Engine layers unless precision.transformer_engine is false
-    (`megarl.models.builder.resolve_use_te`; FP8 needs them), and `check_lora` refuses those."""
-    p, lora = cfg.precision, cfg.model.lora
-    if not lora.enabled or p.transformer_engine is False:
-        return None
-    if p.fp8:
-        why, fix = f"precision.fp8={p.fp8} needs them", "precision.fp8: null and "
-    elif p.transformer_engine:
-        why, fix = "precision.transformer_engine=true", ""
-    else:
-        why, fix = "precision.transformer_engine=null: the GPU default", ""
-    return (
-        f"model.lora.rank={lora.rank} with Transformer-Engine layers ({why}): the adapters "
-        "read the input of linear_qkv / linear_fc1, which TE normalises inside the layer; "
-        f"accepted: {fix}precision.transformer_engine: false (megatron-core's local layers), "
-        "or model.lora.rank: 0 (full fine-tuning)"
-    )
 
 
 def _rank_list(ranks: list[int]) -> str:
