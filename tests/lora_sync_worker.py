@@ -28,7 +28,7 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     sample greedily; move every B as a training step would and check that `verify` catches the
     engine still serving the old ones; sync again and sample. Returns both samples, the
     adapters each was drawn with (whole, PEFT keys), the two syncs' figures and the error."""
-    chunks, groups, _, _, cfg = lw._actor(world, hf, out, batch, r, alpha, layout)
+    chunks, groups, _, _, cfg = lw.actor_at(world, hf, out, batch, r, alpha, layout)
     arch = arch_from_hf(hf)
     rcfg = RolloutConfig(n=1, max_tokens=6, kv_cache_memory_bytes=64 * 2**20, seed=7)
     engine = RolloutEngine(model_dir(hf), arch, rcfg, lora_rank=r)
@@ -62,7 +62,7 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     merged = _sample(engine)
     sync.base.sync(merge_adapters=False)  # the base alone again, as AdapterSync keeps it
     # the adapters of `before` from an actor at PP2 (the layers gathered over the stages)
-    chunks, groups, _, _, cfg = lw._actor(world, hf, out, batch, r, alpha, lw.PP2)
+    chunks, groups, _, _, cfg = lw.actor_at(world, hf, out, batch, r, alpha, lw.PP2)
     pp2 = AdapterSync(chunks, arch, engine, groups, cfg)
     pp2.sync()
     at_pp2 = _sample(engine)

