@@ -10,7 +10,7 @@ from megarl.convert.mapping import canonical_to_hf
 from megarl.convert.peft import load_peft, peft_tensors, save_peft
 from megarl.convert.sharded import load_hf_sharded
 from megarl.distributed import ParallelConfig, Topology
-from megarl.models import forward, lora
+from megarl.models import forward, lora, vocab
 from megarl.models.builder import BuildConfig, build_model
 from megarl.models.hf_config import PrecisionConfig, arch_from_hf
 from megarl.models.optim import OptimConfig, build_optimizer, wire_grad_finalization
@@ -64,11 +64,11 @@ def actor_at(world, hf, out, batch, r, alpha, layout, ddp=None):
     ]
 
     def loss_fn(mb, logits):
-        lp = forward.vocab_parallel_logprobs(
+        lp = vocab.token_logprobs(
             logits, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
         )
         loss = -(lp * mb["mask"]).sum() / tokens
-        full = forward.gather_vocab(logits.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
+        full = vocab.gather_vocab(logits.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
         return loss, {"idx": mb["idx"], "logits": full, "loss": loss.detach()}
 
     return chunks, groups, mbs, loss_fn, cfg

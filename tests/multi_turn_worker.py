@@ -126,6 +126,7 @@ def check_exact(ro, calls, fmt, positions: list[int]) -> dict:
 
 
 def mismatch(chunks, arch, groups, ro, pad_to: int) -> dict | None:
+    from megarl.data.batch import MicroBatching
     from megarl.trainer.experience import build_batch, forward_logprobs
 
     batch = build_batch(
@@ -139,11 +140,10 @@ def mismatch(chunks, arch, groups, ro, pad_to: int) -> dict | None:
     lp = forward_logprobs(
         chunks,
         batch.fields(),
-        micro_batch_size=2,
+        micro=MicroBatching(size=2, pad_to=pad_to, pack=True),
         vocab_size=arch.vocab_size,
         groups=groups,
         temperature=1.0,
-        pad_to=pad_to,
     )
     if lp is None:
         return None

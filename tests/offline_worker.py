@@ -190,6 +190,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
     from megarl.convert.layout import gather_full_state
     from megarl.convert.mapping import canonical_to_hf
     from megarl.convert.sharded import load_hf_sharded
+    from megarl.data.batch import MicroBatching
     from megarl.data.offline import PreferenceDataset, SFTDataset, Tokens
     from megarl.distributed import Topology
     from megarl.models import forward
@@ -246,6 +247,7 @@ def megarl_step(rank, world, dirs: dict, layout: dict, variants: list[str], size
             ),
             data=SimpleNamespace(dataset=dataset),
         )
+        run.micro_batching = MicroBatching.of(cfg.algorithm, pad_to=run.pad_to)
         rows = list(range(len(dataset)))
         share = len(rows) // groups.dp_size  # the sampler's contiguous share of the step
         mine = rows[groups.dp_rank * share : (groups.dp_rank + 1) * share]

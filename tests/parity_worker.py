@@ -6,7 +6,7 @@ import torch
 
 from megarl.convert.layout import gather_full_state, load_full_state
 from megarl.distributed import ParallelConfig, Topology
-from megarl.models import forward
+from megarl.models import forward, vocab
 from megarl.models.builder import build_model
 from megarl.models.hf_config import PrecisionConfig, arch_from_hf
 from megarl.models.optim import OptimConfig, build_optimizer, wire_grad_finalization
@@ -38,11 +38,11 @@ def _setup(hf, layout, world, seed=0):
 
 def _loss_fn(arch, groups, global_tokens):
     def loss_fn(mb, out):
-        lp = forward.vocab_parallel_logprobs(
+        lp = vocab.token_logprobs(
             out, mb["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
         )
         loss = -(lp * mb["mask"]).sum() / global_tokens
-        full = forward.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
+        full = vocab.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
         return loss, {"idx": mb["idx"], "logits": full, "loss": loss.detach()}
 
     return loss_fn

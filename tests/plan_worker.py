@@ -30,6 +30,7 @@ def measure(
 ) -> dict:
     """Bytes: `<part>` the peak growth over its block, `<part>_held` what stays resident."""
     from megarl.config import AlgorithmConfig
+    from megarl.data.packing import PackedRows
     from megarl.models import forward
     from megarl.models.builder import build_model
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf
@@ -62,7 +63,9 @@ def measure(
         "sampler_logprobs": None,
         "ref_logprobs": None,
         "index": torch.arange(mbs),
+        "seq_len": torch.full((mbs,), seq),
     }
+    micro["packing"] = PackedRows.of(micro["seq_len"])  # packed, as the trainer runs them
     alg = AlgorithmConfig(entropy_coef=entropy)
     loss_fn = _policy_loss_fn(
         alg, RolloutConfig(temperature=0.9), arch.vocab_size, groups, float(mbs * seq), float(mbs)
@@ -79,9 +82,7 @@ def measure(
     out["train_held"] = rss() - m.base
 
     def logprobs(_micro, logits):
-        lp = forward.vocab_parallel_logprobs(
-            logits, _micro["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
-        )
+        lp = forward.token_logprobs(_micro, logits, vocab_size=arch.vocab_size, tp_group=groups.tp)
         return lp.sum(), {}
 
     with torch.no_grad():

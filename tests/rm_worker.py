@@ -131,6 +131,7 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
     from megarl.convert.layout import gather_full_state
     from megarl.convert.mapping import canonical_to_hf
     from megarl.convert.sharded import load_hf_sharded
+    from megarl.data.batch import MicroBatching
     from megarl.data.offline import PreferenceDataset, Tokens
     from megarl.distributed import Topology
     from megarl.models import forward
@@ -197,6 +198,7 @@ def megarl_layouts(rank, world, dirs: dict, layouts: list[dict], sizes: list[int
                         models=Models(reward=Trained(model, None, None)),
                         data=SimpleNamespace(dataset=dataset),
                     )
+                    run.micro_batching = MicroBatching.of(cfg.algorithm, pad_to=run.pad_to)
                     rows = list(range(len(dataset)))
                     share = len(rows) // groups.dp_size
                     mine = rows[groups.dp_rank * share : (groups.dp_rank + 1) * share]

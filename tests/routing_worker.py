@@ -41,6 +41,7 @@ def _setup(layout: dict, world: int):
 
 
 def _logprobs(chunks, arch, groups, routes, pad_to):
+    from megarl.data.batch import MicroBatching
     from megarl.trainer import experience as xp
 
     prompts, responses = _batch_inputs()
@@ -55,11 +56,10 @@ def _logprobs(chunks, arch, groups, routes, pad_to):
     return xp.forward_logprobs(
         chunks,
         batch.fields(),
-        micro_batch_size=2,
+        micro=MicroBatching(size=2, pad_to=pad_to),
         vocab_size=arch.vocab_size,
         groups=groups,
         temperature=1.0,
-        pad_to=pad_to,
     ), batch
 
 
@@ -84,9 +84,9 @@ def reference(rank: int, world: int) -> dict:
     for h in hooks:
         h.remove()
     # one forward per micro-batch: put each micro-batch's rows back (same split as forward)
-    from megarl.data.batch import split_micro_batches
+    from megarl.data.batch import MicroBatching, split_micro_batches
 
-    mbs = split_micro_batches(batch.fields(), 2)
+    mbs = split_micro_batches(batch.fields(), MicroBatching(size=2))
     full = torch.zeros(B, batch.tokens.shape[1], arch.num_layers, arch.moe_topk, dtype=torch.long)
     for layer, parts in natural.items():
         for mb, idx in zip(mbs, parts, strict=True):
@@ -125,6 +125,7 @@ def uneven(rank: int, world: int, ref: dict) -> dict:
     tokens within the EP group, so without equal counts rank 0 would wait forever. Each rank's
     logprobs must still equal the reference's for its rows."""
     from megarl.convert.layout import load_full_state
+    from megarl.data.batch import MicroBatching
     from megarl.trainer import experience as xp
 
     arch, groups, chunks = _setup({"expert_parallel": 2}, world)
@@ -142,7 +143,7 @@ def uneven(rank: int, world: int, ref: dict) -> dict:
     lp = xp.forward_logprobs(
         chunks,
         batch.fields(),
-        micro_batch_size=1,
+        micro=MicroBatching(size=1),
         vocab_size=arch.vocab_size,
         groups=groups,
         temperature=1.0,

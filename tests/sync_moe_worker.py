@@ -138,6 +138,7 @@ def replay_check(chunks, arch, groups, rollout, pad: int) -> dict:
     """Routing replay with the routes vLLM captured (in-process on CPU), at the weights that
     generated them: the trainer's logprobs with replay vs without, against the sampler's, and
     the fraction of tokens whose replayed experts are the trainer router's own top-k."""
+    from megarl.data.batch import MicroBatching
     from megarl.models.routing import moe_metrics
     from megarl.trainer import experience as xp
 
@@ -149,8 +150,8 @@ def replay_check(chunks, arch, groups, rollout, pad: int) -> dict:
         pad_to=pad,
         routed_experts=rollout.routed_experts,
     )
-    kw = dict(micro_batch_size=3, vocab_size=arch.vocab_size, groups=groups, temperature=1.0)
-    kw["pad_to"] = pad
+    micro = MicroBatching(size=3, pad_to=pad, pack=True)
+    kw = dict(micro=micro, vocab_size=arch.vocab_size, groups=groups, temperature=1.0)
     on = xp.forward_logprobs(chunks, batch.fields(), **kw)
     agreement = moe_metrics(chunks, arch).same.get("moe/replay_agreement")
     off = xp.forward_logprobs(

@@ -23,6 +23,7 @@ from tests.tiny import TINY_LLAMA
 def job(rank: int, world: int, dtype: str = "bf16") -> dict:
     from megarl.config import RunConfig, build
     from megarl.convert.layout import load_full_state
+    from megarl.data.batch import MicroBatching
     from megarl.distributed import Topology
     from megarl.models.builder import build_model, unwrap
     from megarl.models.hf_config import arch_from_hf
@@ -47,7 +48,8 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
     batch = xp.build_batch([PROMPTS[i // 4] for i in range(len(LENGTHS))], responses,
                            [[-1.0] * n for n in LENGTHS], pad_id=0, pad_to=1)
     batch.advantages = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch.loss_mask
-    lp = xp.forward_logprobs(actor, batch.fields(), micro_batch_size=4, vocab_size=arch.vocab_size,
+    lp = xp.forward_logprobs(actor, batch.fields(), micro=MicroBatching(size=4, pack=True),
+                             vocab_size=arch.vocab_size,
                              groups=groups, temperature=1.0)
     batch.old_logprobs = lp
     model = unwrap(actor[0])
@@ -154,11 +156,12 @@ def sync_job(rank: int, world: int) -> dict:
     from megarl.config import RunConfig, build
     from megarl.convert.layout import load_full_state
     from megarl.convert.sharded import copy_weights
+    from megarl.data.batch import MicroBatching
     from megarl.distributed import Topology
     from megarl.models.builder import build_model
-    from megarl.models.forward import vocab_parallel_logprobs
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
+    from megarl.models.vocab import token_logprobs
     from megarl.rollout.config import RolloutConfig
     from megarl.rollout.engine import RolloutEngine
     from megarl.rollout.weight_sync import WeightSync, naive_sync
@@ -191,7 +194,8 @@ def sync_job(rank: int, world: int) -> dict:
     rollout = engine.generate([PROMPTS[0], PROMPTS[1]], seed=3)
     batch = xp.build_batch([PROMPTS[i] for i in rollout.prompt_index], rollout.response_ids,
                            rollout.response_logprobs, pad_id=0, pad_to=1)
-    kw = dict(micro_batch_size=4, vocab_size=arch.vocab_size, groups=groups, temperature=1.0)
+    kw = dict(micro=MicroBatching(size=4, pack=True), vocab_size=arch.vocab_size, groups=groups,
+              temperature=1.0)
     actor_lp = xp.forward_logprobs(actor, batch.fields(), **kw)
     ref_lp = xp.forward_logprobs(reference, batch.fields(), **kw)
     mask = batch.loss_mask.bool()
@@ -207,7 +211,7 @@ def sync_job(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(0)
     logits = (8 * torch.randn(2, 5, 256, generator=g)).to(torch.bfloat16)
     targets = torch.randint(0, 250, (2, 5), generator=g)
-    got = vocab_parallel_logprobs(logits, targets, vocab_size=250, tp_group=groups.tp)
+    got = token_logprobs(logits, targets, vocab_size=250, tp_group=groups.tp)
     want = torch.log_softmax(logits.float()[..., :250], -1).gather(-1, targets[..., None])[..., 0]
     in_bf16 = torch.log_softmax(logits[..., :250], -1).gather(-1, targets[..., None])[..., 0]
     engine.close()

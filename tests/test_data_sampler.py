@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.data import PromptSampler, collate, split_micro_batches
+from megarl.data import MicroBatching, PromptSampler, collate, split_micro_batches
 
 
 def _global_steps(n, p, steps, dp_size=1, seed=0, shuffle=True, state=None):
@@ -109,7 +109,7 @@ def test_split_micro_batches_groups_by_length_and_trims_padding():
     b["advantages"] = torch.arange(4.0)
     b["old_logprobs"] = torch.randn(4, 6)
     b["ids"] = ["a", "b", "c", "d"]
-    micro = split_micro_batches(b, 2)
+    micro = split_micro_batches(b, MicroBatching(size=2))
     # longest first: rows 1 (6), 2 (4) | 0 (3), 3 (2)
     assert [m["index"].tolist() for m in micro] == [[1, 2], [0, 3]]
     assert [m["tokens"].shape[1] for m in micro] == [6, 3]
@@ -121,18 +121,19 @@ def test_split_micro_batches_groups_by_length_and_trims_padding():
     # every row once, no masked position lost by trimming
     assert sorted(i for m in micro for i in m["index"].tolist()) == [0, 1, 2, 3]
     assert sum(m["loss_mask"].sum() for m in micro) == b["loss_mask"].sum()
-    odd = split_micro_batches(b, 3)
+    odd = split_micro_batches(b, MicroBatching(size=3))
     assert [m["index"].tolist() for m in odd] == [[0, 1, 2], [3]]
     assert odd[1]["tokens"].shape == (1, 2)
     b8 = collate(prompts, responses, pad_id=0, pad_to_multiple=4)
-    assert [m["tokens"].shape[1] for m in split_micro_batches(b8, 1, pad_to_multiple=4)] == [
+    by_row = split_micro_batches(b8, MicroBatching(size=1, pad_to=4))
+    assert [m["tokens"].shape[1] for m in by_row] == [
         8,
         4,
         4,
         4,
     ]
     with pytest.raises(ValueError, match="not a multiple"):
-        split_micro_batches(b, 2, pad_to_multiple=4)
+        split_micro_batches(b, MicroBatching(size=2, pad_to=4))
 
 
 def test_token_budget_closes_micro_batches():
@@ -140,15 +141,17 @@ def test_token_budget_closes_micro_batches():
     b = collate([[1]] * 6, [[5] * (n - 1) for n in lengths], pad_id=0)
     # budget 20 tokens: 10+9 -> 2 x 10 = 20 ok; + 7 -> 3 x 10 = 30 no; 7 4 -> 2 x 7 = 14,
     # + 3 -> 21 no; 3 2 -> 6
-    micro = split_micro_batches(b, 8, max_tokens=20)
+    micro = split_micro_batches(b, MicroBatching(size=8, max_tokens=20))
     assert [m["index"].tolist() for m in micro] == [[0, 4], [2, 5], [1, 3]]
     for m in micro:
         assert m["tokens"].numel() <= 20
     # a row longer than the budget gets a micro-batch of its own
-    assert [m["index"].tolist() for m in split_micro_batches(b, 8, max_tokens=5)][:2] == [
+    alone = split_micro_batches(b, MicroBatching(size=8, max_tokens=5))
+    assert [m["index"].tolist() for m in alone][:2] == [
         [0],
         [4],
     ]
-    assert len(split_micro_batches(b, 2, max_tokens=1000)) == 3  # micro_batch_size still caps
+    # micro_batch_size still caps
+    assert len(split_micro_batches(b, MicroBatching(size=2, max_tokens=1000))) == 3
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
-        split_micro_batches(b, 2, max_tokens=0)
+        split_micro_batches(b, MicroBatching(size=2, max_tokens=0))

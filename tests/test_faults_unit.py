@@ -436,8 +436,8 @@ def test_the_update_takes_its_policy_loss_from_the_registry(monkeypatch):
     rollout = SimpleNamespace(temperature=1.0, max_tokens=4)
     groups = SimpleNamespace(tp=None)
     fn = update._policy_loss_fn(alg, rollout, 8, groups, tokens=3.0, seqs=1.0)
-    monkeypatch.setattr(update.forward, "vocab_parallel_logprobs",
-                        lambda logits, targets, **kw: logits[..., 0])
+    monkeypatch.setattr(update.forward, "token_logprobs",
+                        lambda micro, logits, **kw: logits[..., 0])
     logits = torch.zeros(1, 3, 8)
     micro = {"targets": torch.zeros(1, 3, dtype=torch.long), "old_logprobs": None,
              "advantages": torch.ones(1, 3), "loss_mask": torch.ones(1, 3),
@@ -461,6 +461,7 @@ def critic_job(rank: int, world: int) -> dict:
 
 def _ppo_run(cfg):
     from megarl.convert.layout import load_full_state
+    from megarl.data.batch import MicroBatching
     from megarl.distributed import Topology
     from megarl.metrics.reduce import LocalMetrics
     from megarl.models.builder import build_model
@@ -495,7 +496,8 @@ def _ppo_run(cfg):
         reference=make("reference", state),
         critic=Trained(critic, critic_opt, critic_sched),
     )
-    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models, pad_to=1)
+    run = SimpleNamespace(cfg=cfg, groups=groups, arch=arch, step=0, models=models, pad_to=1,
+                          micro_batching=MicroBatching.of(cfg.algorithm, pad_to=1))
     loop.forward_passes(run, batch)
     scored = xp.Scored(rewards=torch.tensor(REWARDS), per_function={}, metrics=LocalMetrics(),
                        group_ids=torch.tensor([i // 4 for i in range(len(LENGTHS))]))

@@ -62,6 +62,7 @@ def _state(arch):
 
 def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     from megarl.convert.layout import load_full_state
+    from megarl.data.batch import MicroBatching
     from megarl.distributed import Topology
     from megarl.metrics.reduce import LocalMetrics
     from megarl.models.builder import build_model
@@ -113,6 +114,7 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
         arch=arch,
         step=0,
         pad_to=1,  # Run.pad_to at TP 1 without FP8
+        micro_batching=MicroBatching.of(cfg.algorithm, pad_to=1),
         models=Models(
             actor=Trained(actor, opt, sched),
             reference=make("reference", ref_state),

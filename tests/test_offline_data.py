@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.data.batch import collate_sequences, split_micro_batches
+from megarl.data.batch import MicroBatching, collate_sequences, split_micro_batches
 from megarl.data.dataset import DataConfig, DataError
 from megarl.data.offline import read_preferences, read_sft, split_held_out
 from megarl.data.tokenizer import build_char_tokenizer
@@ -183,12 +183,16 @@ def test_collated_mask_and_pairs_stay_in_one_micro_batch():
     batch = collate_sequences(seqs, [[False] + [True] * (n - 1) for n in lengths], 0)
     batch["pair"] = torch.arange(4).repeat_interleave(2)
     for mbs, budget in ((2, None), (3, None), (4, 20), (1, None)):
-        micro = split_micro_batches(batch, mbs, together=batch["pair"], max_tokens=budget)
-        seen = sorted(i for m in micro for i in m["index"].tolist())
-        assert seen == list(range(8))
-        for m in micro:
-            idx = m["index"].tolist()
-            assert all(i % 2 == 0 and j == i + 1 for i, j in zip(idx[0::2], idx[1::2], strict=True))
+        for pack in (False, True):
+            how = MicroBatching(size=mbs, max_tokens=budget, pack=pack)
+            micro = split_micro_batches(batch, how, together=batch["pair"])
+            seen = sorted(i for m in micro for i in m["index"].tolist())
+            assert seen == list(range(8))
+            for m in micro:
+                idx = m["index"].tolist()
+                assert all(
+                    i % 2 == 0 and j == i + 1 for i, j in zip(idx[0::2], idx[1::2], strict=True)
+                )
 
 
 def test_held_out_split_is_seeded_and_disjoint():

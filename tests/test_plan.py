@@ -346,7 +346,7 @@ def test_each_row_against_the_measured_rss(case, monkeypatch):
 # ------------------------------------------------------------------ (e) recompute is exact
 def _grads(rank, world, layout: dict):
     from megarl.distributed import ParallelConfig, Topology
-    from megarl.models import forward
+    from megarl.models import forward, vocab
     from megarl.models.builder import build_model
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf
     from megarl.models.optim import wire_grad_finalization
@@ -364,7 +364,7 @@ def _grads(rank, world, layout: dict):
     ]
 
     def loss_fn(m, logits):
-        lp = forward.vocab_parallel_logprobs(
+        lp = vocab.token_logprobs(
             logits, m["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
         )
         return -(lp * m["mask"]).sum() / 256, {}

@@ -128,7 +128,7 @@ def megatron_scores(
 ) -> dict | None:
     """Per response token: Megatron's log p at `temperature` and argmax (teacher forcing), and
     the log of the mass top-k / top-p keep. None off the last pipeline stage."""
-    from megarl.models import forward
+    from megarl.models import forward, vocab
 
     seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
     T = -(-(max(len(s) for s in seqs) - 1) // pad_to) * pad_to  # sequence parallel: x TP
@@ -143,14 +143,14 @@ def megatron_scores(
         mask[i, len(p) - 1 : n] = 1
 
     def loss_fn(mb, out):
-        lp = forward.vocab_parallel_logprobs(
+        lp = vocab.token_logprobs(
             out,
             mb["targets"],
             vocab_size=arch.vocab_size,
             tp_group=groups.tp,
             temperature=temperature,
         )
-        full = forward.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
+        full = vocab.gather_vocab(out.detach(), vocab_size=arch.vocab_size, tp_group=groups.tp)
         return torch.zeros(()), {
             "idx": mb["idx"],
             "logprobs": lp.detach(),

@@ -28,6 +28,7 @@ from tests.tiny import TINY_LLAMA
 def job(rank: int, world: int, layout: dict) -> dict:
     from megarl.config import RunConfig, build
     from megarl.convert.layout import gather_full_state, load_full_state
+    from megarl.data.batch import MicroBatching
     from megarl.distributed import Topology
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf
@@ -81,7 +82,7 @@ def job(rank: int, world: int, layout: dict) -> dict:
             batch.old_logprobs = xp.forward_logprobs(
                 actor,
                 batch.fields(),
-                micro_batch_size=3,
+                micro=MicroBatching(size=3, pack=True),
                 vocab_size=arch.vocab_size,
                 groups=groups,
                 temperature=0.9,

@@ -86,8 +86,15 @@ class AlgorithmConfig:
     mini-batch). Sequences are grouped by length, longest first; the two sequences of a
     preference pair always share a micro-batch."""
     max_tokens_per_micro_batch: int | None = None
-    """Also close a micro-batch before its padded size (sequences x longest) would exceed this
-    many tokens; null = no token budget. Changes no loss or gradient, only the grouping."""
+    """Token budget of a micro-batch: unpacked, close a micro-batch before its padded size
+    (sequences x longest) would exceed it; packed, its real tokens. null = no budget beyond
+    micro_batch_size (packed: micro_batch_size x the step's longest sequence). Changes no loss
+    or gradient, only the grouping."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's sequences into one row (first-fit decreasing under the token
+    budget; attention kept within each sequence), so no forward or backward pass multiplies
+    padding. Same logprobs and gradients as unpacked (docs/algorithms.md#sequence-packing);
+    `train/pad_share` logs the padding left."""
     balance_dp_tokens: bool = False
     """Re-deal each step's samples over the DP ranks after scoring so every rank holds the same
     number of samples and near-equal tokens (`megarl.trainer.balance`); no effect at DP 1."""

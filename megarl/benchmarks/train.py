@@ -17,7 +17,7 @@ from megarl.benchmarks import median_time, record, register_suite
 from megarl.distributed import ParallelConfig, Topology
 from megarl.distributed.launch import spawn
 from megarl.metrics.throughput import flops_per_token
-from megarl.models import forward
+from megarl.models import forward, vocab
 from megarl.models.builder import build_model
 from megarl.models.hf_config import PrecisionConfig, arch_from_hf
 from megarl.models.optim import wire_grad_finalization, zero_grads
@@ -60,7 +60,7 @@ def _worker(rank, world, hf: dict, batch: int, seq: int, steps: int):
     mb = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": torch.ones(batch, seq)}
 
     def loss_fn(m, logits):
-        lp = forward.vocab_parallel_logprobs(
+        lp = vocab.token_logprobs(
             logits, m["targets"], vocab_size=arch.vocab_size, tp_group=groups.tp
         )
         return -(lp * m["mask"]).sum() / m["mask"].sum(), {}

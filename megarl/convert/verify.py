@@ -19,7 +19,7 @@ from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.convert.pipeline import build_chunks, init_single_process
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import ParallelConfig, Topology
-from megarl.models import forward
+from megarl.models import forward, vocab
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def forward_logits(chunks, arch, groups, tokens: torch.Tensor) -> torch.Tensor:
     def loss_fn(mb, out):
         if out.shape[-1] == 1:  # a value head: replicated over TP
             return out.sum() * 0.0, {"logits": out.float()}
-        full = forward.gather_vocab(out.float(), vocab_size=arch.vocab_size, tp_group=groups.tp)
+        full = vocab.gather_vocab(out.float(), vocab_size=arch.vocab_size, tp_group=groups.tp)
         return out.sum() * 0.0, {"logits": full}
 
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Prompt data: sources, tokenizers, the DP-sharded resumable sampler, batch packing, the toy task.
+"""Prompt data: sources, tokenizers, the DP-sharded resumable sampler, collation and sequence
+packing, the toy task.
 
 Usage:
 
@@ -9,10 +10,10 @@ Usage:
     prompts = dataset.batch(sampler.next_step())  # this rank's share
     group_ids = sampler.last_global_indices  # the step's prompts, all ranks, global order
     batch = collate(prompt_ids, response_ids, tokenizer.pad_token_id)
-    for micro in split_micro_batches(batch, micro_batch_size): ...
+    for micro in split_micro_batches(batch, MicroBatching(size=8, pack=True)): ...
 """
 
-from megarl.data.batch import collate, split_micro_batches
+from megarl.data.batch import MicroBatching, collate, split_micro_batches
 from megarl.data.dataset import DataConfig, DataError, PromptBatch, PromptDataset, load_rows
 from megarl.data.sampler import PromptSampler
 from megarl.data.tokenizer import TokenizerError, build_char_tokenizer, load_tokenizer
@@ -22,6 +23,7 @@ __all__ = [
     "TOY_CHARS",
     "DataConfig",
     "DataError",
+    "MicroBatching",
     "PromptBatch",
     "PromptDataset",
     "PromptSampler",

@@ -1,4 +1,5 @@
-"""Packing prompt + response token ids into padded training tensors, and micro-batching them.
+"""Collating prompt + response token ids into padded training tensors, and micro-batching them
+(packed into rows when asked: `megarl.data.packing`).
 
 Layout (B sequences, S = longest prompt + response, right padding):
 
@@ -13,7 +14,11 @@ predict token i + 1, so per-token log-probs gathered with `targets` line up with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from megarl.data.packing import PackedRows, first_fit_decreasing
 
 # Fields of the collated batch that are per-token ([B, S]).
 TOKEN_FIELDS = ("tokens", "targets", "loss_mask")
@@ -110,66 +115,94 @@ def collate_sequences(
     }
 
 
-def split_micro_batches(
-    batch: dict,
-    micro_batch_size: int,
-    *,
-    pad_to_multiple: int = 1,
-    max_tokens: int | None = None,
-    together: torch.Tensor | None = None,
-) -> list[dict]:
-    """Rows grouped into micro-batches of similar length, each trimmed to its longest sequence.
+@dataclass(frozen=True, kw_only=True)
+class MicroBatching:
+    """How a batch is cut into the micro-batches of one forward (and backward) pass: from the
+    `algorithm` section (`of`) and the run's sequence multiple."""
 
-    Rows are taken longest first (ties in row order) and a micro-batch closes when it holds
-    `micro_batch_size` rows or when one more row would make its padded size (rows x longest
-    `seq_len`, rounded up to `pad_to_multiple`) exceed `max_tokens` (a row longer than the budget
-    gets a micro-batch of its own). Grouping by length keeps padding low; the losses use global
-    denominators, so the grouping changes no loss or gradient (tests/test_losses_invariance.py).
+    size: int
+    """Most sequences per micro-batch (`algorithm.micro_batch_size`); with packing, the token
+    budget of a micro-batch is `size` x the batch's longest sequence unless `max_tokens` is set."""
+    max_tokens: int | None = None
+    """Token budget of a micro-batch (`algorithm.max_tokens_per_micro_batch`): unpacked, its
+    padded size (rows x longest); packed, its real tokens."""
+    pad_to: int = 1
+    """Sequence lengths (packed: row lengths) are multiples of this (`megarl.models.forward.
+    sequence_multiple`)."""
+    pack: bool = False
+    """Pack each micro-batch's sequences into one row (`megarl.data.packing`,
+    `algorithm.pack_sequences`)."""
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.size}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(
+                f"max_tokens_per_micro_batch must be >= 1 or None, got {self.max_tokens}"
+            )
+        if self.pad_to < 1:
+            raise ValueError(f"pad_to must be >= 1, got {self.pad_to}")
+
+    @classmethod
+    def of(cls, alg, *, pad_to: int) -> MicroBatching:
+        """The micro-batching of the `algorithm` config section `alg`."""
+        return cls(
+            size=alg.micro_batch_size,
+            max_tokens=alg.max_tokens_per_micro_batch,
+            pad_to=pad_to,
+            pack=alg.pack_sequences,
+        )
+
+
+def split_micro_batches(
+    batch: dict, how: MicroBatching, *, together: torch.Tensor | None = None
+) -> list[dict]:
+    """The rows of `batch` grouped into micro-batches, each trimmed to its longest sequence.
+
+    Unpacked (`how.pack` false): rows are taken longest first (ties in row order) and a
+    micro-batch closes when it holds `how.size` rows or when one more row would make its padded
+    size (rows x longest `seq_len`, rounded up to `how.pad_to`) exceed `how.max_tokens` (a row
+    longer than the budget gets a micro-batch of its own). Grouping by length keeps padding low.
+    Packed: first-fit decreasing over the rows' real lengths under a token budget (`how.
+    max_tokens`, else `how.size` x the batch width), and each micro-batch gets `packing`, its
+    `megarl.data.packing.PackedRows` (a row of its real tokens rounded up to `how.pad_to`). The
+    losses use global denominators, so the grouping changes no loss or gradient
+    (tests/test_losses_invariance.py, tests/test_packing.py).
 
     `together` [B] long: rows with the same id always share a micro-batch (the chosen and
     rejected sequence of a preference pair, whose loss needs both); they are placed as one unit
-    (by its longest row), counted by their rows against `micro_batch_size` and `max_tokens`; a
-    unit larger than either gets a micro-batch of its own.
+    (by its longest row; packed: by its total length), counted by their rows against `how.size`
+    and `how.max_tokens`; a unit larger than either gets a micro-batch of its own.
 
     Every tensor whose first dim is B is indexed by the micro-batch's rows; those that also have
     dim 1 equal to the batch width S (`tokens`, `targets`, `loss_mask`, and any per-token field
     the caller added, e.g. old log-probs or advantages as [B, S]) are trimmed to the
-    micro-batch's longest `seq_len`, rounded up to `pad_to_multiple` (S must be a multiple of it
+    micro-batch's longest `seq_len`, rounded up to `how.pad_to` (S must be a multiple of it
     already). Lists of length B are indexed too; other values are shared. Each micro-batch gets
     `index` [b] long: its rows' indices in `batch`.
     """
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens_per_micro_batch must be >= 1 or None, got {max_tokens}")
     tokens = batch["tokens"]
     rows, width = tokens.shape
-    if width % pad_to_multiple:
+    if width % how.pad_to:
         raise ValueError(
-            f"batch width {width} is not a multiple of pad_to_multiple={pad_to_multiple}; "
+            f"batch width {width} is not a multiple of pad_to_multiple={how.pad_to}; "
             "collate with the same pad_to_multiple"
         )
 
     def padded(n: int) -> int:
-        return min(width, -(-n // pad_to_multiple) * pad_to_multiple)
+        return min(width, -(-n // how.pad_to) * how.pad_to)
 
     lengths = batch["seq_len"].tolist()
     units: dict[int, list[int]] = {}
     for r in range(rows):
         units.setdefault(int(together[r]) if together is not None else r, []).append(r)
-    order = sorted(units.values(), key=lambda u: (-max(lengths[r] for r in u), u[0]))
-    groups: list[list[int]] = []
-    for unit in order:  # longest first: a group's first unit fixes its width
-        g = groups[-1] if groups else None
-        n = len(g) + len(unit) if g is not None else 0
-        if (
-            g is not None
-            and n <= micro_batch_size
-            and (max_tokens is None or n * padded(max(lengths[r] for r in g)) <= max_tokens)
-        ):
-            g.extend(unit)
-        else:
-            groups.append(list(unit))
+    if how.pack:
+        unit_rows = list(units.values())
+        budget = how.max_tokens or how.size * width
+        bins = first_fit_decreasing([sum(lengths[r] for r in u) for u in unit_rows], budget)
+        groups = [[r for j in b for r in unit_rows[j]] for b in bins]
+    else:
+        groups = _length_groups(list(units.values()), lengths, how, padded)
     out = []
     for g in groups:
         idx = torch.tensor(sorted(g), dtype=torch.long)
@@ -186,5 +219,36 @@ def split_micro_batches(
             else:
                 micro[key] = value
         micro["index"] = idx
+        if how.pack:
+            micro["packing"] = PackedRows.of(micro["seq_len"], how.pad_to)
         out.append(micro)
     return out
+
+
+def _length_groups(units: list[list[int]], lengths: list[int], how: MicroBatching, padded):
+    """Unpacked grouping: units longest first, a group closing at `how.size` rows or at its
+    padded size exceeding `how.max_tokens`."""
+    order = sorted(units, key=lambda u: (-max(lengths[r] for r in u), u[0]))
+    groups: list[list[int]] = []
+    for unit in order:  # longest first: a group's first unit fixes its width
+        g = groups[-1] if groups else None
+        n = len(g) + len(unit) if g is not None else 0
+        if (
+            g is not None
+            and n <= how.size
+            and (how.max_tokens is None or n * padded(max(lengths[r] for r in g)) <= how.max_tokens)
+        ):
+            g.extend(unit)
+        else:
+            groups.append(list(unit))
+    return groups
+
+
+def pad_share(micro_batches: list[dict]) -> tuple[int, int]:
+    """(real tokens, tokens the model computes on) of `micro_batches`: what `train/pad_share`
+    is made of (packed: the row lengths; unpacked: rows x width)."""
+    real = sum(int(mb["seq_len"].sum()) for mb in micro_batches)
+    computed = sum(
+        mb["packing"].length if "packing" in mb else mb["tokens"].numel() for mb in micro_batches
+    )
+    return real, computed

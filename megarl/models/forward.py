@@ -1,12 +1,15 @@
 """The one seam into megatron: `forward_step` + `get_forward_backward_func`.
 
-Micro-batches are dicts of tensors with at least `tokens [b, s]`, collated on the host; `run` is
-the one place that moves them to the model's device (every tensor but the host-side `index`
-rows, which the callers use to place results into host tensors). Every pipeline stage iterates
-the same list (only the first stage reads the tokens, the last one the targets). The causal mask
-is passed explicitly (megatron would otherwise build one on "cuda"). MoE: right before each
-micro-batch's forward, `megarl.models.routing.prepare_forward` hands the chunk's routers their
-replayed routes (`routed_experts`, R3) and the mask of real tokens.
+Micro-batches are dicts of tensors with at least `tokens [b, s]`, collated on the host;
+`forward_backward` is the one place that moves them to the model's device (every tensor but the
+host-side `index` rows, which the callers use to place results into host tensors). Every
+pipeline stage iterates the same list (only the first stage reads the tokens, the last one the
+targets). The causal mask is passed explicitly (megatron would otherwise build one on "cuda").
+A packed micro-batch (`packing`: `megarl.data.packing.PackedRows`) runs as one row `[1, T]` in
+megatron's THD format; the loss functions read model outputs through `per_token` /
+`token_logprobs`, which return them in the micro-batch's `[b, s]` layout either way. MoE: right
+before each micro-batch's forward, `megarl.models.routing.prepare_forward` hands the chunk's
+routers their replayed routes (`routed_experts`, R3) and the mask of real tokens.
 
 Loss scaling. `loss_fn(micro_batch, output) -> (loss, metrics)` must return this micro-batch's
 *share* of the global loss (its numerator over the global denominator). megatron then divides by
@@ -22,7 +25,8 @@ from functools import partial
 
 import torch
 
-from megarl.models import routing
+from megarl.data.packing import model_layout
+from megarl.models import routing, vocab
 
 
 def causal_mask(seq_len: int, device) -> torch.Tensor:
@@ -30,13 +34,69 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), 1)
 
 
-def model_inputs(mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def model_inputs(mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, object]:
+    """(token ids, position ids, attention mask, megatron's PackedSeqParams or None) of `mb`.
+    Packed: the row [1, T], positions restarting in each sequence, no mask (attention is
+    causal within each segment of the THD format)."""
+    packing = mb.get("packing")
+    if packing is not None:
+        tokens = packing.pack(mb["tokens"])
+        cols = packing.cols.to(tokens.device)
+        pos = torch.cat([cols, torch.arange(packing.length - packing.real, device=tokens.device)])
+        return tokens, pos.unsqueeze(0), None, packing.seq_params()
     tokens = mb["tokens"]
     b, s = tokens.shape
     pos = mb.get("position_ids")
     if pos is None:
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    return tokens, pos, causal_mask(s, tokens.device)
+    return tokens, pos, causal_mask(s, tokens.device), None
+
+
+def model_shape(mb: dict) -> tuple[int, int]:
+    """(rows, sequence length) of what the model sees for `mb`: (1, T) packed."""
+    packing = mb.get("packing")
+    return (1, packing.length) if packing is not None else tuple(mb["tokens"].shape)
+
+
+def per_token(mb: dict, x: torch.Tensor) -> torch.Tensor:
+    """A per-token model output of `mb` (`[rows, s, ...]` as `model_shape(mb)`: logprobs,
+    values) in the micro-batch's own `[b, s, ...]` layout, aligned with `mb["targets"]` and
+    `mb["loss_mask"]` (packed: unpacked, zeros on padding)."""
+    packing = mb.get("packing")
+    if packing is None:
+        return x
+    return packing.unpack(x, *mb["tokens"].shape)
+
+
+def token_logprobs(
+    mb: dict, logits: torch.Tensor, *, vocab_size: int, tp_group, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(target) of `mb`'s targets under its TP-sharded logits -> [b, s] float32
+    (`megarl.models.vocab.token_logprobs`, in the micro-batch's layout)."""
+    targets = model_layout(mb, mb["targets"])
+    return per_token(
+        mb,
+        vocab.token_logprobs(
+            logits, targets, vocab_size=vocab_size, tp_group=tp_group, temperature=temperature
+        ),
+    )
+
+
+def token_logprobs_and_entropy(
+    mb: dict, logits: torch.Tensor, *, vocab_size: int, tp_group, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and the entropy of softmax(logits / temperature), from one pass."""
+    targets = model_layout(mb, mb["targets"])
+    lp, ent = vocab.token_logprobs_and_entropy(
+        logits, targets, vocab_size=vocab_size, tp_group=tp_group, temperature=temperature
+    )
+    return per_token(mb, lp), per_token(mb, ent)
+
+
+def token_top1(mb: dict, logits: torch.Tensor, *, vocab_size: int, tp_group) -> torch.Tensor:
+    """Whether each target of `mb` is its logits' argmax -> [b, s] bool (`vocab.top1`)."""
+    targets = model_layout(mb, mb["targets"])
+    return per_token(mb, vocab.top1(logits, targets, vocab_size=vocab_size, tp_group=tp_group))
 
 
 def forward_backward(
@@ -74,13 +134,13 @@ def forward_backward(
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        tokens, pos, mask = model_inputs(mb)
+        tokens, pos, mask, packed = model_inputs(mb)
         routing.prepare_forward(model, mb)  # MoE: replayed routes, router statistics
-        output = model(tokens, pos, mask)
+        output = model(tokens, pos, mask, packed_seq_params=packed, **_output_kw(model))
         return output, partial(scaled_loss, mb)
 
-    seq_len = max(mb["tokens"].shape[1] for mb in micro_batches)
-    mbs = max(mb["tokens"].shape[0] for mb in micro_batches)
+    seq_len = max(model_shape(mb)[1] for mb in micro_batches)
+    mbs = max(model_shape(mb)[0] for mb in micro_batches)
     iterators = [iter(micro_batches) for _ in chunks]
     out = get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -92,6 +152,16 @@ def forward_backward(
         forward_only=forward_only,
     )
     return list(out or [])
+
+
+def _output_kw(model) -> dict:
+    """Keep a 16-bit model's output (logits, values) in its precision: megatron's Float16Module
+    would upcast the whole vocabulary-sized logits to fp32, a copy that the losses do not need
+    (`megarl.models.vocab` upcasts a chunk at a time; values and scores are cast where read)."""
+    from megatron.core.transformer.module import Float16Module
+
+    wrapped = (model, getattr(model, "module", None))  # DDP(Float16Module(...)) or frozen
+    return {"fp32_output": False} if any(isinstance(m, Float16Module) for m in wrapped) else {}
 
 
 def _same_count_over_experts(micro_batches: list[dict]) -> list[dict]:
@@ -127,13 +197,17 @@ HOST_FIELDS = ("index",)
 
 
 def to_device(mb: dict, device: torch.device) -> dict:
-    """`mb` with every tensor but `HOST_FIELDS` on `device` (a no-op for tensors already there)."""
-    return {
+    """`mb` with every tensor but `HOST_FIELDS` (and the packing) on `device` (a no-op for
+    tensors already there)."""
+    out = {
         k: v.to(device, non_blocking=True)
         if isinstance(v, torch.Tensor) and k not in HOST_FIELDS
         else v
         for k, v in mb.items()
     }
+    if "packing" in mb:
+        out["packing"] = mb["packing"].to(device)
+    return out
 
 
 def empty_micro_batch(like: dict) -> dict:
@@ -147,8 +221,12 @@ def empty_micro_batch(like: dict) -> dict:
 
 def pad_micro_batches(micro_batches: list[dict]) -> list[dict]:
     """Pad every `[b, s, ...]` field to the largest b and s among the micro-batches (zeros:
-    masks stay zero in the padding). Pipeline stages exchange fixed-shape activations, so all
-    micro-batches of one schedule call share a shape; `num_rows` keeps each one's real size."""
+    masks stay zero in the padding); packed ones: their rows to the longest row. Pipeline stages
+    exchange fixed-shape activations, so all micro-batches of one schedule call share a shape;
+    `num_rows` keeps each one's real size."""
+    if any("packing" in mb for mb in micro_batches):
+        length = max(mb["packing"].length for mb in micro_batches)
+        return [{**mb, "packing": mb["packing"].padded_to(length)} for mb in micro_batches]
     b = max(mb["tokens"].shape[0] for mb in micro_batches)
     s = max(mb["tokens"].shape[1] for mb in micro_batches)
     out = []
@@ -163,86 +241,3 @@ def pad_micro_batches(micro_batches: list[dict]) -> list[dict]:
             padded[k] = v
         out.append(padded)
     return out
-
-
-# ------------------------------------------------------------------ vocab-parallel math
-def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_group, temperature=1.0
-) -> torch.Tensor:
-    """log p(target) from TP-sharded logits.
-
-    logits: [b, s, V_pad / tp] (this rank's vocab slice); targets: [b, s] -> [b, s] float32.
-    Padded vocab columns (>= vocab_size) are excluded from the softmax, so the result equals a
-    single-device log_softmax over the real vocabulary."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    logits = mask_padded_vocab(logits.float() / temperature, vocab_size, tp_group)
-    # megatron's kernel is [s, b] major and returns -log p
-    nll = vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), targets.t().contiguous()
-    )
-    return -nll.t()
-
-
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
-    import torch.distributed as dist
-
-    shard = logits.shape[-1]
-    start = dist.get_rank(tp_group) * shard
-    if start + shard <= vocab_size:
-        return logits
-    cols = torch.arange(start, start + shard, device=logits.device)
-    return logits.masked_fill(cols >= vocab_size, float("-inf"))
-
-
-def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_size: int, tp_group) -> torch.Tensor:
-    """Entropy of the softmax over TP-sharded logits. [b, s, V/tp] -> [b, s] (differentiable)."""
-    import torch.distributed as dist
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    logits = mask_padded_vocab(logits.float(), vocab_size, tp_group)
-    with torch.no_grad():
-        m = logits.max(dim=-1, keepdim=True).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - m
-    e = shifted.exp()
-    z = reduce_from_tensor_model_parallel_region(e.sum(-1), group=tp_group)
-    ez = reduce_from_tensor_model_parallel_region(
-        (e * shifted.masked_fill(e == 0, 0.0)).sum(-1), group=tp_group
-    )
-    return z.log() - ez / z
-
-
-@torch.no_grad()
-def vocab_parallel_top1(
-    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_group
-) -> torch.Tensor:
-    """Whether each target is the argmax of its TP-sharded logits (teacher-forced token
-    accuracy; a tie with another token counts as correct). [b, s, V/tp], [b, s] -> [b, s] bool."""
-    import torch.distributed as dist
-
-    logits = mask_padded_vocab(logits.float(), vocab_size, tp_group)
-    shard = logits.shape[-1]
-    start = dist.get_rank(tp_group) * shard
-    local = targets - start
-    here = (local >= 0) & (local < shard)
-    # [2, b, s]: the best logit, and the target's logit (-inf on the ranks without it)
-    both = torch.stack(
-        [
-            logits.max(dim=-1).values,
-            logits.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1))
-            .squeeze(-1)
-            .masked_fill(~here, float("-inf")),
-        ]
-    )
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
-    return both[1] >= both[0]
-
-
-def gather_vocab(logits: torch.Tensor, *, vocab_size: int, tp_group) -> torch.Tensor:
-    """Full-vocabulary logits [b, s, vocab_size] from TP shards (tests and debugging only)."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, logits.contiguous(), group=tp_group)
-    return torch.cat(parts, dim=-1)[..., :vocab_size]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megarl.data.packing import model_layout
 from megarl.metrics.reduce import LocalMetrics
 from megarl.models.builder import unwrap
 
@@ -140,7 +141,9 @@ def prepare_forward(model, mb: dict) -> None:
         n = len(mb["index"]) if "index" in mb else len(seq_len)
         last = seq_len[:n].to(tokens.device)[:, None] - 1
         valid[:n] = torch.arange(s, device=tokens.device) < last
+    valid = model_layout(mb, valid)  # packed: the row's real tokens, [1, T]
     routes = mb.get("routed_experts")
+    routes = None if routes is None else model_layout(mb, routes)
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for layer, router in routers:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from megarl.models.hf_config import ModelArch
+from megarl.models.vocab import CHUNK_ELEMENTS
 
 ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
@@ -43,13 +44,12 @@ def layer_activation_bytes_per_token(
     tp: int,
     sequence_parallel: bool,
     impl: str,
-    seq_len: int,
     expert_tp: int | None = None,
 ) -> tuple[float, str]:
     """Saved-for-backward bytes of one transformer layer per token (no recompute).
 
-    impl: "local" (SDPA flash/efficient kernel), "local-math" (SDPA math kernel: CPU bf16) or
-    "te". `seq_len` matters only for the math kernel's [s, s] probabilities."""
+    impl: "local" (SDPA flash/efficient kernel), "local-fp32" (the same on fp32 copies of
+    16-bit inputs: CPU bf16 / fp16) or "te"."""
     h, d = arch.hidden_size, arch.head_dim
     heads, kv = arch.num_attention_heads / tp, max(1.0, arch.num_key_value_heads / tp)
     sp = tp if sequence_parallel else 1
@@ -62,9 +62,9 @@ def layer_activation_bytes_per_token(
     else:
         norms = 2 * (4 * h + 4 + 2 * elem * h) / sp
         norms_text = "2 x (4 h + 4 + 2e h)"
-        if impl == "local-math":  # fp32 q, k^T, v and the [s, s] probabilities
-            attn = 3 * 4 * heads * d + 4 * heads * seq_len
-            attn_text = "(12 a d + 4 a s) / TP"
+        if impl == "local-fp32":  # the kernel's fp32 copies of q, k, v and its fp32 output
+            attn = 4 * heads * d * 4 + 4 * heads
+            attn_text = "(16 a d + 4 a) / TP"
         else:
             attn = 4 * heads * d * elem + 4 * heads
             attn_text = "(4 a d e + 4 a) / TP"
@@ -73,9 +73,12 @@ def layer_activation_bytes_per_token(
     if arch.is_moe:
         etp = expert_tp or tp
         f = arch.moe_intermediate_size or arch.intermediate_size
-        # each token visits top-k experts; the dispatcher keeps its permuted copies of [h]
-        mlp = arch.moe_topk * (mlp_per_f * f * elem / etp + 2 * h * elem)
-        mlp_text = f"top{arch.moe_topk} x ({mlp_per_f} f_moe e / ETP + 2 h e)"
+        # each token visits top-k experts; per visit the layer saves four [h] copies: the
+        # experts' input and the probability-weighted output of the dispatcher (its permuted
+        # copy and its unpermuted one); counted by saved-tensor hooks on one layer of a
+        # Qwen3-MoE with megatron-core 0.16's alltoall dispatcher (59.6 KB per token, fp32)
+        mlp = arch.moe_topk * (mlp_per_f * f * elem / etp + 4 * h * elem)
+        mlp_text = f"top{arch.moe_topk} x ({mlp_per_f} f_moe e / ETP + 4 h e)"
     else:
         mlp = mlp_per_f * arch.intermediate_size * elem / tp
         mlp_text = f"{mlp_per_f} f e / TP"
@@ -87,15 +90,25 @@ def layer_activation_bytes_per_token(
     return total, formula
 
 
-def logits_bytes_per_token(padded_vocab: int, *, tp: int, entropy: bool) -> tuple[float, str]:
-    """The last stage's loss over the vocabulary, per token: three fp32 [V / TP] tensors at the
-    peak (the tempered logits, the softmax `vocab_parallel_cross_entropy` saves, its gradient
-    in the backward), three more with the entropy bonus (its own softmax and log-softmax).
-    Measured on CPU: 12.2-12.7 B per vocabulary entry without, 25.2-25.7 with the entropy term,
-    fp32 and bf16 alike (the model's 16-bit logits are freed once cast)."""
-    copies = 6 if entropy else 3
-    text = f"{copies} x 4 B x V/TP{' (with the entropy term)' if entropy else ''}"
-    return copies * 4 * padded_vocab / tp, text
+def logits_bytes_per_token(
+    padded_vocab: int, *, tp: int, elem: int, packed: bool
+) -> tuple[float, str]:
+    """The last stage's logits per token, in the model's precision (`elem` bytes): the loss
+    over the vocabulary (`megarl.models.vocab`) works a chunk of rows at a time and writes the
+    gradient over the logits, so they are the only vocabulary-sized tensor, with or without the
+    entropy term. Unpacked micro-batches ([b, s] with b > 1) hold two copies at the peak:
+    megatron's GPTModel returns the [s, b, V] logits transposed into a new [b, s, V] tensor.
+    Plus the chunks' fixed scratch (`vocab_scratch_bytes`)."""
+    copies = 1 if packed else 2
+    text = f"{copies} x {elem} B x V/TP ({'packed rows' if packed else 'unpacked: + transpose'})"
+    return copies * elem * padded_vocab / tp, text
+
+
+def vocab_scratch_bytes(*, entropy: bool) -> tuple[float, str]:
+    """The fp32 scratch of one chunk of rows (`megarl.models.vocab.CHUNK_ELEMENTS`), two with the
+    entropy term: a fixed amount, whatever the tokens."""
+    n = 2 if entropy else 1
+    return n * 4 * CHUNK_ELEMENTS, f"{n} x 4 B x {CHUNK_ELEMENTS} (chunk scratch)"
 
 
 def forward_working_bytes_per_token(arch: ModelArch, *, elem: int, tp: int) -> tuple[float, str]:

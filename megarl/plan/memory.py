@@ -273,7 +273,6 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
         tp=topo.tp,
         sequence_parallel=p.sequence_parallel,
         impl=impl,
-        seq_len=seq,
         expert_tp=p.expert_tensor_parallel,
     )
     passes, pass_text = fm.in_flight_layer_passes(
@@ -297,23 +296,24 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
     rows.append(Row("train activations", act, act_text, ("train",)))
     if r == topo.pp - 1:
         lg, lg_text = fm.logits_bytes_per_token(
-            shape.padded_vocab, tp=topo.tp, entropy=alg.entropy_coef > 0
+            shape.padded_vocab, tp=topo.tp, elem=e, packed=alg.pack_sequences
         )
+        scratch, scratch_text = fm.vocab_scratch_bytes(entropy=alg.entropy_coef > 0)
         rows.append(
             Row(
                 "train loss over the vocabulary",
-                lg * tokens,
-                f"{lg_text} per token; {mb_text}",
+                lg * tokens + scratch,
+                f"{lg_text} per token; {mb_text}; + {scratch_text}",
                 ("train",),
             )
         )
-        lp, lp_text = fm.logits_bytes_per_token(shape.padded_vocab, tp=topo.tp, entropy=False)
         work, work_text = fm.forward_working_bytes_per_token(arch, elem=e, tp=topo.tp)
+        scratch, scratch_text = fm.vocab_scratch_bytes(entropy=False)
         rows.append(
             Row(
                 "logprob pass",
-                (lp + work) * tokens,
-                f"({lp_text} + {work_text}) per token, no grad",
+                (lg + work) * tokens + scratch,
+                f"({lg_text} + {work_text}) per token, no grad; + {scratch_text}",
                 ("logprobs",),
             )
         )
@@ -421,7 +421,7 @@ def _impl(cfg, device: str) -> str:
     if device == "gpu" and cfg.precision.transformer_engine is not False:
         return "te"
     if device == "cpu" and cfg.precision.dtype != "fp32":
-        return "local-math"  # megarl's SDPA picks the math kernel for 16-bit CPU tensors
+        return "local-fp32"  # megarl's SDPA attends 16-bit CPU tensors in fp32
     return "local"
 
 

@@ -40,7 +40,7 @@ from megarl.checkpoint.reader import has_tokenizer, load_into, open_checkpoint
 from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.mapping import check_hf_names
 from megarl.convert.sharded import load_hf_sharded
-from megarl.data.batch import collate_sequences, split_micro_batches
+from megarl.data.batch import MicroBatching, collate_sequences, split_micro_batches
 from megarl.data.dataset import prompt_text
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError, UserError
@@ -253,12 +253,7 @@ class RewardModel:
             pad_to_multiple=self.pad_to,
         )
         batch["score_index"] = torch.tensor(score_positions(ids, self.pad_token_id))
-        mbs = split_micro_batches(
-            batch,
-            alg.micro_batch_size,
-            pad_to_multiple=self.pad_to,
-            max_tokens=alg.max_tokens_per_micro_batch,
-        )
+        mbs = split_micro_batches(batch, MicroBatching.of(alg, pad_to=self.pad_to))
 
         def loss_fn(mb, values):
             return torch.zeros(()), {"index": mb["index"], "scores": pick_scores(mb, values)}
@@ -292,7 +287,9 @@ class RewardModel:
 
 
 def pick_scores(mb: dict, values: torch.Tensor) -> torch.Tensor:
-    """The score of each of the micro-batch's rows: `values` [b', s, 1] (b' >= b with pipeline
-    padding rows) read at `mb["score_index"]` [b] -> [b]."""
+    """The score of each of the micro-batch's rows: the model's `values` (`[b', s, 1]`, b' >= b
+    with pipeline padding rows; packed: the row `[1, T, 1]`) read at `mb["score_index"]` [b]
+    -> [b]."""
     n = len(mb["index"])
-    return values[:n, :, 0].gather(1, mb["score_index"][:n, None].to(values.device)).squeeze(1)
+    values = forward.per_token(mb, values[..., 0])
+    return values[:n].gather(1, mb["score_index"][:n, None].to(values.device)).squeeze(1)

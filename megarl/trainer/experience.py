@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.data.batch import collate, split_micro_batches
+from megarl.data.batch import MicroBatching, collate, split_micro_batches
 from megarl.metrics.reduce import LocalMetrics
 from megarl.models import forward
 from megarl.models.routing import collate_routes
@@ -143,55 +143,38 @@ def _assemble(outputs: list[dict], key: str, shape: torch.Size) -> torch.Tensor:
 
 
 def forward_logprobs(
-    chunks,
-    batch: dict,
-    *,
-    micro_batch_size: int,
-    vocab_size: int,
-    groups,
-    temperature: float,
-    pad_to: int = 1,
-    max_tokens: int | None = None,
+    chunks, batch: dict, *, micro: MicroBatching, vocab_size: int, groups, temperature: float
 ) -> torch.Tensor | None:
     """Per-token logprobs of `targets` under `chunks` (no grad). [B, S] on the last PP stage.
 
     `batch`: the batch's fields by name (`StepBatch.fields()`, or an offline stage's batch)."""
 
     def loss_fn(mb, logits):
-        lp = forward.vocab_parallel_logprobs(
-            logits,
-            mb["targets"],
-            vocab_size=vocab_size,
-            tp_group=groups.tp,
-            temperature=temperature,
+        lp = forward.token_logprobs(
+            mb, logits, vocab_size=vocab_size, tp_group=groups.tp, temperature=temperature
         )
         return torch.zeros(()), {"index": mb["index"], "logprobs": lp.detach()}
 
-    split = dict(micro_batch_size=micro_batch_size, pad_to=pad_to, max_tokens=max_tokens)
-    return _forward_only(chunks, batch, loss_fn, "logprobs", groups, **split)
+    return _forward_only(chunks, batch, loss_fn, "logprobs", groups, micro)
 
 
-def forward_values(
-    chunks, batch: dict, *, micro_batch_size: int, groups, pad_to: int = 1, max_tokens=None
-):
+def forward_values(chunks, batch: dict, *, micro: MicroBatching, groups) -> torch.Tensor | None:
     """Critic values [B, S] (no grad) on the last PP stage, None elsewhere. `batch`: the batch's
     fields by name (`StepBatch.fields()`)."""
 
     def loss_fn(mb, values):
-        return torch.zeros(()), {"index": mb["index"], "values": values.squeeze(-1).detach()}
+        v = forward.per_token(mb, values.squeeze(-1))
+        return torch.zeros(()), {"index": mb["index"], "values": v.detach()}
 
-    split = dict(micro_batch_size=micro_batch_size, pad_to=pad_to, max_tokens=max_tokens)
-    return _forward_only(chunks, batch, loss_fn, "values", groups, **split)
+    return _forward_only(chunks, batch, loss_fn, "values", groups, micro)
 
 
 def _forward_only(
-    chunks, batch: dict, loss_fn, key: str, groups, *, micro_batch_size, pad_to, max_tokens
+    chunks, batch: dict, loss_fn, key: str, groups, micro: MicroBatching
 ) -> torch.Tensor | None:
     """`loss_fn`'s per-row output `key` over the whole batch, [B, S] on the last PP stage (None
     elsewhere): the batch split into micro-batches, run forward-only through megatron."""
-    mbs = split_micro_batches(
-        batch, micro_batch_size, pad_to_multiple=pad_to, max_tokens=max_tokens
-    )
+    mbs = split_micro_batches(batch, micro)
     with torch.no_grad():
         out = forward.forward_backward(
             chunks, mbs, loss_fn, forward_only=True, dp_size=groups.dp_size

@@ -165,13 +165,8 @@ def score(run: Run, prompts, rollout) -> Scored:
 def forward_passes(run: Run, batch: StepBatch) -> None:
     """Old-policy (when the update needs them first: `recompute_old_logprobs`) and reference
     logprobs, and critic values, into `batch`'s fields (last PP stage; None elsewhere)."""
-    alg, g, m = run.cfg.algorithm, run.groups, run.models
-    split = dict(
-        micro_batch_size=alg.micro_batch_size,
-        groups=g,
-        pad_to=run.pad_to,
-        max_tokens=alg.max_tokens_per_micro_batch,
-    )
+    g, m = run.groups, run.models
+    split = dict(micro=run.micro_batching, groups=g)
     kw = dict(split, vocab_size=run.arch.vocab_size, temperature=run.cfg.rollout.temperature)
     # without the pass, the update's own forward provides the old logprobs (one epoch, one mb)
     if recompute_old_logprobs(run.cfg.algorithm) or not _trains_policy(run):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import RunConfig
-from megarl.data.batch import split_micro_batches
+from megarl.data.batch import pad_share, split_micro_batches
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics, from_last_stage
 from megarl.metrics.timer import StageTimer
@@ -101,6 +101,8 @@ def update(run: Run, stage, batch: dict) -> LocalMetrics:
     loss = sum(float(m["loss"]) for m in out) if out else 0.0
     ok, grad_norm, overflow = optimizer_step(model.opt, model.sched, math.isfinite(loss), g)
     metrics = step_metrics(out, 1)
+    real, computed = pad_share(micro)
+    metrics.add_ratio("train/pad_share", computed - real, computed)
     metrics.add_same("grad_norm", grad_norm)
     metrics.add_same("skipped_steps", 0 if ok or overflow else 1)
     if overflow:
@@ -110,15 +112,9 @@ def update(run: Run, stage, batch: dict) -> LocalMetrics:
 
 
 def _micro_batches(run: Run, stage, batch: dict) -> list[dict]:
-    alg = run.cfg.algorithm
     fields = {k: v for k, v in batch.items() if k != "global_indices"}
-    return split_micro_batches(
-        fields,
-        alg.micro_batch_size,
-        pad_to_multiple=run.pad_to,
-        max_tokens=alg.max_tokens_per_micro_batch,
-        together=batch[stage.together_key] if stage.together_key else None,
-    )
+    together = batch[stage.together_key] if stage.together_key else None
+    return split_micro_batches(fields, run.micro_batching, together=together)
 
 
 def collect_metrics(run: Run, stage, batch: dict, train_metrics: LocalMetrics) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 from megarl.checkpoint import training
 from megarl.config import RunConfig
+from megarl.data.batch import MicroBatching
 from megarl.distributed import Topology
 from megarl.distributed.topology import Groups
 from megarl.errors import ConfigError
@@ -143,6 +144,11 @@ class Run:
         return sequence_multiple(
             self.groups.tp_size, self.cfg.parallel.sequence_parallel, prec.fp8 and prec.fp8_recipe
         )
+
+    @property
+    def micro_batching(self) -> MicroBatching:
+        """How every pass of the run cuts a batch into micro-batches (`algorithm.*`)."""
+        return MicroBatching.of(self.cfg.algorithm, pad_to=self.pad_to)
 
     def close(self) -> None:
         self.logger.close()

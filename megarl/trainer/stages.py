@@ -313,8 +313,8 @@ class _Offline:
 
 
 def _logprobs(run, micro: dict, logits: torch.Tensor) -> torch.Tensor:
-    return forward.vocab_parallel_logprobs(
-        logits, micro["targets"], vocab_size=run.arch.vocab_size, tp_group=run.groups.tp
+    return forward.token_logprobs(
+        micro, logits, vocab_size=run.arch.vocab_size, tp_group=run.groups.tp
     )
 
 
@@ -357,8 +357,8 @@ class SFT(_PolicyStage):
     def loss_fn(self, run, denominator: float):
         def loss_fn(micro, logits):
             lp = _logprobs(run, micro, logits)
-            correct = forward.vocab_parallel_top1(
-                logits, micro["targets"], vocab_size=run.arch.vocab_size, tp_group=run.groups.tp
+            correct = forward.token_top1(
+                micro, logits, vocab_size=run.arch.vocab_size, tp_group=run.groups.tp
             )
             loss, m = sft_loss(lp, micro["loss_mask"], global_tokens=denominator, correct=correct)
             return loss, {"loss": loss.detach(), "token_accuracy": m["token_accuracy"]}
@@ -404,12 +404,10 @@ class DPO(_PolicyStage):
             lp = forward_logprobs(
                 reference,
                 batch,
-                micro_batch_size=self.alg.micro_batch_size,
+                micro=run.micro_batching,
                 vocab_size=run.arch.vocab_size,
                 groups=run.groups,
                 temperature=1.0,
-                pad_to=run.pad_to,
-                max_tokens=self.alg.max_tokens_per_micro_batch,
             )
         rows = batch["tokens"].shape[0]
         batch["ref_logps"] = (

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms.losses import get_policy_loss, global_denominators, value_loss
-from megarl.data.batch import split_micro_batches
+from megarl.data.batch import MicroBatching, pad_share, split_micro_batches
 from megarl.metrics.reduce import LocalMetrics
 from megarl.models import forward
 from megarl.models.optim import zero_grads
@@ -56,18 +56,14 @@ def recompute_old_logprobs(alg) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """How an update walks this rank's batch: `epochs` passes of `mini_batches` optimizer steps,
-    each mini-batch split into micro-batches (`split_micro_batches`)."""
+    each mini-batch split into micro-batches by `micro`."""
 
     epochs: int
     """Passes over the batch (`algorithm.ppo_epochs`)."""
     mini_batches: int
     """Optimizer steps per pass (`algorithm.mini_batches`)."""
-    micro_batch_size: int
-    """Most sequences per micro-batch (`algorithm.micro_batch_size`)."""
-    max_tokens: int | None
-    """Token budget of a micro-batch (`algorithm.max_tokens_per_micro_batch`)."""
-    pad_to: int
-    """Micro-batch widths are multiples of this (`Run.pad_to`)."""
+    micro: MicroBatching
+    """How a mini-batch is cut into micro-batches (size, token budget, packing)."""
     seed: int
     """Seed of the mini-batch order of the first epoch (epoch e: seed + e)."""
 
@@ -77,9 +73,7 @@ class Schedule:
         return cls(
             epochs=alg.ppo_epochs,
             mini_batches=alg.mini_batches,
-            micro_batch_size=alg.micro_batch_size,
-            max_tokens=alg.max_tokens_per_micro_batch,
-            pad_to=pad_to,
+            micro=MicroBatching.of(alg, pad_to=pad_to),
             seed=seed,
         )
 
@@ -158,16 +152,12 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
     loss_of = get_policy_loss(alg.policy_loss)  # the registry: a name it lacks raises here
 
     def loss_fn(micro, logits):
-        lp = forward.vocab_parallel_logprobs(
-            logits,
-            micro["targets"],
-            vocab_size=vocab_size,
-            tp_group=groups.tp,
-            temperature=rollout.temperature,
-        )
+        kw = dict(vocab_size=vocab_size, tp_group=groups.tp, temperature=rollout.temperature)
         ent = None
         if opts.entropy_coef > 0:
-            ent = forward.vocab_parallel_entropy(logits, vocab_size=vocab_size, tp_group=groups.tp)
+            lp, ent = forward.token_logprobs_and_entropy(micro, logits, **kw)
+        else:
+            lp = forward.token_logprobs(micro, logits, **kw)
         old = micro.get("old_logprobs")
         loss, m = loss_of(
             lp,
@@ -197,7 +187,7 @@ def _value_loss_fn(alg, tokens: float, seqs: float):
 
     def loss_fn(micro, values):
         loss, m = value_loss(
-            values.squeeze(-1).float(),
+            forward.per_token(micro, values.squeeze(-1).float()),
             micro["old_values"],
             micro["returns"],
             micro["loss_mask"],
@@ -278,12 +268,9 @@ def _optimizer_steps(
             tokens, seqs = global_denominators([mb.loss_mask], group=groups.dp)
             loss_fn = objective.make_loss_fn(tokens, seqs)
             zero_grads(model, optimizer)
-            micro = split_micro_batches(
-                mb.fields(),
-                schedule.micro_batch_size,
-                pad_to_multiple=schedule.pad_to,
-                max_tokens=schedule.max_tokens,
-            )
+            micro = split_micro_batches(mb.fields(), schedule.micro)
+            real, computed = pad_share(micro)  # the policy's and the critic's split alike
+            metrics.add_ratio("train/pad_share", computed - real, computed)
             out = forward.forward_backward(
                 model, micro, loss_fn, forward_only=False, dp_size=groups.dp_size
             )

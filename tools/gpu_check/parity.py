@@ -20,6 +20,7 @@ def cpu_parity(fig, st, scratch: str) -> None:
     import torch
 
     from megarl.config import AlgorithmConfig
+    from megarl.data.batch import MicroBatching
     from megarl.models.builder import unwrap
     from megarl.trainer.experience import forward_logprobs
     from megarl.trainer.update import train_policy
@@ -32,9 +33,8 @@ def cpu_parity(fig, st, scratch: str) -> None:
         pa, prompt_len=sh["parity_prompt"], resp_lens=sh["parity_resp"], seed=2
     )
     mask = batch.loss_mask
-    kw = dict(
-        micro_batch_size=sh["mbs"], vocab_size=pa.vocab_size, groups=st.groups, temperature=1.0
-    )
+    micro = MicroBatching(size=sh["mbs"], pack=True)  # as train_policy cuts the batch
+    kw = dict(micro=micro, vocab_size=pa.vocab_size, groups=st.groups, temperature=1.0)
     lp = forward_logprobs(actor, batch.fields(), **kw)
     noise = 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3))
     batch.old_logprobs = (lp + noise) * mask
@@ -118,6 +118,7 @@ def parity_ref(src: str, dst: str) -> None:
     import torch
 
     from megarl.config import AlgorithmConfig
+    from megarl.data.batch import MicroBatching
     from megarl.models.builder import unwrap
     from megarl.trainer.experience import forward_logprobs
     from megarl.trainer.update import train_policy
@@ -134,7 +135,7 @@ def parity_ref(src: str, dst: str) -> None:
     lp = forward_logprobs(
         actor,
         batch.fields(),
-        micro_batch_size=d["mbs"],
+        micro=MicroBatching(size=d["mbs"], pack=True),
         vocab_size=a.vocab_size,
         groups=groups,
         temperature=1.0,

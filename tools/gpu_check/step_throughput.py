@@ -48,6 +48,7 @@ def measure(fig, name: str, device: str, rec) -> None:
     import torch
 
     from megarl.config import AlgorithmConfig
+    from megarl.data.batch import MicroBatching
     from megarl.metrics.throughput import flops_per_token, peak_flops
     from megarl.models.optim import OptimConfig, build_optimizer
     from megarl.rollout.config import RolloutConfig
@@ -92,7 +93,7 @@ def measure(fig, name: str, device: str, rec) -> None:
             old = forward_logprobs(
                 actor,
                 batch.fields(),
-                micro_batch_size=mbs,
+                micro=MicroBatching.of(alg, pad_to=1),
                 vocab_size=a.vocab_size,
                 groups=groups,
                 temperature=1.0,
@@ -152,11 +153,11 @@ def _planned_gib(a, params: int, dtype: str, mbs: int, seq: int) -> float:
 
     e = fm.ELEM[dtype]
     per, _ = fm.optimizer_bytes_per_param(dtype)
-    impl = "local" if dtype == "fp32" or device_is_cuda() else "local-math"
+    impl = "local" if dtype == "fp32" or device_is_cuda() else "local-fp32"
     layer, _ = fm.layer_activation_bytes_per_token(
-        a, elem=e, tp=1, sequence_parallel=False, impl=impl, seq_len=seq
+        a, elem=e, tp=1, sequence_parallel=False, impl=impl
     )
-    loss, _ = fm.logits_bytes_per_token(a.padded_vocab_size(128, 1), tp=1, entropy=False)
+    loss, _ = fm.logits_bytes_per_token(a.padded_vocab_size(128, 1), tp=1, elem=e, packed=True)
     tokens = mbs * seq
     return (params * (e + 4 + per) + tokens * (a.num_layers * layer + loss)) / fm.GiB
 

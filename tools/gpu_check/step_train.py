@@ -90,19 +90,21 @@ def build_models(fig, st) -> None:
 def forward(fig, st) -> None:
     import torch
 
+    from megarl.data.batch import MicroBatching
     from megarl.trainer.experience import forward_logprobs, forward_values
 
     sh, v = st.shape, st.a.vocab_size
     st.batch = common.random_batch(st.a, prompt_len=sh["prompt"], resp_lens=sh["resp"], seed=1)
     mask = st.batch.loss_mask.bool()
-    kw = dict(micro_batch_size=sh["mbs"], vocab_size=v, groups=st.groups, temperature=1.0)
+    micro = MicroBatching(size=sh["mbs"], pack=True)  # packed rows (THD) as the trainer runs
+    kw = dict(micro=micro, vocab_size=v, groups=st.groups, temperature=1.0)
     t0 = time.perf_counter()
     st.old = forward_logprobs(st.actor, st.batch.fields(), **kw)
     common.sync(st.device)
     fig["logprobs_s"] = time.perf_counter() - t0
     st.ref = forward_logprobs(st.reference, st.batch.fields(), **kw)
     fields = st.batch.fields()
-    st.values = forward_values(st.critic, fields, micro_batch_size=sh["mbs"], groups=st.groups)
+    st.values = forward_values(st.critic, fields, micro=micro, groups=st.groups)
     for name, x in (("logprobs", st.old), ("ref_logprobs", st.ref), ("values", st.values)):
         if x is None:
             raise common.Fail(f"{name} is None: this rank is not the last pipeline stage?")
