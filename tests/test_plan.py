@@ -34,6 +34,7 @@ import torch
 
 from megarl.config import RunConfig, build
 from megarl.distributed.launch import spawn
+from megarl.models.vocab import CHUNK_ELEMENTS
 from megarl.plan import formulas as fm
 from megarl.plan import plan
 from tests import plan_worker
@@ -184,8 +185,9 @@ def test_rows_are_the_formulas_of_the_meta_counts(llama70b):
         assert rows["actor grads"] == params * 4
         assert rows["actor Adam"] == params * 12 / dp
         assert rows["reference weights"] == params * 2
-        # 3072-token micro-batch (1024 prompt + 2048 response), V/TP = 16128
-        assert rows["train loss over the vocabulary"] == 3 * 4 * 16128 * 3072
+        # a packed 3072-token micro-batch (1024 prompt + 2048 response), V/TP = 16128: one
+        # bf16 copy of the logits (the gradient is written over it) + one fp32 chunk scratch
+        assert rows["train loss over the vocabulary"] == 2 * 16128 * 3072 + 4 * CHUNK_ELEMENTS
         assert rows["vLLM (awake)"] == 0.3 * 80 * 2**30
         assert rows["vLLM weights (woken for sync)"] == 70_553_706_496 * 2 / 8
         assert rows["FP8 weight copies"] == params * 2

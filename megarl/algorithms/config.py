@@ -61,7 +61,7 @@ class AlgorithmConfig:
     kl_in: str = "loss"
     """Where the KL goes: loss (a loss term) or reward (a per-token reward penalty)."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient (the entropy of softmax(logits / rollout.temperature))."""
     off_policy_correction: str = "none"
     """Importance weights against the sampler's (vLLM's) logprobs: none, tis (truncated),
     icepop (two-sided token mask), mis (sequence-level masked) or decoupled (decoupled PPO's
