@@ -115,6 +115,50 @@ def test_bf16_compute_with_fp32_master_weights_and_optimizer_state():
     assert r["refreshed"]  # the bf16 copies are the stepped masters, rounded
 
 
+def masters_job(rank: int, world: int) -> dict:
+    from megarl.config import RunConfig, build
+    from megarl.convert.sharded import seeded_init
+    from megarl.distributed import Topology
+    from megarl.models.builder import build_model, unwrap
+    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+    from megarl.models.optim import build_optimizer
+    from megarl.trainer.models import full_precision_masters
+
+    cfg = build(RunConfig, {"model": {"config": TINY_LLAMA}, "precision": {"dtype": "bf16"}})
+    arch = arch_from_hf(TINY_LLAMA)
+    Topology.for_model(cfg.parallel, world, arch).initialize(seed=0)
+    actor = build_model(arch, cfg.parallel, cfg.precision, role="actor")
+    seeded_init(actor, arch, cfg.model.init_seed)  # drawn in fp32, rounded into bf16
+    opt, _ = build_optimizer(actor, cfg.optim, dtype="bf16")
+    full_precision_masters(cfg, arch, actor, opt)
+    source = build_model(arch, cfg.parallel, PrecisionConfig(dtype="fp32"), role="reference")
+    seeded_init(source, arch, cfg.model.init_seed)  # the same draws, kept in fp32
+    want = {id(p): dict(unwrap(source[0]).named_parameters())[n].detach().view(-1)
+            for n, p in unwrap(actor[0]).named_parameters()}
+    exact = rounded = True
+    elements = off_grid = 0
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        for mg, fg in zip(o.model_float16_groups, o.shard_fp32_from_float16_groups, strict=True):
+            for p, master in zip(mg, fg, strict=True):
+                r = o._get_model_param_range_map(p)["param"]  # this DP rank's slice
+                src, bf16 = want[id(p)][r.start:r.end], p.detach().view(-1)[r.start:r.end]
+                exact &= torch.equal(master, src)
+                rounded &= torch.equal(bf16, master.to(torch.bfloat16))
+                elements += master.numel()
+                off_grid += int((master != bf16.float()).sum())
+    return {"exact": exact, "rounded": rounded, "elements": elements, "off_grid": off_grid}
+
+
+def test_bf16_masters_start_from_the_fp32_source_at_dp2():
+    """The fp32 masters hold the source's fp32 values (here the fp32 random init), not the bf16
+    parameters widened back: masters sitting on the bf16 grid would hide every update smaller
+    than half a bf16 step from the compute weights (`megarl.models.optim.main_param_writer`).
+    DP2: each rank's DistributedOptimizer shard is checked against its slice of the source."""
+    for r in spawn(masters_job, 2, timeout=600):
+        assert r["exact"] and r["rounded"], r
+        assert r["elements"] > 0 and r["off_grid"] > 0.9 * r["elements"], r
+
+
 def test_fp16_scales_the_loss_so_the_first_step_moves_the_weights():
     """fp16: megatron's optimizer divides the grads by its dynamic loss scale, so the schedule
     must multiply the loss by it (`config.grad_scale_func`); unwired, the grads reach Adam

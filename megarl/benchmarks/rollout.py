@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -90,6 +91,7 @@ def _worker(rank: int, world: int, num_prompts: int, n: int, max_tokens: int, re
             tokens[name] = fn()
             rates[name].append(tokens[name] / (time.perf_counter() - t0))
     engine.close()
+    shutil.rmtree(mdir, ignore_errors=True)
     return {"rates": rates, "tokens": tokens, "threads": torch.get_num_threads()}
 
 

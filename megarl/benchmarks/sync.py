@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -90,6 +91,7 @@ def _worker(rank: int, world: int, hf: dict, layout: dict, repeats: int) -> dict
     gc.collect()
     out["naive"] = _timed(lambda: naive_sync(chunks, arch, engine), max(1, repeats - 1))
     engine.close()
+    shutil.rmtree(mdir, ignore_errors=True)
     floor.append(memcpy_gbps(repeats=7))
     out["memcpy_gbps"] = max(floor)  # the bound: best of two probes on a shared machine
     return out

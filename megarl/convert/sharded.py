@@ -61,20 +61,22 @@ _HEAD = "output_layer.weight"
 
 @torch.no_grad()
 def load_hf_sharded(
-    chunks: list[torch.nn.Module], arch: ModelArch, hf_dir: str | os.PathLike
+    chunks: list[torch.nn.Module], arch: ModelArch, hf_dir: str | os.PathLike, into=None
 ) -> None:
     """Fill this rank's parameters of `chunks` from the HF directory `hf_dir` (not collective).
 
     Names and shapes of the HF files are checked against `arch` before any data is read
-    (`MappingError` names the key); a parameter the mapping does not know raises naming it."""
-    _load_sharded(chunks, arch, LazyHFTensors(hf_dir))
+    (`MappingError` names the key); a parameter the mapping does not know raises naming it.
+    `into(param, tensor)`, when given, receives each parameter's tensor as read (the files'
+    precision) instead of the parameter (`megarl.models.optim.main_param_writer`)."""
+    _load_sharded(chunks, arch, LazyHFTensors(hf_dir), into)
 
 
 @torch.no_grad()
-def seeded_init(chunks: list[torch.nn.Module], arch: ModelArch, seed: int) -> None:
+def seeded_init(chunks: list[torch.nn.Module], arch: ModelArch, seed: int, into=None) -> None:
     """Fill this rank's parameters of `chunks` with the layout-independent random init (see the
-    module docstring); not collective."""
-    _load_sharded(chunks, arch, SeededHFTensors(arch, seed))
+    module docstring), drawn in fp32; not collective. `into`: as `load_hf_sharded`'s."""
+    _load_sharded(chunks, arch, SeededHFTensors(arch, seed), into)
 
 
 class SeededHFTensors:
@@ -117,7 +119,12 @@ class SeededHFTensors:
         return self.get(name)[start:stop]
 
 
-def _load_sharded(chunks: list[torch.nn.Module], arch: ModelArch, lazy) -> None:
+def _copy_into_param(p: torch.nn.Parameter, t: torch.Tensor) -> None:
+    p.data.copy_(t)
+
+
+def _load_sharded(chunks: list[torch.nn.Module], arch: ModelArch, lazy, into=None) -> None:
+    into = into or _copy_into_param
     check_hf_names(arch, lazy.names, shape_of=lazy.shape)
     items = mapped_tensors(arch)
     scalar = any(has_value_head(unwrap(c)) for c in chunks)  # also where no head is held
@@ -141,9 +148,9 @@ def _load_sharded(chunks: list[torch.nn.Module], arch: ModelArch, lazy) -> None:
                 f"{lazy.dir}: {name!r} read as {tuple(t.shape)}, parameter {local_name!r} is "
                 f"{tuple(p.shape)}"
             )
-        p.data.copy_(t)
+        into(p, t)
         del t
-    _fill_tied_output(chunks, lazy, items[_EMBED])
+    _fill_tied_output(chunks, lazy, items[_EMBED], into)
 
 
 def _read_shard(lazy: LazyHFTensors, arch: ModelArch, item: MappedTensor, p) -> torch.Tensor:
@@ -184,7 +191,7 @@ def _rows_padded(lazy: LazyHFTensors, hf_name: str, start: int, rows: int, vocab
     return torch.cat([got, pad])
 
 
-def _fill_tied_output(chunks, lazy: LazyHFTensors, embed: MappedTensor) -> None:
+def _fill_tied_output(chunks, lazy: LazyHFTensors, embed: MappedTensor, into) -> None:
     """With tied embeddings and PP > 1 the last stage holds its own copy of the embedding (the
     first stage's is a regular parameter, filled above)."""
     for chunk in chunks:
@@ -193,7 +200,7 @@ def _fill_tied_output(chunks, lazy: LazyHFTensors, embed: MappedTensor) -> None:
         if tied and model.post_process and not model.pre_process:
             w = model.shared_embedding_or_output_weight()
             _, _, r = tp_shard(w)
-            w.data.copy_(_rows_padded(lazy, embed.hf[0], r * w.shape[0], w.shape[0], True))
+            into(w, _rows_padded(lazy, embed.hf[0], r * w.shape[0], w.shape[0], True))
 
 
 @torch.no_grad()

@@ -106,3 +106,47 @@ def zero_grads(chunks: list[torch.nn.Module], optimizer=None) -> None:
         c.zero_grad_buffer()
     if optimizer is not None:
         optimizer.zero_grad()
+
+
+def main_param_writer(optimizer):
+    """`write(param, value)` that sets the optimizer's fp32 master copy of a 16-bit `param`
+    (this DP rank's shard of it under the DistributedOptimizer) from `value`, the parameter's
+    whole tensor in full precision; None when no parameter has a master copy (fp32 training).
+    Parameters without one (frozen, or fp32) are ignored.
+
+    Why: megatron makes the masters from the 16-bit parameters, so a model loaded in bf16 starts
+    with masters that sit exactly on bf16 values, and an update smaller than half a bf16 step
+    (Adam at lr 1e-5 against a step of ~2e-4 at |w| = 0.05) changes no compute weight until
+    several such updates add up. Masters read from the fp32 source instead keep the source's
+    offsets from the bf16 grid, so each update moves the compute weights in expectation, as
+    autocast over fp32 weights does."""
+    from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params
+
+    targets: dict = {}  # id(param) -> (master, start, end): tensors compare by value
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer):
+            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
+            for model_group, main_group in groups:
+                for p, main in zip(model_group, main_group, strict=True):
+                    # megatron's own map of the slice of `p` this DP rank's master holds
+                    r = opt._get_model_param_range_map(p)["param"]
+                    targets[id(p)] = (main, r.start, r.end)
+        elif isinstance(opt, Float16OptimizerWithFloat16Params):
+            groups = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
+            for model_group, main_group in groups:
+                for p, main in zip(model_group, main_group, strict=True):
+                    targets[id(p)] = (main, 0, p.numel())
+    if not targets:
+        return None
+
+    @torch.no_grad()
+    def write(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        if id(param) not in targets:
+            return
+        main, start, end = targets[id(param)]
+        if value.shape != param.shape:
+            raise ValueError(f"master of a {tuple(param.shape)} parameter: got {value.shape}")
+        flat = value.reshape(-1)[start:end].to(device=main.device, dtype=main.dtype)
+        main.copy_(flat.view(main.shape))
+
+    return write

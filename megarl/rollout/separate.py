@@ -352,6 +352,12 @@ def merge_samples(shares: list, chunks: list, rollouts: list[Rollout]) -> list[R
 def serve() -> int:
     """An engine rank's life: answer trainer rank 0 until it says stop; returns the exit status
     it sends (the trainer's)."""
+    # vLLM reads the model's config.json from a directory: this rank's own, gone when it ends
+    with tempfile.TemporaryDirectory(prefix="megarl-engine-") as model_dir:
+        return _serve(model_dir)
+
+
+def _serve(model_dir: str) -> int:
     pg, engine, version = link(), None, 0
     outbox = Outbox(pg)
     while True:
@@ -364,7 +370,7 @@ def serve() -> int:
             return int(msg["exit"])
         try:
             if op == "start":
-                engine = _start(msg)
+                engine = _start(msg, model_dir)
                 reply = {"ok": True}
             elif op == "generate":
                 ro = engine.generate(
@@ -385,8 +391,7 @@ def serve() -> int:
         outbox.send(reply, 0)  # completes when the trainer asks for it
 
 
-def _start(msg: dict) -> RolloutEngine:
-    model_dir = tempfile.mkdtemp(prefix="megarl-engine-")  # vLLM reads config.json from a dir
+def _start(msg: dict, model_dir: str) -> RolloutEngine:
     write_engine_dir(model_dir, msg["arch"])
     return RolloutEngine(model_dir, msg["arch"], msg["cfg"], dtype=msg["dtype"])
 

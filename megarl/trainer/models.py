@@ -32,7 +32,7 @@ from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
 from megarl.models import lora
 from megarl.models.builder import BuildConfig, ValueHead, build_model, unwrap
 from megarl.models.hf_config import ModelArch
-from megarl.models.optim import build_optimizer
+from megarl.models.optim import build_optimizer, main_param_writer
 from megarl.rewards.model import (
     RewardModel,
     ScalarModelSource,
@@ -150,6 +150,7 @@ def build_trained_reward(
     if not source_arch.score_head:
         init_score_head(chunks, arch, cfg.model.init_seed)
     opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
+    full_precision_masters(cfg, source_arch, chunks, opt, roles=("reward", "actor"))
     return Models(reward=Trained(chunks, opt, sched), archs={"reward": arch})
 
 
@@ -187,6 +188,7 @@ def build_actor(cfg: RunConfig, arch: ModelArch, make, updates: int) -> Trained:
     if cfg.model.lora.init_from:
         load_peft(chunks, cfg.model.lora, cfg.model.lora.init_from)
     opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
+    full_precision_masters(cfg, arch, chunks, opt)
     return Trained(chunks, opt, sched)
 
 
@@ -244,21 +246,38 @@ def init_score_head(chunks: list, arch: ModelArch, seed: int) -> None:
 
 
 def load_initial_weights(
-    cfg: RunConfig, arch: ModelArch, chunks: list, roles: tuple[str, ...] = ("actor",)
+    cfg: RunConfig, arch: ModelArch, chunks: list, roles: tuple[str, ...] = ("actor",), into=None
 ) -> None:
     """Load the starting weights into `chunks`, each rank reading only the shards it holds
     (`model.hf`: the HF tensors of its own parameters; `model.mcore_ckpt`: a sharded
     `dist_checkpointing` load of the first of `roles` the checkpoint holds; random init from
     `model.config`: `seeded_init`, the same model at every layout, so a run resumed at another
     layout rebuilds the same reference). `arch` describes the files. No rank holds the whole
-    model; the reference and the critic trunk are then copied from the actor's shards."""
+    model; the reference and the critic trunk are then copied from the actor's shards. `into`:
+    where each tensor goes instead of its parameter (`full_precision_masters`); not for
+    `model.mcore_ckpt`, whose tensors are already in the parameters' dtype."""
     m = cfg.model
     if m.hf is None and m.mcore_ckpt is None:
-        seeded_init(chunks, arch, m.init_seed)
+        seeded_init(chunks, arch, m.init_seed, into)
     elif m.hf is not None:
-        load_hf_sharded(chunks, arch, m.hf)
-    elif m.mcore_ckpt is not None:
+        load_hf_sharded(chunks, arch, m.hf, into)
+    elif m.mcore_ckpt is not None and into is None:
         load_into(chunks, open_checkpoint(m.mcore_ckpt, roles))
+
+
+def full_precision_masters(
+    cfg: RunConfig, arch: ModelArch, chunks: list, optimizer, roles: tuple[str, ...] = ("actor",)
+) -> None:
+    """16-bit training: the optimizer's fp32 master weights read again from the starting
+    weights' source in its own precision (fp32 HF files, the fp32 random init), not copied from
+    the 16-bit parameters (`megarl.models.optim.main_param_writer` says why). The parameters are
+    unchanged: they stay the masters rounded to 16 bits. Not with LoRA (the frozen base has no
+    masters) or `model.mcore_ckpt`. Not collective."""
+    if cfg.model.lora.enabled or cfg.model.mcore_ckpt is not None:
+        return
+    write = main_param_writer(optimizer)
+    if write is not None:
+        load_initial_weights(cfg, arch, chunks, roles, into=write)
 
 
 # ---------------------------------------------------------------------- scalar models' sources
