@@ -4,7 +4,8 @@ parameter), fp32 logits / log-softmax for logprobs and losses, and an update tha
 parameters by what the fp32 master weights moved (rounded to bf16).
 
 The defects that would make bf16 learn slower than its rounding explains, each checked so that a
-broken version fails: bf16 weights not refreshed from the fp32 masters after a step (they must
+broken version fails: fp32 masters made from the bf16 weights instead of the fp32 source (they
+must equal the source bit for bit, off the bf16 grid), bf16 weights not refreshed from the fp32 masters after a step (they must
 equal the masters rounded to bf16, bit for bit, after every step), a weight sync that sends stale
 or re-rounded values (vLLM must hold the trainer's current bf16 weights, bit for bit), a bf16
 log-softmax (logprobs of bf16 logits must equal fp32 log_softmax of the upcast logits), and a
