@@ -5,11 +5,12 @@ parameters by what the fp32 master weights moved (rounded to bf16).
 
 The defects that would make bf16 learn slower than its rounding explains, each checked so that a
 broken version fails: fp32 masters made from the bf16 weights instead of the fp32 source (they
-must equal the source bit for bit, off the bf16 grid), bf16 weights not refreshed from the fp32 masters after a step (they must
-equal the masters rounded to bf16, bit for bit, after every step), a weight sync that sends stale
-or re-rounded values (vLLM must hold the trainer's current bf16 weights, bit for bit), a bf16
-log-softmax (logprobs of bf16 logits must equal fp32 log_softmax of the upcast logits), and a
-reference model that differs from the initial actor (same bf16 weights, identical logprobs)."""
+must equal the source bit for bit, off the bf16 grid), bf16 weights not refreshed from the fp32
+masters after a step (they must equal the masters rounded to bf16, bit for bit, after every
+step), a weight sync that sends stale or re-rounded values (vLLM must hold the trainer's current
+bf16 weights, bit for bit), a bf16 log-softmax (logprobs of bf16 logits must equal fp32
+log_softmax of the upcast logits), and a reference model that differs from the initial actor
+(same bf16 weights, identical logprobs)."""
 
 from __future__ import annotations
 
@@ -116,24 +117,32 @@ def test_bf16_compute_with_fp32_master_weights_and_optimizer_state():
     assert r["refreshed"]  # the bf16 copies are the stepped masters, rounded
 
 
-def masters_job(rank: int, world: int) -> dict:
+def masters_job(rank: int, world: int, hf: str | None = None) -> dict:
     from megarl.config import RunConfig, build
-    from megarl.convert.sharded import seeded_init
+    from megarl.convert.sharded import load_hf_sharded, seeded_init
     from megarl.distributed import Topology
     from megarl.models.builder import build_model, unwrap
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf
     from megarl.models.optim import build_optimizer
     from megarl.trainer.models import full_precision_masters
 
-    cfg = build(RunConfig, {"model": {"config": TINY_LLAMA}, "precision": {"dtype": "bf16"}})
+    model = {"hf": hf} if hf else {"config": TINY_LLAMA}
+    cfg = build(RunConfig, {"model": model, "precision": {"dtype": "bf16"}})
     arch = arch_from_hf(TINY_LLAMA)
     Topology.for_model(cfg.parallel, world, arch).initialize(seed=0)
+
+    def load(chunks):  # random init drawn in fp32, or the files; rounded into bf16 chunks
+        if hf:
+            load_hf_sharded(chunks, arch, hf)
+        else:
+            seeded_init(chunks, arch, cfg.model.init_seed)
+
     actor = build_model(arch, cfg.parallel, cfg.precision, role="actor")
-    seeded_init(actor, arch, cfg.model.init_seed)  # drawn in fp32, rounded into bf16
+    load(actor)
     opt, _ = build_optimizer(actor, cfg.optim, dtype="bf16")
     full_precision_masters(cfg, arch, actor, opt)
     source = build_model(arch, cfg.parallel, PrecisionConfig(dtype="fp32"), role="reference")
-    seeded_init(source, arch, cfg.model.init_seed)  # the same draws, kept in fp32
+    load(source)  # the same values, kept in fp32
     want = {id(p): dict(unwrap(source[0]).named_parameters())[n].detach().view(-1)
             for n, p in unwrap(actor[0]).named_parameters()}
     exact = rounded = True
@@ -158,6 +167,22 @@ def test_bf16_masters_start_from_the_fp32_source_at_dp2():
     for r in spawn(masters_job, 2, timeout=600):
         assert r["exact"] and r["rounded"], r
         assert r["elements"] > 0 and r["off_grid"] > 0.9 * r["elements"], r
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_bf16_masters_from_hf_files(tmp_path, dtype):
+    """From `model.hf`: fp32 files give masters off the bf16 grid, equal to the files; bf16
+    files (the parameters already hold their values) give masters equal to them too."""
+    from tests.test_convert_common import make_hf_dir
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    hf = make_hf_dir(TINY_LLAMA, str(tmp_path / "hf"), dtype=torch_dtype)
+    r = spawn(masters_job, 1, hf, timeout=600)[0]
+    assert r["exact"] and r["rounded"], r
+    if dtype == "fp32":
+        assert r["off_grid"] > 0.9 * r["elements"], r
+    else:
+        assert r["off_grid"] == 0, r
 
 
 def test_fp16_scales_the_loss_so_the_first_step_moves_the_weights():

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.config import ConfigError, RunConfig
+from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.peft import load_peft
 from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
 from megarl.models import lora
@@ -271,10 +272,15 @@ def full_precision_masters(
     """16-bit training: the optimizer's fp32 master weights read again from the starting
     weights' source in its own precision (fp32 HF files, the fp32 random init), not copied from
     the 16-bit parameters (`megarl.models.optim.main_param_writer` says why). The parameters are
-    unchanged: they stay the masters rounded to 16 bits. Not with LoRA (the frozen base has no
-    masters) or `model.mcore_ckpt`. Not collective."""
+    unchanged: they stay the masters rounded to 16 bits. Nothing to do with LoRA (the frozen
+    base has no masters), `model.mcore_ckpt`, or HF files already in the parameters' dtype (the
+    usual bf16 checkpoint). Not collective."""
     if cfg.model.lora.enabled or cfg.model.mcore_ckpt is not None:
         return
+    if cfg.model.hf is not None:
+        files = LazyHFTensors(cfg.model.hf)
+        if all(files.dtype(n) == cfg.precision.torch_dtype for n in files.names):
+            return  # the parameters already hold the files' values exactly: no second read
     write = main_param_writer(optimizer)
     if write is not None:
         load_initial_weights(cfg, arch, chunks, roles, into=write)
