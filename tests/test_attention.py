@@ -18,7 +18,7 @@ def job(rank: int, world: int, dtype: str) -> dict:
     from megarl.distributed import ParallelConfig, Topology
     from megarl.models.forward import causal_mask
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf, transformer_config
-    from megarl.models.specs import _sdpa_attention_class
+    from megarl.models.specs import sdpa_attention_class
     from tests.tiny import TINY_LLAMA
 
     hf = {**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}
@@ -26,7 +26,7 @@ def job(rank: int, world: int, dtype: str) -> dict:
     par = ParallelConfig(tensor_parallel=world)
     Topology.for_model(par, world, arch).initialize(seed=0)
     cfg = transformer_config(arch, par, PrecisionConfig(dtype=dtype), gpu=False)
-    ours = _sdpa_attention_class()(cfg, 1, AttnMaskType.causal, "self")
+    ours = sdpa_attention_class()(cfg, 1, AttnMaskType.causal, "self")
     ref = DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
     s, b, hn = 37, 3, arch.head_dim
     nq, ng = ours.num_attention_heads_per_partition, ours.num_query_groups_per_partition
@@ -69,7 +69,7 @@ def packed_job(rank: int, world: int, dtype: str) -> dict:
     from megarl.distributed import ParallelConfig, Topology
     from megarl.models.forward import causal_mask
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf, transformer_config
-    from megarl.models.specs import _sdpa_attention_class
+    from megarl.models.specs import sdpa_attention_class
     from tests.tiny import TINY_LLAMA
 
     hf = {**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}
@@ -77,7 +77,7 @@ def packed_job(rank: int, world: int, dtype: str) -> dict:
     par = ParallelConfig()
     Topology.for_model(par, 1, arch).initialize(seed=0)
     cfg = transformer_config(arch, par, PrecisionConfig(dtype=dtype), gpu=False)
-    attn = _sdpa_attention_class()(cfg, 1, AttnMaskType.causal, "self")
+    attn = sdpa_attention_class()(cfg, 1, AttnMaskType.causal, "self")
     lengths = [40, 3, 1, 17, 38, 2, 9]
     bounds = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     t, nq, ng, hn = sum(lengths), 8, 2, arch.head_dim

@@ -45,7 +45,9 @@ class QKRMSNorm(RMSNorm):
 
 
 @functools.cache
-def _sdpa_attention_class():
+def sdpa_attention_class():
+    """megarl's core attention for megatron's local layers (`SDPAttention` below), defined on
+    first use so that importing this module does not import megatron."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -261,7 +263,7 @@ def layer_spec(arch, *, use_te: bool):
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
-    sub.self_attention.submodules.core_attention = _sdpa_attention_class()
+    sub.self_attention.submodules.core_attention = sdpa_attention_class()
     if arch.qk_norm:
         sub.self_attention.submodules.q_layernorm = QKRMSNorm
         sub.self_attention.submodules.k_layernorm = QKRMSNorm
