@@ -13,16 +13,16 @@ def install() -> None:
 
     receive, calls = separate._receive_weights, [0]
 
-    def skipping(pg, engine, buckets):
+    def skipping(pg, engine, *args):
         calls[0] += 1
         if calls[0] != int(os.environ["SKIP_SYNC"]):
-            return receive(pg, engine, buckets)
-        load = engine.load_hf_weights
-        engine.load_hf_weights = lambda items: None  # the update never reaches vLLM
+            return receive(pg, engine, *args)
+        # the update never reaches vLLM, whichever way the engine writes it
+        engine.load_hf_weights = engine.write_repacked = lambda *a, **k: None
         try:
-            return receive(pg, engine, buckets)
+            return receive(pg, engine, *args)
         finally:
-            engine.load_hf_weights = load
+            del engine.load_hf_weights, engine.write_repacked  # the class's methods again
 
     separate._receive_weights = skipping
 

