@@ -350,12 +350,6 @@ class RunConfig:
                 raise ConfigError(
                     f"rollout.placement=separate: {why}; accepted: rollout.placement=colocated"
                 )
-        if self.model.lora.enabled and not self.model.lora.merge:
-            raise ConfigError(
-                "rollout.placement=separate with model.lora.merge=false: the separate engines "
-                "receive merged weights only; accepted: model.lora.merge=true, or "
-                "rollout.placement=colocated"
-            )
 
 
 def _field_types(cls) -> dict[str, Any]:

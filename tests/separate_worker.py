@@ -1,6 +1,7 @@
 """`torchrun ... -m tests.separate_worker train ...`: megarl's command line whose engine rank
 skips the weight update number SKIP_SYNC (1 = the sync at start-up): it receives the bytes but
-never loads them into vLLM, as an engine that missed an update would (the style of
+never loads them into vLLM, as an engine that missed an update would (SKIP_ADAPTERS: the LoRA
+adapters of that sync, with `model.lora.merge: false`) (the style of
 tests/fault_worker.py: a wrapper installed before `main`; megarl reads none of this)."""
 
 from __future__ import annotations
@@ -25,6 +26,17 @@ def install() -> None:
             del engine.load_hf_weights, engine.write_repacked  # the class's methods again
 
     separate._receive_weights = skipping
+    if "SKIP_ADAPTERS" in os.environ:  # the adapters of that sync never reach vLLM
+        from megarl.rollout.engine import RolloutEngine
+
+        load, loads = RolloutEngine.load_adapter, [0]
+
+        def skipping_load(self, tensors, config):
+            loads[0] += 1
+            if loads[0] != int(os.environ["SKIP_ADAPTERS"]):
+                load(self, tensors, config)
+
+        RolloutEngine.load_adapter = skipping_load
 
 
 if __name__ == "__main__":

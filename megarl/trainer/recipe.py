@@ -115,6 +115,7 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
                 groups,
                 cfg.precision.dtype,
                 max_staleness=cfg.algorithm.max_staleness,
+                lora=cfg.model.lora if models.actor is not None else None,
             )
         else:
             run.rollout = ColocatedRollout.build(
