@@ -173,8 +173,8 @@ def gather_full_state(
             if t is None:
                 t = torch.zeros_like(p.data)
         t = t.detach()
-        if _is_tp_sharded(p):
-            group = _tp_group_for(p)
+        group = _tp_group_for(p) if _is_tp_sharded(p) else None
+        if group is not None and dist.get_world_size(group) > 1:  # TP 1: the shard is whole
             shards = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
             dist.all_gather(shards, t.contiguous(), group=group)
             t = merge_tp(name, shards, p.partition_dim)

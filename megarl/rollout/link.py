@@ -80,12 +80,37 @@ def recv_object(pg, src: int):
 
 def broadcast(pg, tensor: torch.Tensor) -> None:
     """`tensor` from member 0 (trainer rank 0) to every member, in place."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    try:
-        pg.broadcast([tensor], opts).wait()
-    except RuntimeError as e:
-        if pg.rank() == 0:
-            who = "engine 0" if pg.size() == 2 else f"engines 0-{pg.size() - 2}"
-            raise LinkError(f"broadcasting to {who} (rollout ranks) failed: {e}") from e
-        raise LinkError(f"receiving a broadcast from trainer rank 0 failed: {e}") from e
+    Broadcasts(pg).start(tensor).wait()
+
+
+class Broadcasts:
+    """Broadcasts from member 0 that run while the caller goes on (gloo moves the bytes on its
+    own threads): `start(tensor)` each, then `wait()` for all; the tensors must stay untouched
+    until then. A failure raises `LinkError` from `wait`."""
+
+    def __init__(self, pg):
+        self.pg, self.works = pg, []
+
+    def start(self, tensor: torch.Tensor) -> Broadcasts:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            self.works.append((self.pg.broadcast([tensor], opts), tensor))  # (kept alive)
+        except RuntimeError as e:
+            raise self._error(e) from e
+        return self
+
+    def wait(self) -> None:
+        try:
+            for work, _ in self.works:
+                work.wait()
+        except RuntimeError as e:
+            raise self._error(e) from e
+        finally:
+            self.works = []
+
+    def _error(self, e: Exception) -> LinkError:
+        if self.pg.rank() == 0:
+            who = "engine 0" if self.pg.size() == 2 else f"engines 0-{self.pg.size() - 2}"
+            return LinkError(f"broadcasting to {who} (rollout ranks) failed: {e}")
+        return LinkError(f"receiving a broadcast from trainer rank 0 failed: {e}")

@@ -57,7 +57,7 @@ from megarl.rollout.checksum import FamilySums, mismatched
 from megarl.rollout.colocated import write_engine_dir
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.engine import ENGINE_DTYPES, Rollout, RolloutEngine
-from megarl.rollout.link import LinkError, Outbox, broadcast, recv_object
+from megarl.rollout.link import Broadcasts, LinkError, Outbox, broadcast, recv_object
 from megarl.rollout.vllm_layout import describe_model
 
 log = logging.getLogger(__name__)
@@ -351,10 +351,8 @@ class SeparateRollout:
 
     def _send_weights(self, full: dict) -> dict:
         t0 = time.perf_counter()
-        tensors = [
-            (name, t.to(self.dtype).contiguous())
-            for name, t in canonical_to_hf(self.arch, full.items())
-        ]
+        # (copied once, into the bucket they are sent in)
+        tensors = [(name, t.to(self.dtype)) for name, t in canonical_to_hf(self.arch, full.items())]
         buckets, size = [[]], 0
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -370,19 +368,30 @@ class SeparateRollout:
             self.outbox.send(msg, 1 + e)
         if floor:
             self._floor_s = _raw_broadcasts(self.link, buckets, self.dtype)
-        sent = FamilySums()
-        for name, t in tensors:
-            sent.add(name, t)
-        t_send = time.perf_counter()
-        it = iter(tensors)
-        for bucket in buckets:  # the engines receive every bucket before they load any
-            broadcast(self.link, torch.cat([next(it)[1].reshape(-1) for _ in bucket]))
+        # each bucket is packed and summed while the ones before it are on the wire; the engines
+        # receive every bucket before they write any
+        sent, sending, it = FamilySums(), Broadcasts(self.link), iter(tensors)
+        t_pack = time.perf_counter() - t0 - (self._floor_s if floor else 0.0)
+        for bucket in buckets:
+            t1 = time.perf_counter()
+            flat = torch.empty(sum(math.prod(shape) for _, shape in bucket), dtype=self.dtype)
+            offset = 0
+            for _ in bucket:
+                name, t = next(it)
+                packed = flat[offset : offset + t.numel()].view(t.shape)
+                packed.copy_(t)
+                sent.add(name, packed)
+                offset += t.numel()
+            t_pack += time.perf_counter() - t1
+            sending.start(flat)
+        t_packed = time.perf_counter()
+        sending.wait()
         t_sent = time.perf_counter()
         self._pending.append(_Sync(version, sent.state()))
         return {
             "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-            "checksum_seconds": t_send - t0 - (self._floor_s if floor else 0.0),
-            "broadcast_seconds": t_sent - t_send,
+            "checksum_seconds": t_pack,
+            "broadcast_seconds": t_sent - t_packed,
             "floor_seconds": self._floor_s,
             "families_verified": len(sent.sums),
         }
@@ -489,8 +498,10 @@ def _receive_weights(pg, engine: RolloutEngine, buckets: list, desc) -> dict:
     (`cpu_repack`); otherwise vLLM's reload."""
     dtype, got = engine.torch_dtype, FamilySums()
     flats = [torch.empty(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
+    receiving = Broadcasts(pg)
     for flat in flats:
-        broadcast(pg, flat)
+        receiving.start(flat)
+    receiving.wait()
 
     def items(summed: bool = True):
         for bucket, flat in zip(buckets, flats, strict=True):
