@@ -40,7 +40,8 @@ def applies(desc: VllmDescription) -> bool:
 
 class RepackTarget:
     """One dense tensor per vLLM parameter, in vLLM's layout: a whole trainer parameter
-    (`sources`, read at write time) or a buffer the exchange fills (`views`, per piece)."""
+    (`whole`, read at write time) or a buffer the exchange fills (`buffers`; `views` per
+    piece)."""
 
     staged = True
     padding = ()  # buffers start zeroed; no piece writes the vocab padding rows
@@ -51,8 +52,10 @@ class RepackTarget:
         for k, pc in enumerate(plan.pieces):
             by_param.setdefault(pc.param, []).append(k)
         same = plan.src_dtype == str(dtype).removeprefix("torch.")
-        # vLLM parameter -> the trainer parameter (index) that is it whole
-        self.whole: dict[str, int] = {}
+        self.shapes = shapes
+        self.repacked = {p.name for p in desc.params if p.repacked}
+        # vLLM parameter -> the segment of the trainer parameter that is it whole
+        self.whole: dict[str, object] = {}
         for name, ks in by_param.items():
             segs = [plan.aliases.get(k) for k in ks]
             if same and all(segs) and len({s.param for s in segs}) == 1:
@@ -68,7 +71,7 @@ class RepackTarget:
                         for s, pc in zip(segs, pcs, strict=True)
                     )
                 ):
-                    self.whole[name] = segs[0].param
+                    self.whole[name] = segs[0]
         self.aliased = {k for name in self.whole for k in by_param[name]}
         self.buffers = {
             name: torch.zeros(shapes[name], dtype=dtype, device=device)

