@@ -15,6 +15,11 @@ micro-batches).
 - ppo_update: GAE (`gae_advantages`) over the critic's values, two `train_value` steps (the
   first moves only the zero-initialised value head, the second every critic matrix) and one PPO
   `train_policy` step: finite losses.
+- lora_update: a rank-16 LoRA actor (every linear adapted) on the actor's current weights:
+  logprobs at step 0 equal the dense actor's (B starts at zero), one GRPO step moves every
+  adapter `B` and no base parameter, the adapters switched off give the base logprobs back
+  bitwise (a LoRA run's reference), and the merged weights W + scale B A (the weight sync's
+  `lora.merged`) give the adapted logprobs within bf16 tolerance.
 - cpu_parity: a ~56M model, the same weights and batch, one GRPO step here (bf16) and in a CPU
   process (fp32, `MEGARL_DEVICE=cpu`, GPU hidden): logprobs and the pre-update loss agree within
   bf16 tolerance. This is the check that the CUDA path computes what the tested CPU path does.
@@ -32,7 +37,7 @@ import common
 import parity
 import rl
 
-CHECKS = ["build", "forward", "grpo_update", "ppo_update", "cpu_parity"]
+CHECKS = ["build", "forward", "grpo_update", "ppo_update", "lora_update", "cpu_parity"]
 SHAPES = {
     False: dict(
         arch="llama_0.5b",
@@ -260,6 +265,107 @@ def ppo_update(fig, st) -> None:
         raise common.Fail(f"only {mat} of {mats} critic matrices changed after two value steps")
 
 
+def lora_update(fig, st) -> None:
+    import torch
+
+    from megarl.config import AlgorithmConfig
+    from megarl.data.batch import MicroBatching
+    from megarl.models import lora
+    from megarl.models.builder import build_model, unwrap
+    from megarl.trainer.experience import forward_logprobs
+    from megarl.trainer.update import train_policy
+
+    prec, bcfg, _ = common.precision(st.dtype)
+    cfg = lora.LoraConfig(rank=16, alpha=32.0)
+    chunks = build_model(
+        st.a, st.par, prec, role="actor", build=dataclasses.replace(bcfg, lora=cfg),
+        gpu=st.device == "cuda",
+    )  # fmt: skip
+    have = {n: p for c in st.actor for n, p in unwrap(c).named_parameters()}
+    with torch.no_grad():
+        for c in chunks:
+            for n, p in unwrap(c).named_parameters():
+                if not lora.is_lora(p):
+                    p.copy_(have[n])
+    opt, sched = rl.optimizer(chunks, st.dtype)
+    mask = st.batch.loss_mask.bool()
+    kw = dict(
+        micro=MicroBatching(size=st.shape["mbs"], pack=True),
+        vocab_size=st.a.vocab_size,
+        groups=st.groups,
+        temperature=1.0,
+    )
+
+    def logprobs(models):
+        return forward_logprobs(models, st.batch.fields(), **kw)
+
+    dense = logprobs(st.actor)
+    start = logprobs(chunks)
+    snap = rl.snapshot(chunks)
+    batch = dataclasses.replace(
+        st.batch,
+        old_logprobs=start,
+        ref_logprobs=start,
+        advantages=rl.grpo_advantages(st.groups, st.batch),
+    )
+    alg = AlgorithmConfig(name="grpo", kl_coef=0.01, micro_batch_size=st.shape["mbs"])
+    t0 = time.perf_counter()
+    m = common.metrics_dict(
+        train_policy(
+            chunks, opt, sched, batch, alg=alg,
+            rollout=rl.rollout_cfg(len(st.shape["resp"]), max(st.shape["resp"])),
+            vocab_size=st.a.vocab_size, groups=st.groups, seed=0,
+        ),
+        st.groups,
+    )  # fmt: skip
+    common.sync(st.device)
+    fig["step_s"] = time.perf_counter() - t0
+    moved = {"A": [0, 0], "B": [0, 0], "base": [0, 0]}
+    for c in chunks:
+        for n, p in unwrap(c).named_parameters():
+            kind = ("B" if n.endswith(".B") else "A") if lora.is_lora(p) else "base"
+            moved[kind][1] += 1
+            moved[kind][0] += int(not torch.equal(p.detach(), snap[n]))
+    adapted = logprobs(chunks)
+    with lora.disabled(chunks):
+        base = logprobs(chunks)
+    with lora.merged(chunks):
+        merged = logprobs(chunks)
+    step0 = float((start - dense)[mask].abs().max())
+    off = float((base - dense)[mask].abs().max())
+    moved_by = float((adapted - start)[mask].abs().max())
+    merge_err = float((merged - adapted)[mask].abs().max())
+    tol = 0.05 if st.dtype == "bf16" else 1e-4
+    fig.update(
+        loss=m.get("loss"),
+        grad_norm=m.get("grad_norm"),
+        adapters=moved["A"][1] + moved["B"][1],
+        B_changed=f"{moved['B'][0]}/{moved['B'][1]}",
+        base_changed=f"{moved['base'][0]}/{moved['base'][1]}",
+        step0_vs_dense_max=step0,
+        off_vs_dense_max=off,
+        update_moved_logprobs_max=moved_by,
+        merged_vs_adapted_max=merge_err,
+        merge_tol=tol,
+        peak_gib=common.peak_gib(st.device),
+    )
+    del snap, opt, chunks
+    if not math.isfinite(float(m.get("loss", float("nan")))) or m.get("skipped_steps", 0):
+        raise common.Fail(f"LoRA policy loss {m.get('loss')}, skipped {m.get('skipped_steps')}")
+    if moved["base"][0]:
+        raise common.Fail(f"{moved['base'][0]} frozen base parameter(s) changed in a LoRA step")
+    if moved["B"][0] != moved["B"][1] or not moved["B"][1]:
+        raise common.Fail(f"only {moved['B'][0]} of {moved['B'][1]} adapter B matrices moved")
+    if step0 != 0.0 or off != 0.0:
+        raise common.Fail(
+            f"zero adapters / adapters off differ from the dense actor: {step0:.3g} / {off:.3g}"
+        )
+    if not moved_by > 0:
+        raise common.Fail("the LoRA step did not change the policy's logprobs")
+    if merge_err > tol:
+        raise common.Fail(f"merged weights' logprobs differ by {merge_err:.3g} (> {tol})")
+
+
 def body(rec: common.Recorder, args, device: str) -> None:
     sh = SHAPES[args.tiny]
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
@@ -276,6 +382,7 @@ def body(rec: common.Recorder, args, device: str) -> None:
     rec.run("forward", forward, st, needs=["build"])
     rec.run("grpo_update", grpo_update, st, needs=["forward"])
     rec.run("ppo_update", ppo_update, st, needs=["forward"])
+    rec.run("lora_update", lora_update, st, needs=["forward"])
     rec.run(
         "cpu_parity", parity.cpu_parity, st, args.scratch, needs=["build"], min_s=40 if big else 10
     )

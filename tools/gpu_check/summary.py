@@ -11,7 +11,8 @@ KEY_FIGURES = (
     "gpu", "torch", "megatron_core", "python", "how", "group_backend", "ops", "tflops",
     "megarl_peak_tflops", "fraction_of_peak", "copy_GBps", "rw_GBps", "arch", "params", "shape",
     "logprob_mean", "loss", "grad_norm", "matrices_changed", "value_loss", "policy_loss",
-    "critic_matrices_changed", "logprob_abs_diff_mean", "logprob_abs_diff_max", "loss_abs_diff",
+    "critic_matrices_changed", "B_changed", "base_changed", "merged_vs_adapted_max",
+    "logprob_abs_diff_mean", "logprob_abs_diff_max", "loss_abs_diff",
     "loss_tol", "mode", "pieces", "bitwise_equal", "tensors", "sync_s", "floor_s", "x_floor",
     "seq", "mbs", "tokens_per_s", "mfu", "peak_gib", "note",
 )  # fmt: skip
