@@ -55,7 +55,11 @@ class ModelConfig:
     (the trunk and score head of reward.model), or a reward model directory (the forms of
     reward.model). It must use the policy's tokenizer."""
     lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA adapters on the policy (docs/lora.md): rank 0 = full fine-tuning."""
+    """LoRA adapters on the trained model (docs/lora.md): the policy, or the reward model of
+    algorithm.name=rm; rank 0 = full fine-tuning."""
+    critic_lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the PPO critic, its value head trained in full (docs/lora.md): rank,
+    alpha, dropout, targets; rank 0 = the critic trains in full."""
 
     def __post_init__(self):
         given = [k for k in ("hf", "mcore_ckpt", "config") if getattr(self, k)]
@@ -294,11 +298,22 @@ class RunConfig:
                 f"eval.pass_reward={self.eval.pass_reward!r} is not one of reward.functions; "
                 f"accepted: {list(fns)}"
             )
-        if self.model.lora.enabled and self.algorithm.name == "rm":
+        lora = self.model.lora
+        if lora.enabled and not lora.merge and lora.rank > 512 and rl:
             raise ConfigError(
-                "model.lora.rank with algorithm.name=rm: the reward model trains in full (LoRA "
-                "adapters sit on the policy); accepted: model.lora.rank=0, or start the reward "
-                "model from a LoRA run's merged export (RUN/hf)"
+                f"model.lora.rank={lora.rank} with model.lora.merge=false: vLLM's LoRA layers "
+                "take ranks up to 512; accepted: a rank <= 512, or merge=true"
+            )
+        critic_lora = self.model.critic_lora
+        if critic_lora.enabled and self.algorithm.name != "ppo":
+            raise ConfigError(
+                f"model.critic_lora.rank={critic_lora.rank} with algorithm.name="
+                f"{self.algorithm.name}: only ppo has a critic; accepted: model.critic_lora.rank=0"
+            )
+        if critic_lora.init_from or critic_lora.merge:
+            raise ConfigError(
+                "model.critic_lora.init_from / merge: the critic's adapters start fresh and are "
+                "never synced to an engine; accepted: rank, alpha, dropout, targets"
             )
         if not fns and (self.eval.every or self.eval.path or self.eval.fraction):
             raise ConfigError("eval: reward.functions is empty; a pass needs a reward function")

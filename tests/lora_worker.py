@@ -16,9 +16,12 @@ from megarl.models.hf_config import PrecisionConfig, arch_from_hf
 from megarl.models.optim import OptimConfig, build_optimizer, wire_grad_finalization
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # a MoE model's adaptable linears
 
 
-def peft_reference(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
+def peft_reference(
+    rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, targets=TARGETS
+):
     """An HF model and a PEFT adapter with non-zero B (written to out/hf, out/adapter), its
     logits, loss, adapter grads by PEFT key, and its merged weights by HF name."""
     import peft
@@ -29,7 +32,7 @@ def peft_reference(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: 
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.save_pretrained(f"{out}/hf")
     cfg = peft.LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=list(TARGETS), init_lora_weights=False
+        r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False
     )
     model = peft.get_peft_model(model, cfg)
     model.save_pretrained(f"{out}/adapter")
@@ -45,13 +48,13 @@ def peft_reference(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: 
     return {"logits": logits.detach(), "loss": float(loss), "grads": grads, "merged": merged}
 
 
-def actor_at(world, hf, out, batch, r, alpha, layout, ddp=None):
+def actor_at(world, hf, out, batch, r, alpha, layout, ddp=None, targets=TARGETS):
     """(chunks, groups, micro-batches, loss_fn) of a LoRA actor at `layout`: the base from
     out/hf, the adapters from out/adapter."""
-    arch = arch_from_hf(hf)
+    arch = arch_from_hf(f"{out}/hf")  # as saved: transformers' defaults filled in (rope_theta)
     par = ParallelConfig(**layout)
     groups = Topology.for_model(par, world, arch).initialize(seed=0)
-    cfg = lora.LoraConfig(rank=r, alpha=alpha, targets=TARGETS)
+    cfg = lora.LoraConfig(rank=r, alpha=alpha, targets=targets)
     build = BuildConfig(lora=cfg)
     chunks = build_model(arch, par, PrecisionConfig(), role="actor", build=build, ddp_config=ddp)
     load_hf_sharded(chunks, arch, f"{out}/hf")
@@ -82,7 +85,9 @@ def _logits(res, groups) -> dict:
     return out
 
 
-def megarl_side(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, layout):
+def megarl_side(
+    rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, layout, targets=TARGETS
+):
     """megarl's actor with LoRA at `layout`, its adapters from out/adapter: logits by sample
     (with the adapters on and off), adapter grads and merged HF weights (rank 0), the names of
     base parameters that train (none), the optimizer's element count, and the adapters written
@@ -90,8 +95,10 @@ def megarl_side(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: flo
     from megatron.core.distributed import DistributedDataParallelConfig
 
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
-    chunks, groups, mbs, loss_fn, cfg = actor_at(world, hf, out, batch, r, alpha, layout, ddp)
-    arch = arch_from_hf(hf)
+    chunks, groups, mbs, loss_fn, cfg = actor_at(
+        world, hf, out, batch, r, alpha, layout, ddp, targets
+    )
+    arch = arch_from_hf(f"{out}/hf")
     wire_grad_finalization(chunks)
     dp = groups.dp_size
     res = forward.forward_backward(chunks, mbs, loss_fn, forward_only=False, dp_size=dp)
@@ -120,24 +127,32 @@ def megarl_side(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: flo
     }
 
 
-def single_rank(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
-    """`peft_reference` and `megarl_side` at one rank, in one process."""
+def single_rank(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, moe: dict):
+    """`peft_reference` and `megarl_side` at one rank, in one process; also of the MoE model
+    `moe` with attention adapters (in out/moe): {"moe": (reference, one rank)}."""
     ref = peft_reference(rank, world, hf, out, batch, r, alpha)
-    return ref, megarl_side(rank, world, hf, out, batch, r, alpha, {})
+    one = megarl_side(rank, world, hf, out, batch, r, alpha, {})
+    moe_ref = peft_reference(rank, world, moe, f"{out}/moe", batch, r, alpha, ATTENTION)
+    moe_one = megarl_side(rank, world, moe, f"{out}/moe", batch, r, alpha, {}, ATTENTION)
+    return ref, one, moe_ref, moe_one
 
 
+DP2 = {}  # two ranks, nothing else split
 TP2_SP = {"tensor_parallel": 2, "sequence_parallel": True}
 PP2 = {"pipeline_parallel": 2}
 PP2_VPP2 = {"pipeline_parallel": 2, "virtual_pipeline_parallel": 2}  # one layer per chunk
 
 
-def two_ranks(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float):
-    """`megarl_side` at TP2 + SP, PP2 and PP2 x VPP2, and `resume_elsewhere`, in one pair of
-    processes."""
+def two_ranks(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, moe: dict):
+    """`megarl_side` at DP2, TP2 + SP, PP2 and PP2 x VPP2, the MoE model's at EP2 (its experts
+    split, the rest DP2), and `resume_elsewhere`, in one pair of processes."""
     layouts = {
         n: megarl_side(rank, world, hf, out, batch, r, alpha, lay)
-        for n, lay in (("tp2-sp", TP2_SP), ("pp2", PP2), ("pp2-vpp2", PP2_VPP2))
+        for n, lay in (("dp2", DP2), ("tp2-sp", TP2_SP), ("pp2", PP2), ("pp2-vpp2", PP2_VPP2))
     }
+    layouts["moe-ep2"] = megarl_side(
+        rank, world, moe, f"{out}/moe", batch, r, alpha, {"expert_parallel": 2}, ATTENTION
+    )
     return layouts, resume_elsewhere(rank, world, hf, out, batch, r, alpha)
 
 
@@ -176,7 +191,9 @@ def resume_elsewhere(rank, world, hf: dict, out: str, batch: dict, r: int, alpha
         next(p for n, p in chunks[0].named_parameters() if "linear_fc2.weight" in n).add_(1e-3)
     cfg = load_config(overrides=["model.lora.rank=4"])
     try:
-        check_lora_base(f"{out}/run/checkpoints/step_000001", after["pp2/fingerprint"], chunks, cfg)
+        check_lora_base(
+            f"{out}/run/checkpoints/step_000001", "actor", after["pp2/fingerprint"], chunks, cfg
+        )
         after["other base"] = None
     except Exception as e:
         after["other base"] = f"{type(e).__name__}: {e}"

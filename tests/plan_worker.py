@@ -134,12 +134,13 @@ def measure_vllm(rank, world, hf: dict, kv_bytes: int) -> dict:
     return out
 
 
-def measure_lora(rank, world, hf: dict, dtype: str, lora_rank: int) -> dict:
-    """Bytes of a LoRA actor's parts as built by the trainer (`build_model`, megatron's DDP and
-    DistributedOptimizer, one Adam step), counted from the tensors themselves: `weights` every
-    parameter, `main_grads` the fp32 grads of the parameters in DDP's buffer, `grad_buffer` the
-    buffer with megatron's alignment padding, `optimizer` Adam's m, v and fp32 master copies,
-    `merged` the weight sync's merged copies (`lora.merged`)."""
+def measure_lora(rank, world, hf: dict, dtype: str, lora_rank: int, role: str = "actor") -> dict:
+    """Bytes of the parts of a LoRA actor (or critic: `role`) as built by the trainer
+    (`build_model`, megatron's DDP and DistributedOptimizer, one Adam step), counted from the
+    tensors themselves: `weights` every parameter, `trained` the parameters with gradients,
+    `main_grads` the fp32 grads of the parameters in DDP's buffer, `grad_buffer` the buffer with
+    megatron's alignment padding, `optimizer` Adam's m, v and fp32 master copies, `merged` the
+    weight sync's merged copies (`lora.merged`)."""
     from megarl.models import lora
     from megarl.models.builder import BuildConfig, build_model
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf
@@ -148,8 +149,9 @@ def measure_lora(rank, world, hf: dict, dtype: str, lora_rank: int) -> dict:
     arch = arch_from_hf(hf)
     par = ParallelConfig()
     Topology.create(par, world).initialize(seed=0)
-    build = BuildConfig(lora=lora.LoraConfig(rank=lora_rank))
-    chunks = build_model(arch, par, PrecisionConfig(dtype=dtype), role="actor", build=build)
+    adapters = lora.LoraConfig(rank=lora_rank)
+    build = BuildConfig(lora=adapters) if role == "actor" else BuildConfig(critic_lora=adapters)
+    chunks = build_model(arch, par, PrecisionConfig(dtype=dtype), role=role, build=build)
     params = [p for c in chunks for p in c.parameters()]
     buffers = [b for c in chunks for b in c.buffers]
     optimizer, _ = build_optimizer(chunks, OptimConfig(lr=1e-5), dtype=dtype)
@@ -163,6 +165,7 @@ def measure_lora(rank, world, hf: dict, dtype: str, lora_rank: int) -> dict:
     return {
         "weights": sum(p.nbytes for p in params),
         "adapters": sum(p.numel() for p in params if lora.is_lora(p)),
+        "trained": sum(p.numel() for p in params if p.requires_grad),
         "main_grads": sum(p.main_grad.nbytes for p in params if p.requires_grad),
         "grad_buffer": sum(b.grad_data.nbytes for b in buffers),
         "optimizer": sum(t.nbytes for t in state if t.dim() > 0)  # not Adam's step counter

@@ -545,3 +545,36 @@ def test_lora_rows_equal_the_trainers_own_tensors():
         == (adapted * 2 + 16 * 2 * f * h)
     )
     assert "reference weights" not in rows
+
+
+def _critic_row(critic_rank: int):
+    cfg = build(
+        RunConfig,
+        {
+            "model": {
+                "config": TINY_LLAMA,
+                "tokenizer": "toy",
+                "critic_lora": {"rank": critic_rank},
+            },
+            "precision": {"dtype": "bf16"},
+            "data": {"path": "toy", "max_prompt_length": 16, "prompts_per_step": 2},
+            "rollout": {"max_tokens": 16, "n": 1},
+            "algorithm": {"name": "ppo", "micro_batch_size": 1},
+        },
+    )
+    rows = plan(cfg, gpus=1, gpu_mem_gib=24, device="cpu").stages[0].rows
+    return next(row for row in rows if row.name == "critic weights + grads + Adam")
+
+
+def test_a_lora_critic_row_is_its_frozen_base_and_its_trained_adapters_and_head():
+    r = 4
+    row = _critic_row(r)
+    h, f, q, kv, layers = 64, 128, 64, 32, TINY_LLAMA["num_hidden_layers"]
+    adapters = layers * r * ((h + q) * 2 + (h + kv) * 2 + (h + f) * 3)
+    m = spawn(plan_worker.measure_lora, 1, TINY_LLAMA, "bf16", r, "critic")[0]
+    assert m["adapters"] == adapters and m["trained"] == adapters + h  # + the value head
+    assert m["main_grads"] == m["trained"] * 4 and m["optimizer"] == m["trained"] * 12
+    assert row.nbytes == m["weights"] + m["main_grads"] + m["optimizer"]
+    assert "trained (LoRA adapters, value head)" in row.formula
+    # the same critic trained in full holds grads and Adam for every parameter
+    assert _critic_row(0).nbytes == (m["weights"] // 2 - adapters) * (2 + 4 + 12)

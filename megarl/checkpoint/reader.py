@@ -159,11 +159,16 @@ def _open_trainer(path: str, role: str | None) -> CheckpointSource:
     role = role or "actor"
     if role not in roles and any(k.startswith(f"{role}.lora.") for k in tensors):
         run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        merged = os.path.join(run, "hf")
+        accepted = (
+            f"the merged model {merged} (trainer.export_hf) as model.hf, or the base as "
+            f"model.hf with model.lora.init_from={os.path.join(run, 'adapter')}"
+            if role == "actor"
+            else f"the merged model {merged} (a LoRA reward-model run writes it at its end)"
+        )
         raise CheckpointError(
             f"{path} holds the LoRA adapters of a LoRA run's {role}, not its base (a resume "
-            f"rebuilds that from the run's model source); accepted: the merged model "
-            f"{os.path.join(run, 'hf')} (trainer.export_hf) as model.hf, or the base as "
-            f"model.hf with model.lora.init_from={os.path.join(run, 'adapter')}"
+            f"rebuilds that from the run's model source); accepted: {accepted}"
         )
     if role not in roles:
         raise CheckpointError(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.files import STATE_FILE, list_checkpoints, write_trainer_state
-from megarl.checkpoint.keys import strip_prefix
+from megarl.checkpoint.keys import has_value_head, strip_prefix
 from megarl.checkpoint.vetting import check_dcp_metadata
 from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.models.builder import unwrap
@@ -33,15 +33,22 @@ OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 def _model_sd(chunks, prefix: str) -> dict:
     """The chunks' sharded state (of the GPTModel itself: DDP / Float16Module wrappers would
-    add "module." to every key). A LoRA model's is its adapters only: the frozen base is
-    rebuilt from the run's model source, as a frozen reference is."""
+    add "module." to every key). A LoRA model's is what it trains: its adapters and a scalar
+    head (a critic's, a reward model's); the frozen base is rebuilt from the run's model
+    source, as a frozen reference is."""
     out = {}
     for i, c in enumerate(chunks):
         sd = unwrap(c).sharded_state_dict(prefix=prefix)
         if adapters_of([c]):
-            sd = {k: v for k, v in sd.items() if k.startswith(f"{prefix}lora.")}
+            keep = tuple(prefix + k for k in _lora_kept(c))
+            sd = {k: v for k, v in sd.items() if k.startswith(keep)}
         out[f"chunk{i}"] = sd
     return out
+
+
+def _lora_kept(chunk) -> tuple[str, ...]:
+    """The key prefixes a LoRA chunk checkpoints: its adapters, and its scalar head."""
+    return ("lora.", "output_layer.") if has_value_head(unwrap(chunk)) else ("lora.",)
 
 
 def _sharded(models: dict, is_loading: bool) -> dict:
@@ -133,7 +140,7 @@ def load_models(path: str, models: dict) -> None:
             missing, unexpected = unwrap(c).load_state_dict(part, strict=False)
             unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
             if adapters_of([c]):  # LoRA: the base came from the model source (`_model_sd`)
-                missing = [k for k in missing if k.startswith("lora.")]
+                missing = [k for k in missing if k.startswith(_lora_kept(c))]
             if missing or unexpected:
                 raise RuntimeError(
                     f"checkpoint {path}: {name} chunk {i} missing keys {missing}, "

@@ -54,6 +54,7 @@ from megarl.convert.mapping import (
 )
 from megarl.models.builder import ValueHead, unwrap
 from megarl.models.hf_config import ModelArch
+from megarl.models.lora import is_lora
 
 _EMBED = "embedding.word_embeddings.weight"
 _HEAD = "output_layer.weight"
@@ -217,6 +218,8 @@ def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None
         head = getattr(d_model, "output_layer", None)
         from_policy = not has_value_head(s_model)
         for name, p in d_model.named_parameters():
+            if is_lora(p):  # `dst`'s own adapters keep their init (B = 0: the copied model)
+                continue
             if isinstance(head, ValueHead) and from_policy and name.startswith("output_layer."):
                 p.data.zero_()
                 continue

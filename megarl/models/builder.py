@@ -33,7 +33,10 @@ class BuildConfig:
     """MoE: build the actor's and the reference's routers able to replay the rollout's routes
     (`megarl.models.routing`); the critic and the reward model route by themselves."""
     lora: LoraConfig = LoraConfig()
-    """The actor's LoRA adapters (`megarl.models.lora`): its base frozen, only they train."""
+    """The actor's LoRA adapters (`megarl.models.lora`): its base frozen, only they train. Also
+    those of a trained (not frozen) reward model: the one model of a reward-model run."""
+    critic_lora: LoraConfig = LoraConfig()
+    """The critic's LoRA adapters; its value head stays trainable."""
     lora_seed: int = 0
     """Seed of the adapters' init (the same adapters at every layout)."""
 
@@ -171,7 +174,9 @@ def build_model(
     replay = build.routing_replay and role not in SCALAR_ROLES
     config = transformer_config(arch, parallel, precision, gpu=gpu, routing_replay=replay)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    lora = build.lora if role == "actor" else LoraConfig()
+    if frozen is None:
+        frozen = role == "reference"
+    lora = role_lora(build, role, frozen)
     tp = ps.get_tensor_model_parallel_world_size()
     check_lora(lora, arch, tp=tp, use_te=use_te, precision=precision)
     chunks = []
@@ -181,13 +186,13 @@ def build_model(
         )
         if lora.enabled:
             apply_lora(chunk, lora, arch, build.lora_seed)
+            if isinstance(getattr(chunk, "output_layer", None), ValueHead):
+                chunk.output_layer.requires_grad_(True)  # a new head: trained in full
         if gpu:
             chunk.cuda(torch.cuda.current_device())
         if precision.dtype != "fp32":
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
-    if frozen is None:
-        frozen = role == "reference"
     if frozen:
         for c in chunks:
             c.requires_grad_(False)
@@ -205,6 +210,15 @@ def build_model(
         )
         for i, c in enumerate(chunks)
     ]
+
+
+def role_lora(build: BuildConfig, role: str, frozen: bool) -> LoraConfig:
+    """The adapters `role` is built with: the actor's (also when frozen: `megarl eval` of a
+    PEFT adapter), a trained reward model's (a frozen one scores as it was exported), the
+    critic's own; none on the reference (a LoRA run's reference is the actor, adapters off)."""
+    if role == "actor" or (role == "reward" and not frozen):
+        return build.lora
+    return build.critic_lora if role == "critic" else LoraConfig()
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -83,6 +83,9 @@ class Shape:
     layers: tuple[tuple[int, ...], ...]  # layers per model chunk, per stage
     critic: tuple[int, ...] | None
     padded_vocab: int
+    critic_trained: tuple[int, ...] | None = None
+    """The critic's parameters with grads and Adam state (`model.critic_lora`: adapters and
+    value head; None: all of `critic`)."""
     adapters: tuple[int, ...] = ()
     """LoRA adapter parameters per stage (empty without LoRA)."""
     adapted: tuple[int, ...] = ()
@@ -198,6 +201,9 @@ def count_params(cfg: RunConfig, world: int, dry_run) -> tuple[Shape, object]:
         expert_params=tuple(sum(c.params.get("experts", 0) for c in r.chunks) for r in runs),
         layers=tuple(tuple(len(c.layers) for c in r.chunks) for r in runs),
         critic=tuple(r.critic_params for r in runs) if first.critic_params is not None else None,
+        critic_trained=(
+            tuple(r.critic_trained for r in runs) if cfg.model.critic_lora.enabled else None
+        ),
         padded_vocab=first.padded_vocab,
         adapters=tuple(r.rank_adapters for r in runs) if lora else (),
         adapted=tuple(sum(c.adapted for c in r.chunks) for r in runs) if lora else (),
@@ -250,7 +256,17 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
         rows.append(Row("actor Adam", opt, f"{per_text} {shard}"))
         if alg.needs_reference:
             rows.append(Row("reference weights", total * e, f"{total:,} x {e} B (frozen)"))
-    if shape.critic is not None:
+    if shape.critic is not None and shape.critic_trained is not None:
+        c, t = shape.critic[r], shape.critic_trained[r]  # LoRA: a frozen base, t trained
+        rows.append(
+            Row(
+                "critic weights + grads + Adam",
+                c * e + t * 4 + t * per / dp_shard,
+                f"{c:,} x {e} B + {t:,} trained (LoRA adapters, value head) x 4 B + "
+                f"{per_text} / DP x CP {dp_shard}",
+            )
+        )
+    elif shape.critic is not None:
         c = shape.critic[r]
         cexp = experts  # the critic shares the actor's trunk, experts included
         copt = (c - cexp) * per / dp_shard + cexp * per / edp_shard
@@ -450,21 +466,30 @@ def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
     per, _ = fm.optimizer_bytes_per_param(cfg.precision.dtype)
     trained = e + 4 + per  # weights, fp32 grads, Adam
     critic = ", critic" if cfg.algorithm.name == "ppo" else ""
+    # the critic: trained in full, or a frozen base whose adapters (and head) train
+    c_lora = cfg.model.critic_lora
+    c_per, c_ad = (trained, 0) if critic else (0, 0)
+    if critic and c_lora.enabled:
+        c_per = e
+        c_ad = fm.lora_adapter_params(arch, rank=c_lora.rank, modules=c_lora.modules())
+        critic = ", frozen critic base"
     lora = cfg.model.lora
+    adapters = c_ad
     if lora.enabled:  # the frozen base (also the reference) + the adapters, trained
-        ad = fm.lora_adapter_params(arch, rank=lora.rank, modules=lora.modules())
-        base = e + (trained if critic else 0)
-        total = n * base + ad * trained
+        adapters += fm.lora_adapter_params(arch, rank=lora.rank, modules=lora.modules())
+        base = e + c_per
+        total = n * base + adapters * trained
         what = (
-            f"{n:,} params x {base} B (frozen base{critic}) + {ad:,} LoRA adapter params x "
-            f"{trained} B (weights, fp32 grads, Adam; the reference is the base)"
+            f"{n:,} params x {base} B (frozen base{critic}) + {adapters:,} LoRA adapter params "
+            f"x {trained} B (weights, fp32 grads, Adam; the reference is the base)"
         )
     else:
-        states = trained + (e if cfg.algorithm.needs_reference else 0) + (trained if critic else 0)
-        total = n * states
+        states = trained + (e if cfg.algorithm.needs_reference else 0) + c_per
+        total = n * states + adapters * trained
         what = (
             f"{n:,} params x {states} B (weights, fp32 grads, Adam"
             f"{', reference' if cfg.algorithm.needs_reference else ''}{critic})"
+            + (f" + {adapters:,} critic LoRA adapter params x {trained} B" if adapters else "")
         )
     need = math.ceil(total / (HEADROOM * gpu_mem))
     fits = "" if total / gpus <= HEADROOM * gpu_mem else " (does not fit)"

@@ -88,6 +88,9 @@ class DryRun:
     groups: dict[str, list[int]]
     chunks: list[Chunk]
     critic_params: int | None
+    critic_trained: int | None
+    """The critic's parameters with gradients and Adam state: all, or with
+    `model.critic_lora` its adapters and value head."""
     model_params: int
     dtype: str
     notes: list[str]
@@ -160,7 +163,14 @@ class DryRun:
                 f"  total    {self.rank_params:,} ({share}; weights {size} in {self.dtype})"
             )
         if self.critic_params is not None:
-            lines.append(f"  critic   {self.critic_params:,} (the actor's trunk with a value head)")
+            trained = (
+                f"; {self.critic_trained:,} of them trained: LoRA adapters + value head"
+                if self.critic_trained != self.critic_params
+                else ""
+            )
+            lines.append(
+                f"  critic   {self.critic_params:,} (the actor's trunk with a value head{trained})"
+            )
         lines += self.notes
         return "\n".join(lines) + "\n"
 
@@ -194,6 +204,7 @@ def dry_run(
         check_fp8_shapes(arch, cfg.parallel, cfg.precision)
     # the real run's check (megarl.models.builder) for local layers: the ones built here
     check_lora(cfg.model.lora, arch, tp=topo.tp, use_te=False)
+    check_lora(cfg.model.critic_lora, arch, tp=topo.tp, use_te=False)
     if not cfg.algorithm.offline and cfg.rollout.kv_cache_memory_bytes is not None:
         # the run's own check of a set KV budget (a null one is sized from the GPU at start)
         check_kv_cache(arch, cfg.rollout, dtype=cfg.precision.dtype, gpu=True)
@@ -212,9 +223,19 @@ def dry_run(
         config = transformer_config(arch, cfg.parallel, precision, gpu=False)
         actor = _build(arch, config, build, "actor", cfg.model.lora, cfg.trainer.seed)
         chunks = _count(actor, arch)
-        critic = None
+        critic = critic_trained = None
         if cfg.algorithm.name == "ppo":
-            critic = sum(c.total for c in _count(_build(arch, config, build, "critic"), arch))
+            lora = cfg.model.critic_lora
+            built = _build(arch, config, build, "critic", lora, cfg.trainer.seed)
+            critic = sum(c.total for c in _count(built, arch))
+            critic_trained = critic
+            if lora.enabled:  # `build_model` leaves the adapters and the value head trainable
+                critic_trained = sum(
+                    p.numel()
+                    for c in built
+                    for n, p in c.named_parameters()
+                    if n.startswith(("lora.", "output_layer."))
+                )
     finally:
         from megatron.core import parallel_state as ps
 
@@ -230,6 +251,7 @@ def dry_run(
         groups=groups,
         chunks=chunks,
         critic_params=critic,
+        critic_trained=critic_trained,
         model_params=num_params(arch),
         dtype=cfg.precision.dtype,
         notes=_notes(cfg, job_world),
@@ -352,7 +374,13 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
     if cfg.algorithm.offline:
         models.append(f"no rollout engine (offline stage algorithm.name={cfg.algorithm.name})")
     if cfg.algorithm.name == "ppo":
-        models.append("critic (trainable)")
+        c = cfg.model.critic_lora
+        models.append(
+            f"critic (base frozen; LoRA rank {c.rank} on {', '.join(c.modules())} and the value "
+            "head train)"
+            if c.enabled
+            else "critic (trainable)"
+        )
     notes.append("models on every rank: " + " + ".join(models))
     layers = "megatron-core local layers on the meta device (no memory)"
     refused = te_refusal(cfg.model.lora, cfg.precision)

@@ -54,7 +54,9 @@ def count_bad_step(run: Run, metrics: dict) -> bool:
 
 def finish(run: Run, *, role: str = "actor") -> None:
     """Plot the run's curves (`plot_run`: `reward.png`; an offline run's losses and accuracies:
-    `loss.png`); optionally export the trained model of `role` as an HF directory."""
+    `loss.png`); export the trained model of `role` as an HF directory when asked, and always
+    for a LoRA reward model (its checkpoints hold no base: the merged export is what an RL run
+    scores with); a LoRA policy's adapters as a PEFT directory."""
     metrics = os.path.join(run.out_dir, "metrics.jsonl")
     if dist.get_rank() == 0 and os.path.exists(metrics):
         try:
@@ -69,7 +71,10 @@ def finish(run: Run, *, role: str = "actor") -> None:
             os.path.join(run.out_dir, "adapter"),
             base_model=run.cfg.model.hf,
         )
-    if run.cfg.trainer.export_hf:
+    lora_rm = adapters.enabled and role == "reward"
+    if run.cfg.trainer.export_hf or lora_rm:
+        if lora_rm and not run.cfg.trainer.export_hf:
+            log.info("LoRA reward model: writing its merged HF export to %s/hf", run.out_dir)
         export_hf(run, os.path.join(run.out_dir, "hf"), role=role)
     run.close()
     dist.barrier()

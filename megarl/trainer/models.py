@@ -172,6 +172,7 @@ def _maker(cfg: RunConfig, gpu: bool):
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         routing_replay=cfg.rollout.routing_replay,
         lora=cfg.model.lora,
+        critic_lora=cfg.model.critic_lora,
         lora_seed=cfg.trainer.seed,
     )
 

@@ -96,8 +96,9 @@ class Run:
         rm = self.scorer.reward_model if self.scorer is not None else None
         if rm is not None and rm.state_dict() is not None:
             state["reward_model_stats"] = rm.state_dict()
-        if self.cfg.model.lora.enabled and m.actor is not None:  # the checkpoint holds no base
-            state["lora_base_fingerprint"] = lora.base_fingerprint(m.actor.chunks)
+        for role, model in m.trained().items():  # a LoRA model's checkpoint holds no base
+            if lora.adapters_of(model.chunks):
+                state[fingerprint_key(role)] = lora.base_fingerprint(model.chunks)
         return state
 
     def save(self) -> str:
@@ -118,8 +119,9 @@ class Run:
             return
         path, state = self.resume
         m = self.models
-        if "lora_base_fingerprint" in state:
-            check_lora_base(path, state["lora_base_fingerprint"], m.actor.chunks, self.cfg)
+        for role, model in m.trained().items():
+            if fingerprint_key(role) in state:
+                check_lora_base(path, role, state[fingerprint_key(role)], model.chunks, self.cfg)
         training.load_models(path, m.checkpointed())
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
@@ -154,9 +156,14 @@ class Run:
         self.logger.close()
 
 
-def check_lora_base(path: str, want: float, chunks, cfg: RunConfig) -> None:
-    """Refuse to resume LoRA adapters on another base than the one they were trained on (the
-    run's model source changed since the checkpoint). Collective."""
+def fingerprint_key(role: str) -> str:
+    """The trainer-state key of the base fingerprint of `role`'s LoRA adapters."""
+    return "lora_base_fingerprint" if role == "actor" else f"{role}_lora_base_fingerprint"
+
+
+def check_lora_base(path: str, role: str, want: float, chunks, cfg: RunConfig) -> None:
+    """Refuse to resume `role`'s LoRA adapters on another base than the one they were trained
+    on (the run's model source changed since the checkpoint). Collective."""
     have = lora.base_fingerprint(chunks)
     if abs(have - want) > 1e-9 * max(abs(want), 1e-30):
         m = cfg.model
@@ -164,8 +171,10 @@ def check_lora_base(path: str, want: float, chunks, cfg: RunConfig) -> None:
             (f"model.{k}={getattr(m, k)!r}" for k in ("hf", "mcore_ckpt") if getattr(m, k)),
             f"the seeded init of model.config (model.init_seed={m.init_seed})",
         )
+        if role == "critic" and m.critic_init != "actor":
+            source = f"model.critic_init={m.critic_init!r}"
         raise ConfigError(
-            f"{path}: its LoRA adapters were trained on another base model than {source} "
-            f"builds now (sum of squares of the layers' weights {want:.12g} there, {have:.12g} "
-            "here); accepted: the model source the run started from"
+            f"{path}: the {role}'s LoRA adapters were trained on another base model than "
+            f"{source} builds now (sum of squares of the layers' weights {want:.12g} there, "
+            f"{have:.12g} here); accepted: the model source the run started from"
         )
