@@ -16,6 +16,7 @@ What proves it:
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -86,7 +87,7 @@ def test_a_lora_reward_model_trains_resumes_and_exports_merged(runs):
     rm, _ = runs
     rows = _metrics(rm)
     assert [r["step"] for r in rows] == list(range(1, RM_STEPS + 2))
-    assert all(r["grad_norm"] > 0 and r["loss"] == pytest.approx(r["loss"]) for r in rows)
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows)
     assert f"resumed from {rm}/checkpoints/step_{RM_STEPS:06d}" in (
         rm.parent / "rm.log"
     ).read_text()
@@ -111,7 +112,7 @@ def test_a_lora_critic_trains_adapters_and_head_on_a_frozen_base(runs):
     assert [r["step"] for r in rows] == list(range(1, PPO_STEPS + 1))
     for r in rows:  # scored by the LoRA reward model's export alone
         assert r["reward_mean"] == pytest.approx(r["reward/rm"])
-        assert r["value_loss"] == pytest.approx(r["value_loss"]) and r["value_grad_norm"] > 0
+        assert math.isfinite(r["value_loss"]) and r["value_grad_norm"] > 0
     ckpt = ppo / "checkpoints" / f"step_{PPO_STEPS:06d}"
     critic = _tensors(ckpt, "critic.")
     b_keys = [k for k in _trained_keys(critic, "critic", ppo) if k.endswith(".B")]

@@ -157,7 +157,8 @@ class Run:
 
 
 def fingerprint_key(role: str) -> str:
-    """The trainer-state key of the base fingerprint of `role`'s LoRA adapters."""
+    """The trainer-state key of the base fingerprint of `role`'s LoRA adapters (the actor's
+    keeps the name it had when it was the only LoRA role, so its checkpoints still resume)."""
     return "lora_base_fingerprint" if role == "actor" else f"{role}_lora_base_fingerprint"
 
 
