@@ -30,10 +30,11 @@ SUITE_MODULES = {
     "convert": "megarl.benchmarks.convert",
     "peer": "megarl.benchmarks.peer",
     "multi_turn": "megarl.benchmarks.multi_turn",
+    "passes": "megarl.benchmarks.passes",
 }
 # run only when named (not by `--suite all`): tens of minutes, an optional dependency (TRL) or
 # a fetched model (SmolLM2)
-OPT_IN_SUITES = ("peer", "multi_turn")
+OPT_IN_SUITES = ("peer", "multi_turn", "passes")
 _SUMMARIES: dict[str, Callable[[list[dict]], str]] = {}
 
 

@@ -1,8 +1,9 @@
 """`megarl bench --suite NAME [--json OUT] [--report OUT.md]` (also `python tools/benchmark.py`).
 
 Suites: sync, advantage, rollout, train, step, convert, or all; peer (megarl against TRL's
-GRPOTrainer, optional dependency `megarl[peer]`) and multi_turn (trajectories against one turn
-of the same tokens, on SmolLM2-135M-Instruct, fetched once) run only when named. Every record
+GRPOTrainer, optional dependency `megarl[peer]`), multi_turn (trajectories against one turn
+of the same tokens) and passes (where the reference and train passes' time goes, against their
+GEMM floor), both on SmolLM2-135M-Instruct, fetched once, run only when named. Every record
 carries its unit, the machine and, where known, the physical floor measured in the same run and
 the ratio to it.
 `--report OUT.md` writes the markdown report (a table per suite, machine, versions) and OUT.png
