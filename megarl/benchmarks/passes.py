@@ -22,12 +22,28 @@ CPU only: on a GPU the profiler's CPU self times do not measure the kernels.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from megarl.benchmarks import record, register_suite
+from megarl.benchmarks import peer_smollm2, record, register_suite
+from megarl.benchmarks.peer import DTYPES, gemm_flops
+from megarl.convert.fetch import fetch_gguf
+from megarl.convert.gguf import cached_hf_dir
+from megarl.convert.sharded import load_hf_sharded
+from megarl.data.batch import MicroBatching, collate, pad_share, split_micro_batches
+from megarl.distributed import ParallelConfig, Topology, device
+from megarl.distributed.launch import spawn
+from megarl.metrics.throughput import flops_per_token
+from megarl.models import forward
+from megarl.models.builder import build_model
+from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+from megarl.models.optim import wire_grad_finalization, zero_grads
+from megarl.trainer.experience import forward_logprobs
 
 SEQUENCES, MICRO_BATCH, REPEATS, SEED = 64, 16, 3, 0
 QUICK_SEQUENCES, QUICK_REPEATS = 16, 1
@@ -71,19 +87,6 @@ def workload(vocab_size: int, sequences: int = SEQUENCES, seed: int = SEED):
 
 
 def _worker(rank, world, hf: dict, model_dir: str | None, dtype: str, sequences: int, repeats: int):
-    from torch.profiler import ProfilerActivity, profile
-
-    from megarl.benchmarks.peer import DTYPES, gemm_flops
-    from megarl.convert.sharded import load_hf_sharded
-    from megarl.data.batch import MicroBatching, collate, pad_share, split_micro_batches
-    from megarl.distributed import ParallelConfig, Topology
-    from megarl.metrics.throughput import flops_per_token
-    from megarl.models import forward
-    from megarl.models.builder import build_model
-    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
-    from megarl.models.optim import wire_grad_finalization, zero_grads
-    from megarl.trainer.experience import forward_logprobs
-
     arch = arch_from_hf(hf)
     par = ParallelConfig()
     groups = Topology.create(par, world).initialize(seed=SEED)
@@ -187,10 +190,6 @@ def summary(records: list[dict]) -> str:
 
 @register_suite("passes", summary=summary)
 def suite(args) -> list[dict]:
-    from megarl.benchmarks import peer_smollm2
-    from megarl.distributed import device
-    from megarl.distributed.launch import spawn
-
     if torch.cuda.is_available():
         raise peer_smollm2.WorkloadError(
             "--suite passes splits CPU operator times; on a GPU profile with the CUDA activity"
@@ -200,12 +199,6 @@ def suite(args) -> list[dict]:
     if quick:
         hf, model_dir, model = QUICK_ARCH, None, "random 2-layer Llama (--quick)"
     else:
-        import json
-        import os
-
-        from megarl.convert.fetch import fetch_gguf
-        from megarl.convert.gguf import cached_hf_dir
-
         model_dir = cached_hf_dir(fetch_gguf(peer_smollm2.MODEL_NAME))
         with open(os.path.join(model_dir, "config.json")) as f:
             hf = json.load(f)
