@@ -25,12 +25,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megarl.benchmarks import peer_smollm2, record, register_suite
+from megarl.benchmarks import median_time, peer_smollm2, record, register_suite
 from megarl.benchmarks.peer import DTYPES, gemm_flops
 from megarl.convert.fetch import fetch_gguf
 from megarl.convert.gguf import cached_hf_dir
@@ -116,15 +115,15 @@ def _worker(rank, world, hf: dict, model_dir: str | None, dtype: str, sequences:
     fpt = flops_per_token(arch, seq_len=seq_len, causal=True)
     out = {"real_tokens": real, "computed_tokens": computed, "gemm_rate": gemm_flops(DTYPES[dtype])}
     for name, fn, flops in (("reference", reference, fpt * real), ("train", train, 3 * fpt * real)):
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
+        seconds = median_time(fn, repeats=repeats, warmup=1)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-        out[name] = {"times": times, "flops": flops, **split_self_times(prof.key_averages())}
+        out[name] = {
+            "seconds": seconds,
+            "repeats": repeats,
+            "flops": flops,
+            **split_self_times(prof.key_averages()),
+        }
     return out
 
 
@@ -133,34 +132,43 @@ def _records(res: dict, dtype: str, model: str, sequences: int) -> list[dict]:
     out = []
     for name in ("reference", "train"):
         r = res[name]
-        wall = statistics.median(r["times"])
+        wall = r["seconds"]
         floor = r["flops"] / rate
         # the profiled run can be slower than the timed ones (the profiler's own work, a noisy
         # host): its shares, not its seconds, are applied to the median wall time
         share = {k: r[k] / r["total"] for k in ("gemm", "attention", "other")}
         common = dict(
+            stage=name,
             model=model,
             dtype=dtype,
             sequences=sequences,
             micro_batch=MICRO_BATCH,
             real_tokens=res["real_tokens"],
             computed_tokens=res["computed_tokens"],
-            repeats=len(r["times"]),
+            repeats=r["repeats"],
             gemm_rate_flops=rate,
             profiled_s=r["total"],
             **{f"{k}_share": v for k, v in share.items()},
         )
         floor_kw = dict(floor=floor, floor_unit="s", higher_is_better=False)
         out += [
-            record(f"{name}_pass_{dtype}", wall, "s", **floor_kw, **common),
+            record(f"{name}_pass_{dtype}", wall, "s", **floor_kw, **common, figure="pass"),
             # what the pass would reach if only its GEMMs, or its GEMMs and attention, took time
-            record(f"{name}_gemm_only_{dtype}", wall * share["gemm"], "s", **floor_kw, **common),
+            record(
+                f"{name}_gemm_only_{dtype}",
+                wall * share["gemm"],
+                "s",
+                **floor_kw,
+                **common,
+                figure="gemm_only",
+            ),
             record(
                 f"{name}_gemm_and_attention_{dtype}",
                 wall * (share["gemm"] + share["attention"]),
                 "s",
                 **floor_kw,
                 **common,
+                figure="gemm_and_attention",
             ),
         ]
     return out
@@ -173,13 +181,20 @@ def summary(records: list[dict]) -> str:
         "(share of the time) | ceiling: GEMM only / GEMM + attention |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    by_name = {r["name"]: r for r in records}
+    ceiling = {
+        (r["params"]["stage"], r["params"]["dtype"], r["params"]["figure"]): r["ratio_to_floor"]
+        for r in records
+        if "floor" in r
+    }
     for r in records:
-        if r["name"].split("_")[1] != "pass":
+        p = r["params"]
+        if p.get("status") == "SKIP":
+            rows.append(f"| {p['stage']} | {p['dtype']} | SKIP: {p['reason']} |")
             continue
-        p, (name, dtype) = r["params"], (r["name"].split("_")[0], r["params"]["dtype"])
-        g = by_name[f"{name}_gemm_only_{dtype}"]["ratio_to_floor"]
-        ga = by_name[f"{name}_gemm_and_attention_{dtype}"]["ratio_to_floor"]
+        if p["figure"] != "pass":
+            continue
+        name, dtype = p["stage"], p["dtype"]
+        g, ga = ceiling[name, dtype, "gemm_only"], ceiling[name, dtype, "gemm_and_attention"]
         split = " / ".join(f"{100 * p[k + '_share']:.0f}%" for k in ("gemm", "attention", "other"))
         rows.append(
             f"| {name} | {dtype} | {r['value']:.2f} | {r['floor']:.2f} | "
@@ -192,7 +207,8 @@ def summary(records: list[dict]) -> str:
 def suite(args) -> list[dict]:
     if torch.cuda.is_available():
         raise peer_smollm2.WorkloadError(
-            "--suite passes splits CPU operator times; on a GPU profile with the CUDA activity"
+            "--suite passes measures the passes on the CPU (it splits CPU operator times); "
+            "run it with CUDA_VISIBLE_DEVICES='' or on a machine without a GPU"
         )
     quick = bool(getattr(args, "quick", False))
     sequences, repeats = (QUICK_SEQUENCES, QUICK_REPEATS) if quick else (SEQUENCES, REPEATS)
@@ -205,8 +221,14 @@ def suite(args) -> list[dict]:
         model = "SmolLM2-135M-Instruct"
     records = []
     for dtype in ("fp32", "bf16"):
-        if dtype == "bf16" and device.cpu_half_precision_note("bf16"):
-            continue  # emulated bf16: no figure worth comparing
+        emulated = dtype == "bf16" and device.cpu_half_precision_note("bf16")
+        if emulated:  # hours per pass, and no figure worth comparing
+            records += [
+                record(f"{name}_pass_{dtype}", float("nan"), "s", stage=name, dtype=dtype,
+                       figure="pass", status="SKIP", reason=emulated)
+                for name in ("reference", "train")
+            ]  # fmt: skip
+            continue
         res = spawn(_worker, 1, hf, model_dir, dtype, sequences, repeats, timeout=3600)[0]
         records += _records(res, dtype, model, sequences)
     return records
