@@ -468,13 +468,12 @@ def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
     critic = ", critic" if cfg.algorithm.name == "ppo" else ""
     # the critic: trained in full, or a frozen base whose adapters (and head) train
     c_lora = cfg.model.critic_lora
-    c_per, c_ad = (trained, 0) if critic else (0, 0)
+    c_per, adapters = (trained if critic else 0), 0  # per critic parameter; adapter parameters
     if critic and c_lora.enabled:
         c_per = e
-        c_ad = fm.lora_adapter_params(arch, rank=c_lora.rank, modules=c_lora.modules())
+        adapters = fm.lora_adapter_params(arch, rank=c_lora.rank, modules=c_lora.modules())
         critic = ", frozen critic base"
     lora = cfg.model.lora
-    adapters = c_ad
     if lora.enabled:  # the frozen base (also the reference) + the adapters, trained
         adapters += fm.lora_adapter_params(arch, rank=lora.rank, modules=lora.modules())
         base = e + c_per
