@@ -291,10 +291,10 @@ def _train(args: argparse.Namespace) -> int:
         engines=cfg.rollout.ranks,
     )
     from megarl.distributed.placement import placement  # deferred: imports torch (2 s)
-    from megarl.rollout import separate  # deferred: imports torch (2 s)
+    from megarl.rollout import engine_rank, separate  # deferred: imports torch (2 s)
 
     if placement().role == "rollout":  # an engine rank: serves trainer rank 0 until it stops
-        return separate.serve()
+        return engine_rank.serve()
     status = 1  # what the engines exit with when the trainer raises
     try:
         status = _train_ranks(args, cfg, given, stem, train)

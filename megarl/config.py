@@ -338,6 +338,16 @@ class RunConfig:
                 "the ranks of a vLLM instance would have to step its scheduler in lockstep; "
                 "accepted: env.scheduler=waves, or rollout.tensor_parallel=1"
             )
+        if self.rollout.inflight_updates and (
+            self.rollout.placement != "separate" or self.algorithm.max_staleness == 0
+        ):
+            raise ConfigError(
+                f"rollout.inflight_updates with rollout.placement={self.rollout.placement} and "
+                f"algorithm.max_staleness={self.algorithm.max_staleness}: weights change during "
+                "generation only when separate engines generate ahead of training; accepted: "
+                "rollout.placement=separate with algorithm.max_staleness >= 1, or "
+                "rollout.inflight_updates=false"
+            )
         if self.rollout.placement == "separate":
             self._check_separate(rl)
         elif self.algorithm.max_staleness > 0:

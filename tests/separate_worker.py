@@ -10,9 +10,9 @@ import os
 
 
 def install() -> None:
-    from megarl.rollout import separate
+    from megarl.rollout import engine_rank
 
-    receive, calls = separate._receive_weights, [0]
+    receive, calls = engine_rank._receive_weights, [0]
 
     def skipping(pg, engine, *args):
         calls[0] += 1
@@ -25,7 +25,7 @@ def install() -> None:
         finally:
             del engine.load_hf_weights, engine.write_repacked  # the class's methods again
 
-    separate._receive_weights = skipping
+    engine_rank._receive_weights = skipping
     if "SKIP_ADAPTERS" in os.environ:  # the adapters of that sync never reach vLLM
         from megarl.rollout.engine import RolloutEngine
 

