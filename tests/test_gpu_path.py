@@ -114,14 +114,28 @@ def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path)
         pass
 
     def fake_llm(**kwargs):
-        order.append(("LLM", kwargs["distributed_executor_backend"], kwargs["enable_sleep_mode"]))
+        order.append(
+            (
+                "LLM",
+                kwargs["distributed_executor_backend"],
+                kwargs["enable_sleep_mode"],
+                kwargs.get("async_scheduling"),
+            )
+        )
         raise Stop
 
     monkeypatch.setattr(vllm, "LLM", fake_llm)
-    cfg = RolloutConfig(kv_cache_memory_bytes=2**30, stop_token_ids=(2,))
-    with pytest.raises(Stop):
-        engine.RolloutEngine(str(tmp_path), arch_from_hf(TINY_LLAMA), cfg, dtype="bf16")
-    assert order == ["check", ("LLM", "external_launcher", True)]
+    for inflight in (False, True):
+        cfg = RolloutConfig(
+            kv_cache_memory_bytes=2**30, stop_token_ids=(2,), inflight_updates=inflight
+        )
+        with pytest.raises(Stop):
+            engine.RolloutEngine(str(tmp_path), arch_from_hf(TINY_LLAMA), cfg, dtype="bf16")
+    # in-flight updates: vLLM's async scheduling (a forward still queued between steps) is off
+    assert order == ["check", ("LLM", "external_launcher", True, None)] + [
+        "check",
+        ("LLM", "external_launcher", True, False),
+    ]
 
 
 # ------------------------------------------------------------------ stop tokens

