@@ -338,6 +338,12 @@ class RunConfig:
                 "the ranks of a vLLM instance would have to step its scheduler in lockstep; "
                 "accepted: env.scheduler=waves, or rollout.tensor_parallel=1"
             )
+        if self.rollout.inflight_updates and self.env.multi_turn:
+            raise ConfigError(
+                "rollout.inflight_updates with a multi-turn environment (env.name / env.agent): "
+                "the engine ranks run every trajectory to its end with the weights they started "
+                "with; accepted: rollout.inflight_updates=false"
+            )
         if self.rollout.inflight_updates and (
             self.rollout.placement != "separate" or self.algorithm.max_staleness == 0
         ):
@@ -362,7 +368,6 @@ class RunConfig:
         """What `rollout.placement=separate` does not do yet, refused before anything starts."""
         refused = [
             (not rl, f"algorithm.name={self.algorithm.name} builds no rollout"),
-            (self.env.multi_turn, "multi-turn environments (env.name / env.agent) run in-process"),
             (self.rollout.routing_replay, "routing replay is captured in the trainer's process"),
             (
                 self.rollout.tensor_parallel > 1,

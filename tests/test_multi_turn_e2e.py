@@ -1,7 +1,10 @@
-"""Multi-turn training end to end through `megarl train` (one rank, the embedded copy task with
-the `CopyAgain` environment of tests/envs_for_tests.py): PPO (GAE over sampled tokens only) runs,
-logs the trajectory metrics and whole conversations, and a run resumed mid-way equals a straight
-run (the environments' seeds come from the step seed and the sample's place, nothing to save)."""
+"""Multi-turn training end to end through `megarl train` (the embedded copy task with the
+`CopyAgain` environment of tests/envs_for_tests.py): PPO (GAE over sampled tokens only) runs,
+logs the trajectory metrics and whole conversations; a run on separate engines
+(`rollout.placement: separate`: the environments run on the engine rank), stopped after its
+first step and resumed, equals the straight colocated run bit for bit (the environments' seeds
+come from the step seed and the sample's place, nothing to save). Those two run with one thread
+per process, so that both add in the same order."""
 
 from __future__ import annotations
 
@@ -27,12 +30,13 @@ ENV = [
 
 
 @pytest.mark.slow
-def test_multi_turn_ppo_resumes_exactly_and_logs_conversations(tmp_path):
+def test_multi_turn_ppo_on_separate_engines_resumes_exactly_and_logs_conversations(tmp_path):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    ppo = "examples/ppo_tiny_cpu.yaml"
-    _train(straight, *ENV, "trainer.steps=2", config=ppo)
-    _train(halves, *ENV, "trainer.steps=1", config=ppo)
-    _train(halves, *ENV, "trainer.steps=2", config=ppo)
+    ppo, one = "examples/ppo_tiny_cpu.yaml", {"OMP_NUM_THREADS": "1"}
+    _train(straight, *ENV, "trainer.steps=2", config=ppo, env=one)
+    separate = [*ENV, "rollout.placement=separate", "rollout.ranks=1"]
+    _train(halves, *separate, "trainer.steps=1", config=ppo, env=one, nproc=2)
+    _train(halves, *separate, "trainer.steps=2", config=ppo, env=one, nproc=2)
     rows = _metrics(straight)
     _same_metrics(rows, _metrics(halves))
     last = rows[-1]
@@ -53,15 +57,22 @@ def test_multi_turn_ppo_resumes_exactly_and_logs_conversations(tmp_path):
 @pytest.mark.slow
 def test_an_agent_trains_through_the_endpoint(tmp_path):
     """`env.agent`: an OpenAI client per trajectory drives the policy through megarl's endpoint;
-    the run trains on its token-exact trajectories and logs them like an environment's."""
-    agent = ["env.agent=tests.envs_for_tests:copy_agent", *ENV[2:]]
-    _train(tmp_path, *agent, "trainer.steps=2")
-    last = _metrics(tmp_path)[-1]
+    the run trains on its token-exact trajectories and logs them like an environment's. Here
+    the agents and the endpoint run on a separate engine rank that generates a step ahead
+    (`algorithm.max_staleness=1`)."""
+    agent = ["env.agent=tests.envs_for_tests:copy_agent", *ENV[2:], "rollout.placement=separate",
+             "rollout.ranks=1", "algorithm.max_staleness=1",
+             "algorithm.off_policy_correction=decoupled"]
+    _train(tmp_path, *agent, "trainer.steps=2", nproc=2)
+    rows = _metrics(tmp_path)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1]  # step 2 generated during 1
+    last = rows[-1]
     assert 1 <= last["rollout/turns"] <= 3
     # an untrained policy's turns rarely re-tokenize to the sampled ids (truncated turns, odd
     # splits): the metric counts them; training uses the sampled ids
     assert last["rollout/env_errors"] == 0 and 0 <= last["rollout/retokenize_diff"] <= 1
-    assert last["logprob_mismatch_max"] <= 1e-4
+    # step 1 is on-policy: the engine's logprobs are the trainer's (step 2's are a policy behind)
+    assert rows[0]["logprob_mismatch_max"] <= 1e-4 < last["logprob_mismatch_max"]
     with open(os.path.join(tmp_path, "samples.jsonl")) as f:
         samples = [json.loads(line) for line in f]
     multi = [s for s in samples if s["turns"] > 1]

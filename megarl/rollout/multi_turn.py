@@ -34,7 +34,7 @@ from megarl.rollout.agent import AgentTrajectory
 from megarl.rollout.chat_format import ChatFormat
 from megarl.rollout.colocated import ColocatedRollout
 from megarl.rollout.endpoint import ChatEndpoint
-from megarl.rollout.engine import Rollout
+from megarl.rollout.engine import Rollout, RolloutEngine
 from megarl.rollout.stream import StreamBatcher
 from megarl.rollout.trajectory import FINISH_REASONS, EnvTrajectory, TurnLimits
 from megarl.rollout.waves import TurnResult, WaveBatcher
@@ -71,6 +71,19 @@ def load_multi_turn(cfg: EnvConfig, tokenizer) -> MultiTurnSetup:
     return MultiTurnSetup(cfg, make_env, fmt, parser)
 
 
+def trajectory_items(prompts, system_prompt: str | None) -> list[dict]:
+    """What a trajectory starts from, per prompt of `prompts` (a `PromptBatch`): its chat
+    messages, its dataset row (the environment's `reset` reads it) and its token ids."""
+    return [
+        {
+            "messages": prompt_messages(p, system_prompt, "prompt"),
+            "row": {"prompt": p, **{k: v[i] for k, v in prompts.columns.items()}},
+            "prompt_ids": prompts.prompt_ids[i],
+        }
+        for i, p in enumerate(prompts.prompts)
+    ]
+
+
 class MultiTurnRollout:
     """Trajectories with an environment, on the colocated engines (module docstring)."""
 
@@ -78,17 +91,14 @@ class MultiTurnRollout:
         self, colocated: ColocatedRollout, setup: MultiTurnSetup, tokenizer, system_prompt
     ):
         self.colocated = colocated
-        self.engine = colocated.engine
-        self.cfg, self.make_env, self.fmt = setup.cfg, setup.make_env, setup.fmt
-        self.parser, self.agent = setup.parser, setup.agent
-        self.endpoint: ChatEndpoint | None = None
-        """The agents' OpenAI-compatible endpoint (started on first use, closed by `close`)."""
-        self.tokenizer = tokenizer
+        self.runner = TrajectoryRunner(colocated.engine, setup, tokenizer)
         self.system_prompt = system_prompt
-        self.last_waves: list[int] = []
-        """Turns per wave of the last `generate` on this rank."""
 
-    # ------------------------------------------------------------------ the component
+    @property
+    def last_waves(self) -> list[int]:
+        """Turns per wave of the last `generate` on this rank."""
+        return self.runner.last_waves
+
     def generate(
         self, prompts, positions: list[int], seed: int, *, upcoming=(), **sampling
     ) -> Rollout:
@@ -96,19 +106,17 @@ class MultiTurnRollout:
         `RolloutComponent.generate` (`upcoming`: always empty, the engines are colocated)."""
         if upcoming:
             raise ValueError("multi-turn rollouts generate one step at a time (upcoming=())")
-        items = [
-            {
-                "messages": prompt_messages(p, self.system_prompt, "prompt"),
-                "row": {"prompt": p, **{k: v[i] for k, v in prompts.columns.items()}},
-                "prompt_ids": prompts.prompt_ids[i],
-            }
-            for i, p in enumerate(prompts.prompts)
-        ]
+        dispatcher = self.colocated.dispatcher
+        group = dispatcher.instance_group
 
         def produce(share, pos):
-            return self._trajectories(share, pos, seed, **sampling)
+            if group is not None and not dispatcher.instance_leader:
+                src = min(dispatcher.plan.instances[dispatcher.instance])
+                return self.runner.follow(group, src, **sampling)
+            return self.runner.run(share, pos, seed, group=group, **sampling)
 
-        return self.colocated.dispatcher.dispatch(items, positions, produce)
+        items = trajectory_items(prompts, self.system_prompt)
+        return dispatcher.dispatch(items, positions, produce)
 
     def release(self) -> None:
         self.colocated.release()
@@ -120,26 +128,43 @@ class MultiTurnRollout:
         return self.colocated.samples_generated()
 
     def close(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.close()
+        self.runner.close()
         self.colocated.close()
 
-    # ------------------------------------------------------------------ one instance's share
-    def _trajectories(
+
+class TrajectoryRunner:
+    """One vLLM instance's trajectories: the environments (or agents) of a share of prompts,
+    n trajectories each, run to their end on `engine` (module docstring). The colocated
+    rollout runs one in every trainer rank; with `rollout.placement: separate` every engine
+    rank runs one (`megarl.rollout.engine_rank`)."""
+
+    def __init__(self, engine: RolloutEngine, setup: MultiTurnSetup, tokenizer):
+        self.engine = engine
+        self.cfg, self.make_env, self.fmt = setup.cfg, setup.make_env, setup.fmt
+        self.parser, self.agent = setup.parser, setup.agent
+        self.endpoint: ChatEndpoint | None = None
+        """The agents' OpenAI-compatible endpoint (started on first use, closed by `close`)."""
+        self.tokenizer = tokenizer
+        self.last_waves: list[int] = []
+        """Turns per wave of the last `run`."""
+
+    def run(
         self,
         items: list[dict],
         positions: list[int],
         seed: int,
         *,
+        group=None,
         n: int | None = None,
         greedy: bool = False,
         temperature: float | None = None,
         max_tokens: int | None = None,
     ) -> Rollout:
+        """The trajectories of `items` (`trajectory_items`), n per item, prompt-major;
+        `positions`: each item's place in the step's global batch (with `seed`, its samples'
+        seeds); `group`: the instance's process group when it has other ranks (this one is its
+        first: they `follow`)."""
         n = self.engine.cfg.n if n is None else n
-        group = self.colocated.dispatcher.instance_group
-        if group is not None and not self.colocated.dispatcher.instance_leader:
-            return self._follow(group, greedy, temperature)
         sampling = dict(greedy=greedy, temperature=temperature)
         limits = TurnLimits(max_tokens or self.engine.cfg.max_tokens, self.engine.max_model_len)
         runs = [
@@ -172,6 +197,27 @@ class MultiTurnRollout:
                 msg = ("done", out) if out is not None else ("failed", None)
                 dist.broadcast_object_list([msg], src=dist.get_rank(), group=group)
         return out
+
+    def follow(
+        self, group, src: int, *, greedy: bool = False, temperature: float | None = None, **_
+    ) -> Rollout:
+        """A non-first rank of a multi-rank vLLM instance: generate every wave its first rank
+        (`src`) sends, then take the samples it sends at the end."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            kind, payload = box[0]
+            if kind == "done":
+                return payload
+            if kind == "failed":
+                raise RuntimeError(
+                    f"the multi-turn rollout failed on rank {src} (its log says why)"
+                )
+            self._generate(payload, dict(greedy=greedy, temperature=temperature))
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     def _batcher(self, group, sampling) -> WaveBatcher | StreamBatcher:
         """The scheduler of `env.scheduler` over this instance's engine."""
@@ -221,23 +267,6 @@ class MultiTurnRollout:
             out.finish_reason.append(r.record.finish_reason)
             out.trajectories.append(r.record)
         return out
-
-    def _follow(self, group, greedy: bool, temperature: float | None) -> Rollout:
-        """A non-first rank of a multi-rank vLLM instance: generate every wave its first rank
-        sends, then take the samples it sends at the end."""
-        d = self.colocated.dispatcher
-        src = min(d.plan.instances[d.instance])
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=src, group=group)
-            kind, payload = box[0]
-            if kind == "done":
-                return payload
-            if kind == "failed":
-                raise RuntimeError(
-                    f"the multi-turn rollout failed on rank {src} (its log says why)"
-                )
-            self._generate(payload, dict(greedy=greedy, temperature=temperature))
 
     def _generate(self, requests, sampling) -> list[TurnResult]:
         ro = self.engine.generate(

@@ -5,11 +5,15 @@ The trainer sees a `RolloutComponent` (`SeparateRollout`, this module); each eng
 (`megarl.distributed.placement`, `megarl.rollout.link`), in the order the requests were sent:
 
 - start: the resolved `RolloutConfig`, the model's architecture and dtype -> the engine is built
-  (every engine at once: vLLM's construction is collective over the engine ranks).
+  (every engine at once: vLLM's construction is collective over the engine ranks); with a
+  multi-turn environment (`env.name` / `env.agent`) also the `env` section and the tokenizer:
+  each engine rank runs the trajectories of its prompts (`megarl.rollout.multi_turn`).
 - generate: trainer rank 0 gathers every DP rank's prompts (with their positions in the step's
   global batch, which fix their seeds), splits them into contiguous shares, one per engine, and
-  scatters the samples back to the DP ranks. Each sample carries the policy version of each of
-  its tokens (the number of syncs the engine's weights held when it sampled it).
+  scatters the samples back to the DP ranks; a prompt travels as its token ids, or, multi-turn,
+  as its trajectory's start (`trajectory_items`: messages, dataset row, token ids). Each sample
+  carries the policy version of each of its tokens (the number of syncs the engine's weights
+  held when it sampled it).
 - weights: the full HF-named state, gathered to trainer rank 0, cast to the engine dtype and
   broadcast in buckets; the engine receives every bucket, then loads them through vLLM's reload
   (the naive path's loader) and answers with its checksums per tensor family
@@ -50,6 +54,7 @@ from megarl.convert.mapping import canonical_to_hf
 from megarl.convert.peft import adapter_config, whole_adapters
 from megarl.distributed.placement import link, placement
 from megarl.distributed.topology import Groups
+from megarl.envs.config import EnvConfig
 from megarl.models import lora
 from megarl.models.hf_config import ModelArch
 from megarl.models.lora import LoraConfig
@@ -58,6 +63,7 @@ from megarl.rollout.checksum import FamilySums, mismatched
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.engine import ENGINE_DTYPES, Rollout
 from megarl.rollout.link import Broadcasts, LinkError, Outbox, recv_object, timed_broadcasts
+from megarl.rollout.multi_turn import trajectory_items
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +163,14 @@ class SeparateRollout:
         dtype: str,
         max_staleness: int = 0,
         lora: LoraConfig | None = None,
+        system_prompt: str | None = None,
+        multi_turn: bool = False,
     ):
         self.policy, self.arch, self.groups = policy, arch, groups
+        self.system_prompt = system_prompt
+        self.multi_turn = multi_turn
+        """The engine ranks run trajectories with an environment: prompts travel as
+        `trajectory_items`."""
         self.lora = lora if lora is not None and lora.enabled and not lora.merge else None
         """Adapter-only syncs: the base once, then the adapters (`model.lora.merge: false`)."""
         self._base_sent = False
@@ -183,14 +195,24 @@ class SeparateRollout:
         *,
         max_staleness: int = 0,
         lora: LoraConfig | None = None,
+        env: EnvConfig | None = None,
+        tokenizer=None,
+        system_prompt: str | None = None,
     ) -> SeparateRollout:
         """Start the engines (collective over the job: the engine ranks wait in `serve`).
         `lora`: the policy's adapters, served by the engines' LoRA layers unless `lora.merge`
-        (then the engines receive merged weights)."""
+        (then the engines receive merged weights); `env` (multi-turn, checked by
+        `load_multi_turn` on the trainer first), `tokenizer` and `system_prompt`: what the
+        engine ranks build their environments' trajectories from."""
         global _ACTIVE
-        rollout = SeparateRollout(policy, arch, groups, dtype, max_staleness, lora)
+        multi_turn = env is not None and env.multi_turn
+        rollout = SeparateRollout(
+            policy, arch, groups, dtype, max_staleness, lora, system_prompt, multi_turn
+        )
         lora_rank = rollout.lora.rank if rollout.lora is not None else 0
         start = {"op": "start", "cfg": cfg, "arch": arch, "dtype": dtype, "lora_rank": lora_rank}
+        if multi_turn:  # the tokenizer pickled once (SmolLM2's: 1.5 MB)
+            start |= {"env": env, "tokenizer": tokenizer}
         rollout._ask_all(start, "starting")
         _ACTIVE = rollout
         return rollout
@@ -224,8 +246,8 @@ class SeparateRollout:
         """See `RolloutComponent.generate`. Each request is sent once; with `upcoming`
         (max_staleness > 0) the next steps' requests are sent now and the engines work through
         them, in order, while the trainer trains."""
-        requests = [(prompts.prompt_ids, positions, seed), *upcoming]
-        mine = (self.groups.dp_rank, [(list(i), list(p), s) for i, p, s in requests])
+        requests = [(prompts, positions, seed), *upcoming]
+        mine = (self.groups.dp_rank, [(self._payload(b), list(p), s) for b, p, s in requests])
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         per_rank = None
@@ -241,6 +263,12 @@ class SeparateRollout:
         if isinstance(out[0], str):
             raise EngineRankError(f"generating: {out[0]}")
         return out[0]
+
+    def _payload(self, prompts) -> list:
+        """What the engines are sent of each prompt of `prompts` (a `PromptBatch`)."""
+        if self.multi_turn:
+            return trajectory_items(prompts, self.system_prompt)
+        return [list(ids) for ids in prompts.prompt_ids]
 
     def _generate_all(self, gathered: list, sampling: dict) -> list:
         """Trainer rank 0: send the requests not sent yet (every DP share once, split across

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megarl.algorithms.distributed_advantage import gae_advantages, gather_advantages
 from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
+from megarl.data.dataset import PromptBatch
 from megarl.distributed import device
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics, from_last_stage
@@ -118,20 +119,21 @@ def generate(run: Run):
     `algorithm.max_staleness` k > 0 the rollout also learns the next k steps' requests, which
     it may start generating now."""
     prompts = run.data.dataset.batch(run.data.sampler.next_step())
-    request = step_request(run, prompts.prompt_ids, run.step)
-    rollout = run.rollout.generate(prompts, *request[1:], upcoming=upcoming_requests(run))
+    request = step_request(run, prompts, run.step)
+    rollout = run.rollout.generate(*request, upcoming=upcoming_requests(run))
     run.rollout.release()
     return prompts, rollout
 
 
-def step_request(run: Run, prompt_ids: list, step: int) -> tuple[list, list[int], int]:
-    """(prompt ids, their positions in the step's global batch, the step's sampling seed)."""
-    count = len(prompt_ids)
+def step_request(run: Run, prompts: PromptBatch, step: int) -> tuple[PromptBatch, list[int], int]:
+    """(this DP rank's prompts, their positions in the step's global batch, the step's sampling
+    seed)."""
+    count = len(prompts.prompt_ids)
     positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
-    return prompt_ids, positions, step_seed(run.cfg.trainer.seed, step)
+    return prompts, positions, step_seed(run.cfg.trainer.seed, step)
 
 
-def upcoming_requests(run: Run) -> list[tuple[list, list[int], int]]:
+def upcoming_requests(run: Run) -> list[tuple[PromptBatch, list[int], int]]:
     """The requests of the next `algorithm.max_staleness` steps (none past the last), drawn
     from a copy of the prompt sampler: the run's own advances one step per trained step, so a
     checkpoint holds the trained position and a resumed run asks for the same prompts."""
@@ -140,7 +142,7 @@ def upcoming_requests(run: Run) -> list[tuple[list, list[int], int]]:
     ahead = copy.deepcopy(run.data.sampler)
     last = min(run.step + run.cfg.algorithm.max_staleness, run.cfg.trainer.steps - 1)
     return [
-        step_request(run, run.data.dataset.batch(ahead.next_step()).prompt_ids, step)
+        step_request(run, run.data.dataset.batch(ahead.next_step()), step)
         for step in range(run.step + 1, last + 1)
     ]
 

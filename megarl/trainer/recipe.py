@@ -116,6 +116,9 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
                 cfg.precision.dtype,
                 max_staleness=cfg.algorithm.max_staleness,
                 lora=cfg.model.lora if models.actor is not None else None,
+                env=cfg.env if multi_turn is not None else None,  # run on the engine ranks
+                tokenizer=tokenizer,
+                system_prompt=cfg.data.system_prompt,
             )
         else:
             run.rollout = ColocatedRollout.build(
@@ -127,10 +130,10 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
                 cfg.precision.dtype,
                 lora=cfg.model.lora if models.actor is not None else None,
             )
-        if multi_turn is not None:  # trajectories with an environment, on the same engines
-            run.rollout = MultiTurnRollout(
-                run.rollout, multi_turn, tokenizer, cfg.data.system_prompt
-            )
+            if multi_turn is not None:  # trajectories with an environment, on the same engines
+                run.rollout = MultiTurnRollout(
+                    run.rollout, multi_turn, tokenizer, cfg.data.system_prompt
+                )
         reward_model = build_reward_model(cfg, models, sources, rm_tokenizer, groups, run.pad_to)
         run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer)
         if data.held_out is not None:
