@@ -161,10 +161,10 @@ def test_prefix_cache_is_reset_by_a_weight_sync(results):
 def test_an_inflight_update_reaches_the_running_samples_at_their_next_token(results):
     for res in results:
         fresh, kept = res["inflight"]["recomputed"], res["inflight"]["kept"]
-        # answers in the order asked: samples, the update's sums, samples
-        assert fresh["replies"] == [["rollout", "version"], ["sums", "version"]] + [
-            ["rollout", "version"]
-        ]
+        # the update's sums as soon as it is loaded (the first request still running), then
+        # the samples in the order asked
+        assert fresh["early"] == 1
+        assert fresh["replies"] == [["op", "sums", "version"]] + 2 * [["op", "rollout", "version"]]
         first, after = fresh["versions"]
         assert fresh["lengths"] == [12] * 16  # 4 prompts x 4 samples, no stop tokens
         assert first == [[0] * 4 + [1] * 8] * 16  # 4 steps, then the update

@@ -14,7 +14,7 @@ from megarl.distributed.placement import JobPlacement, PlacementError
 from megarl.rollout.checksum import FamilySums, family, mismatched, tensor_sums
 from megarl.rollout.engine import Rollout
 from megarl.rollout.engine_rank import token_versions
-from megarl.rollout.separate import merge_samples, split_shares
+from megarl.rollout.separate import _Request, _Sync, merge_samples, split_shares, syncs_to_verify
 from megarl.rollout.staleness import staleness_metrics
 
 
@@ -324,3 +324,16 @@ def test_config_takes_an_environment_with_separate_engines_but_not_inflight_upda
     assert load_config(None, [*env, "algorithm.max_staleness=2"]).env.multi_turn
     with pytest.raises(Exception, match="rollout.inflight_updates with a multi-turn environment"):
         load_config(None, [*env, "algorithm.max_staleness=1", "rollout.inflight_updates=true"])
+
+
+def test_samples_wait_for_the_syncs_before_them_and_those_their_tokens_carry():
+    """pending: sync 1, request a, sync 2, request b, sync 3 (in the order sent). Request b's
+    samples need syncs 1 and 2 (sent before it) and, once a token says sync 3 reached it while
+    it generated (in-flight updates), sync 3 too; request a needs only sync 1 unless its tokens
+    carry version 2 or 3."""
+    s1, s2, s3 = (_Sync(v, {}) for v in (1, 2, 3))
+    pending = [s1, _Request("a", [], []), s2, _Request("b", [], []), s3]
+    assert syncs_to_verify(pending, 3, newest=2) == [s1, s2]
+    assert syncs_to_verify(pending, 3, newest=3) == [s1, s2, s3]
+    assert syncs_to_verify(pending, 1, newest=1) == [s1]
+    assert syncs_to_verify(pending, 1, newest=3) == [s1, s2, s3]

@@ -397,10 +397,11 @@ def inflight(ws, engine, chunks, arch, groups, state) -> dict:
             rank.handle({"op": "weights", "version": 1})
         finally:
             engine.reset_prefix_cache = saved
+        early = list(rank.ready())  # the update's answer, ahead of the samples it reached
         rank.handle({**ask, "seed": 31})
         rank.drain()
-        replies = list(rank.ready())
-        first, after = replies[0]["rollout"], replies[2]["rollout"]
+        replies = early + list(rank.ready())
+        first, after = replies[1]["rollout"], replies[2]["rollout"]
         scored = {}
         for version, weights in ((0, old), (1, new)):
             load_full_state(chunks, weights)
@@ -408,6 +409,7 @@ def inflight(ws, engine, chunks, arch, groups, state) -> dict:
         stamps = torch.tensor(first.response_versions)
         out[label] = {
             "replies": [sorted(r) for r in replies],
+            "early": len(early),
             "versions": [first.response_versions, after.response_versions],
             "lengths": [len(r) for r in first.response_ids],
             # each token against the weights of its stamp, and (power) against the other's

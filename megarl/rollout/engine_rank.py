@@ -1,7 +1,10 @@
 """An engine rank of `rollout.placement: separate`: the loop that answers trainer rank 0 (the
 protocol is in `megarl.rollout.separate`, the trainer's side).
 
-Requests are answered in the order they arrived. Two ways to generate:
+Every answer names the request it answers (`op`). Generate requests are answered in the order
+they arrived; a weight or adapter update is answered as soon as it is loaded, which with
+in-flight updates is before the samples it reached (the trainer verifies an update before it
+takes a sample with a token of its version). Two ways to generate:
 
 - Whole requests (the default): a generate request runs to its end before the next message is
   read, so a weight update sent meanwhile waits for it; every token of a sample then has the
@@ -94,7 +97,7 @@ class _Batch:
 
     def reply(self, version: int) -> dict:
         if self.error is not None:
-            return {"error": self.error}
+            return {"op": "generate", "error": self.error}
         ro = Rollout.empty()
         ro.response_versions = []
         for i, keys in enumerate(self.keys):  # prompt-major, sample k in order, as `generate`
@@ -106,7 +109,7 @@ class _Batch:
                 ro.response_logprobs.append(lps)
                 ro.finish_reason.append(finish)
                 ro.response_versions.append(token_versions(self.switches[key], len(ids)))
-        return {"rollout": ro, "version": version}
+        return {"op": "generate", "rollout": ro, "version": version}
 
 
 def token_versions(switches: list[tuple[int, int]], length: int) -> list[int]:
@@ -124,6 +127,9 @@ class EngineRank:
     """One engine rank's state: the engine, the policy version its weights hold, and the
     answers owed to trainer rank 0, oldest first (a dict, or a `_Batch` still generating)."""
 
+    SYNCS = ("weights", "adapters")
+    """Requests answered as soon as they are done, ahead of generate requests still running."""
+
     def __init__(self, pg, model_dir: str):
         self.pg, self.model_dir = pg, model_dir
         self.engine: RolloutEngine | None = None
@@ -131,6 +137,8 @@ class EngineRank:
         """With a multi-turn environment: what runs the trajectories of a generate request."""
         self.version, self.desc, self.inflight = 0, None, False
         self._owed: deque = deque()
+        self._done: deque = deque()
+        """Answers to updates, sent ahead of `_owed`."""
         self._running: dict[str, _Batch] = {}
         """In flight: each submitted sample's batch, by key."""
         self._requests = 0
@@ -147,10 +155,12 @@ class EngineRank:
                 return
             if op == "adapters":  # vLLM swaps an adapter only between requests
                 self.drain()
-            self._owed.append(self._answer(op, msg))
+            reply = self._answer(op, msg)
         except Exception as e:  # the trainer reports it; the engine waits for the next request
             log.exception("engine request %r failed", op)
-            self._owed.append({"error": f"{type(e).__name__}: {e}"})
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        reply["op"] = op
+        (self._done if op in self.SYNCS else self._owed).append(reply)
 
     def _answer(self, op: str, msg: dict) -> dict:
         engine = self.engine
@@ -223,7 +233,10 @@ class EngineRank:
             self.step()
 
     def ready(self):
-        """The answers that can be sent now: the owed ones up to the first still generating."""
+        """The answers that can be sent now: the updates' answers, then the owed ones up to the
+        first still generating."""
+        while self._done:
+            yield self._done.popleft()
         while self._owed and (isinstance(self._owed[0], dict) or self._owed[0].finished):
             owed = self._owed.popleft()
             yield owed if isinstance(owed, dict) else owed.reply(self.version)

@@ -17,9 +17,10 @@ The trainer sees a `RolloutComponent` (`SeparateRollout`, this module); each eng
 - weights: the full HF-named state, gathered to trainer rank 0, cast to the engine dtype and
   broadcast in buckets; the engine receives every bucket, then loads them through vLLM's reload
   (the naive path's loader) and answers with its checksums per tensor family
-  (`megarl.rollout.checksum`) of what it loaded. The trainer goes on once the bytes are sent
-  and compares the answer with its own checksums when it arrives, in order, before it takes any
-  sample generated after the sync: a missing, stale or corrupted tensor fails that step by name.
+  (`megarl.rollout.checksum`) of what it loaded, as soon as it loaded them. The trainer goes on
+  once the bytes are sent and compares the answer with its own checksums before it takes any
+  sample generated after the sync or with a token of its version (`syncs_to_verify`): a
+  missing, stale or corrupted tensor fails that step by name.
 - stop: the engine shuts down; its process exits with the trainer's exit status.
 
 Bounded staleness (`algorithm.max_staleness` k): at step t the trainer also sends the requests
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -96,11 +97,8 @@ class _Request:
     key: tuple
     shares: list
     chunks: list
-    replies: list | None = None
-
-    def receive(self, pg, engines: int) -> None:
-        if self.replies is None:
-            self.replies = [recv_object(pg, 1 + e) for e in range(engines)]
+    replies: dict = field(default_factory=dict)
+    """{engine: its answer}, once received (`SeparateRollout._receive`)."""
 
 
 @dataclass
@@ -110,21 +108,17 @@ class _Sync:
 
     version: int
     expect: dict
-    replies: list | None = None
+    replies: dict = field(default_factory=dict)
 
     @property
     def key(self) -> tuple:
         return ("weights", self.version)
 
-    def receive(self, pg, engines: int) -> None:
-        if self.replies is None:
-            self.replies = [recv_object(pg, 1 + e) for e in range(engines)]
-
     what = "the weights"
 
     def error(self) -> str | None:
         """What went wrong in the engines' load, or None when each holds what was sent."""
-        for e, r in enumerate(self.replies):
+        for e, r in sorted(self.replies.items()):
             if "error" in r:
                 return f"engine {e} failed to load {self.what}: {r['error']}"
             bad = self.differences(r)
@@ -303,15 +297,18 @@ class SeparateRollout:
                 self.outbox.send({**msg, "sampling": sampling}, 1 + e)
             self._pending.append(_Request(keys[-1], shares, chunks))
         at = next(i for i, p in enumerate(self._pending) if p.key == keys[0])
-        for p in self._pending[: at + 1]:  # the engines answer in the order they were asked
-            p.receive(self.link, self.engines)
-        syncs = [p for p in self._pending[:at] if isinstance(p, _Sync)]
-        self._pending = [p for p in self._pending if not isinstance(p, _Sync) or p not in syncs]
+        request = self._pending[at]
+        self._receive(request)
+        newest = max((max(v, default=0) for v in _versions(request.replies.values())), default=0)
+        syncs = syncs_to_verify(self._pending, at, newest)
+        for sync in syncs:
+            self._receive(sync)
+        self._pending = [p for p in self._pending if p is not request and p not in syncs]
         error = next((e for e in (s.error() for s in syncs) if e is not None), None)
         if error is not None:  # the samples after a failed sync are of other weights
             return [error] * len(gathered)
-        request = self._pending.pop(at - len(syncs))
-        for e, r in enumerate(request.replies):
+        replies = [request.replies[e] for e in range(self.engines)]
+        for e, r in enumerate(replies):
             if "error" in r:
                 return [f"engine {e}: {r['error']}"] * len(gathered)
             ro = r["rollout"]  # a sample is as old as its oldest token
@@ -325,16 +322,31 @@ class SeparateRollout:
                     f"trainer's is {self.version}: {behind} updates behind, "
                     f"algorithm.max_staleness={self.max_staleness}"
                 )
-        self._generated = sum(len(r["rollout"]) for r in request.replies)
-        return merge_samples(
-            request.shares, request.chunks, [r["rollout"] for r in request.replies]
-        )
+        self._generated = sum(len(r["rollout"]) for r in replies)
+        return merge_samples(request.shares, request.chunks, [r["rollout"] for r in replies])
+
+    def _receive(self, wanted: _Request | _Sync) -> None:
+        """Trainer rank 0: receive the engines' answers until `wanted` has each engine's. An
+        engine answers generate requests in the order they were sent and updates as soon as
+        they are loaded (`megarl.rollout.engine_rank`): each answer goes to the oldest pending
+        entry of its kind that lacks that engine's answer."""
+        for e in range(self.engines):
+            while e not in wanted.replies:
+                reply = recv_object(self.link, 1 + e)
+                kind = _Sync if reply.get("op") in ("weights", "adapters") else _Request
+                owner = next(
+                    (p for p in self._pending if isinstance(p, kind) and e not in p.replies),
+                    None,
+                )
+                if owner is None:
+                    raise EngineRankError(f"engine {e} answered {reply.get('op')!r} unasked")
+                owner.replies[e] = reply
 
     def drain(self) -> None:
         """Trainer rank 0: receive the answers to every request still out (before a stop, so
         that no engine is left sending to a trainer that has gone)."""
         for p in self._pending:
-            p.receive(self.link, self.engines)
+            self._receive(p)
             if isinstance(p, _Sync) and p.error() is not None:
                 log.warning("the last weight sync did not arrive: %s", p.error())
         self._pending.clear()
@@ -420,6 +432,22 @@ class SeparateRollout:
 
     def close(self) -> None:
         """The engines stop with the job (`stop_engines`)."""
+
+
+def syncs_to_verify(pending: list, at: int, newest: int) -> list[_Sync]:
+    """The weight syncs in `pending` that the samples of the request `pending[at]` depend on,
+    to be verified before they are taken: those sent before it (loaded before it started), and
+    those whose version a token of its samples carries (`newest`: the highest; with in-flight
+    updates a sync sent after it is loaded while it generates, and answered before it)."""
+    return [
+        p for i, p in enumerate(pending) if isinstance(p, _Sync) and (i < at or p.version <= newest)
+    ]
+
+
+def _versions(replies):
+    """Each sample's token versions in the engines' answers to a generate request."""
+    for r in replies:
+        yield from (r["rollout"].response_versions or []) if "rollout" in r else []
 
 
 def split_shares(shares: list, engines: int) -> tuple[list, list]:
