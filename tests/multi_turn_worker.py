@@ -126,6 +126,21 @@ def check_exact(ro, calls, fmt, positions: list[int]) -> dict:
 
 
 def mismatch(chunks, arch, groups, ro, pad_to: int) -> dict | None:
+    deltas = sampled_deltas(chunks, arch, groups, ro, pad_to)
+    if deltas is None:
+        return None
+    return {
+        "mean": float(deltas.mean()),
+        "max": float(deltas.max()),
+        "tokens": deltas.numel(),
+        "sampled": sum(sum(x) for x in ro.response_mask),
+        "response": sum(len(r) for r in ro.response_ids),
+    }
+
+
+def sampled_deltas(chunks, arch, groups, ro, pad_to: int):
+    """|Megatron - sampler| logprob of every trained (sampled) token, sample by sample in
+    order (None on a rank without the last pipeline stage)."""
     from megarl.data.batch import MicroBatching
     from megarl.trainer.experience import build_batch, forward_logprobs
 
@@ -147,15 +162,63 @@ def mismatch(chunks, arch, groups, ro, pad_to: int) -> dict | None:
     )
     if lp is None:
         return None
-    m = batch.loss_mask.bool()
-    diff = (lp - batch.sampler_logprobs).abs()[m]
-    sampled = sum(sum(x) for x in ro.response_mask)
+    return (lp - batch.sampler_logprobs).abs()[batch.loss_mask.bool()]
+
+
+def inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state) -> dict:
+    """In-flight updates with an environment (what an engine rank's `between_waves` does, the
+    link aside): the weights change before the second wave of turns. Every sampled token is
+    scored by Megatron under the weights of the version it is stamped with, and (power) the
+    second version's tokens under the first's weights. This rank alone (DP2, TP1)."""
+    from megarl.convert.layout import load_full_state
+    from megarl.convert.mapping import canonical_to_hf
+    from megarl.rollout.multi_turn import TrajectoryRunner, load_multi_turn, trajectory_items
+
+    g = torch.Generator().manual_seed(13)
+    new = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    runner = TrajectoryRunner(engine, load_multi_turn(env_cfg, tok), tok)
+    version, waves = [0], [0]
+    runner.version = lambda: version[0]
+
+    def before_wave():
+        waves[0] += 1
+        if waves[0] == 2:  # the update arrived while the first turns were generated
+            engine.load_hf_weights(canonical_to_hf(arch, new.items()))
+            engine.reset_prefix_cache()
+            version[0] = 1
+
+    runner.before_wave = before_wave
+    batch, positions = prompt_batch(tok, 0, 1)
+    ro = runner.run(trajectory_items(batch, None), positions, SEED)
+    engine.load_hf_weights(canonical_to_hf(arch, state.items()))
+    engine.reset_prefix_cache()
+    deltas = {}
+    for v, weights in ((0, state), (1, new)):
+        load_full_state(chunks, weights)
+        deltas[v] = sampled_deltas(chunks, arch, groups, ro, pad_to=1)
+    load_full_state(chunks, state)
+    pairs = zip(ro.response_versions, ro.response_mask, strict=True)
+    stamps = torch.tensor([v for vs, m in pairs for v, k in zip(vs, m, strict=True) if k])
+    turns = []  # per sample, the versions of each turn's sampled tokens
+    for vs, m in zip(ro.response_versions, ro.response_mask, strict=True):
+        runs, prev = [], 0
+        for v, k in zip(vs, m, strict=True):
+            if k and not prev:
+                runs.append(set())
+            if k:
+                runs[-1].add(v)
+            prev = k
+        turns.append([sorted(r) for r in runs])
     return {
-        "mean": float(diff.mean()),
-        "max": float(diff.max()),
-        "tokens": int(m.sum()),
-        "sampled": sampled,
-        "response": sum(len(r) for r in ro.response_ids),
+        "inflight_turns": {
+            "waves": waves[0],
+            "turns": turns,
+            "lengths_match": [len(v) for v in ro.response_versions]
+            == [len(r) for r in ro.response_ids],
+            "tokens": [stamps.numel(), deltas[0].numel()],
+            "own": max(float(deltas[0][stamps == 0].max()), float(deltas[1][stamps == 1].max())),
+            "other": float(deltas[0][stamps == 1].mean()),
+        }
     }
 
 
@@ -239,6 +302,7 @@ def job(rank: int, world: int) -> dict:
             out.update(streamed(engine, chunks, arch, groups, tok, env_cfg, out["trajectories"]))
             out.update(failures(engine, chunks, arch, groups, tok))
             out.update(single_turn_equivalence(engine, chunks, arch, groups, tok))
+            out.update(inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state))
         res["layouts"][key] = out
     engine.close()
     return res

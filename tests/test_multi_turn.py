@@ -335,3 +335,20 @@ def test_one_turn_is_the_single_turn_rollout(results):
     assert o["multi_prompts"] == o["single_prompts"]
     assert o["multi"] == o["single"]
     assert o["multi_lps"] == o["single_lps"]
+
+
+def test_an_inflight_update_reaches_the_trajectories_at_their_next_wave(results):
+    """`rollout.inflight_updates` with an environment: weights change before the second wave;
+    each trajectory's first turn is stamped with the old version, every later turn with the new,
+    and every sampled token's logprob is the Megatron one under the weights of its stamp."""
+    for r in results:
+        f = r["layouts"]["te1"]["inflight_turns"]
+        assert f["waves"] >= 2 and f["lengths_match"]
+        assert f["tokens"][0] == f["tokens"][1]  # one stamp per trained token
+        assert any(len(t) > 1 for t in f["turns"])  # some trajectories went on after the update
+        for t in f["turns"]:
+            assert t[0] == [0] and all(v == [1] for v in t[1:]), t
+        print(f"in-flight turns: own version max |dlogprob| {f['own']:.2e}, "
+              f"new turns under the old weights: mean {f['other']:.2e}")
+        assert f["own"] <= 1e-3
+        assert f["other"] > 1e-2

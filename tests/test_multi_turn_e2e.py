@@ -59,20 +59,22 @@ def test_an_agent_trains_through_the_endpoint(tmp_path):
     """`env.agent`: an OpenAI client per trajectory drives the policy through megarl's endpoint;
     the run trains on its token-exact trajectories and logs them like an environment's. Here
     the agents and the endpoint run on a separate engine rank that generates a step ahead
-    (`algorithm.max_staleness=1`)."""
+    (`algorithm.max_staleness=1`) and takes the update between two waves of turns when it
+    arrives during one (`rollout.inflight_updates`; whether it does depends on timing)."""
     agent = ["env.agent=tests.envs_for_tests:copy_agent", *ENV[2:], "rollout.placement=separate",
              "rollout.ranks=1", "algorithm.max_staleness=1",
-             "algorithm.off_policy_correction=decoupled"]
+             "algorithm.off_policy_correction=decoupled", "rollout.inflight_updates=true"]
     _train(tmp_path, *agent, "trainer.steps=2", nproc=2)
     rows = _metrics(tmp_path)
-    assert [r["rollout/staleness_max"] for r in rows] == [0, 1]  # step 2 generated during 1
+    assert rows[0]["rollout/staleness_max"] == 0 and rows[1]["rollout/staleness_max"] <= 1
+    assert rows[1]["rollout/token_staleness_mean"] <= rows[1]["rollout/staleness_mean"]
     last = rows[-1]
     assert 1 <= last["rollout/turns"] <= 3
     # an untrained policy's turns rarely re-tokenize to the sampled ids (truncated turns, odd
     # splits): the metric counts them; training uses the sampled ids
     assert last["rollout/env_errors"] == 0 and 0 <= last["rollout/retokenize_diff"] <= 1
-    # step 1 is on-policy: the engine's logprobs are the trainer's (step 2's are a policy behind)
-    assert rows[0]["logprob_mismatch_max"] <= 1e-4 < last["logprob_mismatch_max"]
+    # step 1 is on-policy: the engine's logprobs are the trainer's
+    assert rows[0]["logprob_mismatch_max"] <= 1e-4
     with open(os.path.join(tmp_path, "samples.jsonl")) as f:
         samples = [json.loads(line) for line in f]
     multi = [s for s in samples if s["turns"] > 1]

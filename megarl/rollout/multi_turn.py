@@ -2,9 +2,11 @@
 an environment (`env.name`) or an agent (`env.agent`, served by `megarl.rollout.endpoint`),
 behind the same interface as the single-turn rollout (`megarl.rollout.colocated.RolloutComponent`).
 
-Placement is the colocated one: the engines, the weight sync and the dispatcher are the
+With colocated engines the engines, the weight sync and the dispatcher are the
 `ColocatedRollout`'s; the dispatcher hands each vLLM instance its share of the prompts, and
-the instance runs their trajectories (n per prompt) to the end: every trajectory a thread
+the instance runs their trajectories (n per prompt) to the end (`TrajectoryRunner`; with
+`rollout.placement: separate` each engine rank runs one, `megarl.rollout.engine_rank`, and the
+trainer's `SeparateRollout` sends it `trajectory_items`): every trajectory a thread
 (`megarl.rollout.trajectory.EnvTrajectory`), served by a `WaveBatcher` (one `generate` call
 per wave of turns) or, with `env.scheduler: stream`, a `StreamBatcher` (vLLM's continuous
 batching, one scheduler step at a time). With a vLLM instance of several ranks (GPU,
@@ -147,6 +149,12 @@ class TrajectoryRunner:
         self.tokenizer = tokenizer
         self.last_waves: list[int] = []
         """Turns per wave of the last `run`."""
+        self.version: Callable[[], int] | None = None
+        """Separate engines: the policy version the engine's weights hold, stamped on each
+        sampled token (`Rollout.response_versions`); None: no stamps (colocated)."""
+        self.before_wave: Callable[[], None] | None = None
+        """Called before each wave is generated (`env.scheduler: waves`): where an engine rank
+        with `rollout.inflight_updates` loads the updates that arrived meanwhile."""
 
     def run(
         self,
@@ -228,11 +236,14 @@ class TrajectoryRunner:
                 engine.submit(key, r.ids, seed=r.seed, max_tokens=r.max_tokens, **sampling)
 
             def step():
-                return [(key, TurnResult(ids, lps, fin)) for key, ids, lps, fin in engine.step()]
+                v = self._version()
+                return [(key, TurnResult(ids, lps, fin, v)) for key, ids, lps, fin in engine.step()]
 
             return StreamBatcher(submit, step, engine.has_unfinished, self.cfg.wave_wait_s)
 
         def wave(requests):
+            if self.before_wave is not None:
+                self.before_wave()
             if group is not None:  # the instance's other ranks generate the same requests
                 dist.broadcast_object_list([("wave", requests)], src=dist.get_rank(), group=group)
             return self._generate(requests, sampling)
@@ -253,10 +264,12 @@ class TrajectoryRunner:
         row = {**item["row"], "messages": item["messages"]}
         return AgentTrajectory(self.cfg, self.agent, self.endpoint, row, seed, index, limits)
 
-    @staticmethod
-    def _collect(runs: list[EnvTrajectory | AgentTrajectory], items: list[dict], n: int) -> Rollout:
+    def _collect(
+        self, runs: list[EnvTrajectory | AgentTrajectory], items: list[dict], n: int
+    ) -> Rollout:
         out = Rollout.empty()
         out.response_mask, out.trajectories = [], []
+        versions = []
         for j, r in enumerate(runs):
             tok = r.sample(items[j // n]["prompt_ids"])
             out.prompt_index.append(j // n)
@@ -266,6 +279,9 @@ class TrajectoryRunner:
             out.response_mask.append(tok.mask)
             out.finish_reason.append(r.record.finish_reason)
             out.trajectories.append(r.record)
+            versions.append(tok.versions)
+        if self.version is not None:
+            out.response_versions = versions
         return out
 
     def _generate(self, requests, sampling) -> list[TurnResult]:
@@ -276,12 +292,16 @@ class TrajectoryRunner:
             max_tokens=[r.max_tokens for r in requests],
             **sampling,
         )
+        v = self._version()
         return [
-            TurnResult(ids, lps, fin)
+            TurnResult(ids, lps, fin, v)
             for ids, lps, fin in zip(
                 ro.response_ids, ro.response_logprobs, ro.finish_reason, strict=True
             )
         ]
+
+    def _version(self) -> int:
+        return self.version() if self.version is not None else 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

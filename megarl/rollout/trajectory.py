@@ -67,12 +67,19 @@ class Tokens:
     response: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The policy version of each response token: the version that sampled it, an
+    environment's token that of the turn before it."""
 
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
-        """Append sampled tokens (with their logprobs) or, with None, the environment's."""
+    def add(self, ids: list[int], logprobs: list[float] | None, version: int | None = None):
+        """Append sampled tokens (with their logprobs and the policy version that sampled them)
+        or, with None, the environment's."""
         self.response += ids
         self.mask += [0 if logprobs is None else 1] * len(ids)
         self.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
+        if version is None:
+            version = self.versions[-1] if self.versions else 0
+        self.versions += [version] * len(ids)
 
 
 class EnvironmentFailed(Exception):
@@ -188,7 +195,7 @@ class EnvTrajectory:
                 tok.prompt + tok.response, turn_seed(self.base_seed, turn, self.index), room
             )
             out = batcher.ask(client, ask)
-            tok.add(out.ids, out.logprobs)
+            tok.add(out.ids, out.logprobs, out.version)
             rec.turns += 1
             text = self.decode(out.ids)
             content, calls, malformed = self.parse(text) if self.parse else (text, (), None)

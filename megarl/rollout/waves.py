@@ -42,6 +42,8 @@ class TurnResult:
     """The sampler's logprob of each."""
     finish_reason: str
     """"stop" or "length" (the turn's max_tokens)."""
+    version: int = 0
+    """The policy version that sampled the turn (separate engines; 0 otherwise)."""
 
 
 class Client:
