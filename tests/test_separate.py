@@ -249,31 +249,27 @@ def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums():
     """Tensors cut into 1 KiB buckets (one larger than that alone in its own), packed,
     broadcast, and read back by name: equal to the sender's, bit for bit, with equal checksums
     per family."""
-    from megarl.distributed.launch import free_port
     from megarl.rollout.link import bucket_layout
 
     layout = bucket_layout(_bucket_tensors(), 1024)
     assert [len(b) for b in layout] == [2, 1, 3]
     assert layout[1] == [("model.layers.0.t2.weight", (1000,))]
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_bucket_peer, args=(m, port, errors)) for m in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert errors.empty(), errors.get()
-    assert [p.exitcode for p in procs] == [0, 0]
+    _two_members(_bucket_peer)
 
 
 def test_the_link_carries_objects_and_broadcasts_between_two_processes():
+    _two_members(_link_peer)
+
+
+def _two_members(peer) -> None:
+    """`peer(member, port, errors)` in two processes joined by a gloo link; fails with the
+    first error either reports."""
     from megarl.distributed.launch import free_port
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_link_peer, args=(m, port, errors)) for m in (0, 1)]
+    procs = [ctx.Process(target=peer, args=(m, port, errors)) for m in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
