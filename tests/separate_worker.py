@@ -12,20 +12,20 @@ import os
 def install() -> None:
     from megarl.rollout import engine_rank
 
-    receive, calls = engine_rank._receive_weights, [0]
+    write, calls = engine_rank._write_weights, [0]
 
-    def skipping(pg, engine, *args):
+    def skipping(engine, *args):
         calls[0] += 1
         if calls[0] != int(os.environ["SKIP_SYNC"]):
-            return receive(pg, engine, *args)
+            return write(engine, *args)
         # the update never reaches vLLM, whichever way the engine writes it
         engine.load_hf_weights = engine.write_repacked = lambda *a, **k: None
         try:
-            return receive(pg, engine, *args)
+            return write(engine, *args)
         finally:
             del engine.load_hf_weights, engine.write_repacked  # the class's methods again
 
-    engine_rank._receive_weights = skipping
+    engine_rank._write_weights = skipping
     if "SKIP_ADAPTERS" in os.environ:  # the adapters of that sync never reach vLLM
         from megarl.rollout.engine import RolloutEngine
 

@@ -5,6 +5,8 @@ tests/test_separate_e2e.py."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -255,6 +257,56 @@ def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums():
     assert [len(b) for b in layout] == [2, 1, 3]
     assert layout[1] == [("model.layers.0.t2.weight", (1000,))]
     _two_members(_bucket_peer)
+
+
+def _ahead_peer(member: int, port: int, errors) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megarl.rollout.engine_rank import EngineRank
+    from megarl.rollout.link import (
+        Inbox,
+        Outbox,
+        bucket_items,
+        bucket_layout,
+        send_buckets,
+        timed_broadcasts,
+    )
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=member == 0)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("a", store), member, 2, timedelta(seconds=60))
+        tensors = _bucket_tensors()
+        buckets = bucket_layout(tensors, 1024)
+        if member == 0:  # the trainer: a whole update sent before the engine reads a message
+            out = Outbox(pg)
+            out.send({"op": "start", "dtype": "bf16"}, 1)
+            out.send({"op": "weights", "version": 1, "buckets": buckets, "floor": True}, 1)
+            timed_broadcasts(pg, buckets, torch.bfloat16)
+            send_buckets(pg, tensors, buckets, torch.bfloat16, FamilySums())
+            out.send({"op": "stop"}, 1)
+            out.flush()
+            return
+        rank = EngineRank(pg, None)  # no engine: only the receiving side is exercised
+        inbox = Inbox(pg, 0, last=lambda m: m["op"] == "stop", prepare=rank.receive_ahead)
+        time.sleep(1.0)  # busy: the trainer's broadcasts must complete without this thread
+        assert inbox.get()["op"] == "start"
+        update = inbox.get()
+        assert not rank._ahead.acquire(blocking=False)  # held until the update is written
+        got = dict(bucket_items(buckets, update["flats"]))
+        assert all(torch.equal(got[n], t) for n, t in tensors)
+        assert inbox.get()["op"] == "stop"
+    except BaseException as e:  # reported to the test, which fails with it
+        errors.put(f"member {member}: {type(e).__name__}: {e}")
+
+
+def test_an_engine_receives_an_update_on_its_inbox_thread_while_busy():
+    """The trainer sends an update and broadcasts its bytes (and the floor's) before the
+    engine's own thread reads any message: the engine's receiving thread takes them, so the
+    trainer's broadcast never waits for the engine's work (it would wait for ever here: the
+    engine's thread never receives a broadcast)."""
+    _two_members(_ahead_peer)
 
 
 def test_the_link_carries_objects_and_broadcasts_between_two_processes():

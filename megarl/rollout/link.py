@@ -86,18 +86,21 @@ class Inbox:
     """The messages member `src` sends to this member, received by a thread of their own, so
     that the member can look for the next one between steps of other work (gloo cannot be
     polled: a posted receive reports completion only from `wait`). The thread stops after the
-    message `last(msg)` is true of, or after a failed receive (raised again by `get`). Only
-    messages travel here; the member's broadcasts (which follow a message announcing them) stay
-    on its own thread."""
+    message `last(msg)` is true of, or after a failure (raised again by `get`). `prepare(msg)`,
+    when given, runs on that thread before the message is handed on: where the member receives
+    the broadcasts a message announces, so that the sender's broadcast does not wait for the
+    member's other work."""
 
-    def __init__(self, pg, src: int, last):
+    def __init__(self, pg, src: int, last, prepare=None):
         self._queue: queue.Queue = queue.Queue()
 
         def receive() -> None:
             while True:
                 try:
                     msg = recv_object(pg, src)
-                except LinkError as e:
+                    if prepare is not None:
+                        prepare(msg)
+                except Exception as e:  # noqa: BLE001 - raised by `get`, on the member's thread
                     self._queue.put(e)
                     return
                 self._queue.put(msg)
@@ -112,7 +115,7 @@ class Inbox:
             msg = self._queue.get(block=block)
         except queue.Empty:
             return None
-        if isinstance(msg, LinkError):
+        if isinstance(msg, Exception):
             raise msg
         return msg
 
