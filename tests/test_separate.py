@@ -15,7 +15,18 @@ from megarl.config import load_config
 from megarl.distributed.placement import JobPlacement, PlacementError
 from megarl.rollout.checksum import FamilySums, family, mismatched, tensor_sums
 from megarl.rollout.engine import Rollout
-from megarl.rollout.engine_rank import token_versions
+from megarl.rollout.engine_rank import EngineRank, token_versions
+from megarl.rollout.link import (
+    Inbox,
+    Outbox,
+    broadcast,
+    bucket_items,
+    bucket_layout,
+    receive_buckets,
+    recv_object,
+    send_buckets,
+    timed_broadcasts,
+)
 from megarl.rollout.separate import _Request, _Sync, merge_samples, split_shares, syncs_to_verify
 from megarl.rollout.staleness import staleness_metrics
 
@@ -167,17 +178,19 @@ def test_config_refuses_an_unknown_placement():
 
 
 # ----------------------------------------------------------------------------- the link
-def _link_peer(member: int, port: int, errors) -> None:
+def _gloo_pair(member: int, port: int):
+    """Member `member` of a two-member gloo group on this machine (the link's kind)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from megarl.rollout.link import Outbox, broadcast, recv_object
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=member == 0)
+    return dist.ProcessGroupGloo(dist.PrefixStore("link", store), member, 2, timedelta(seconds=60))
 
+
+def _link_peer(member: int, port: int, errors) -> None:
     try:
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=member == 0)
-        timeout = timedelta(seconds=60)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("link", store), member, 2, timeout)
+        pg = _gloo_pair(member, port)
         if member == 0:
             # both members send before they receive: gloo completes a send at its receive, so
             # waiting for the send here would wait for ever
@@ -211,22 +224,8 @@ def _bucket_tensors() -> list:
 
 
 def _bucket_peer(member: int, port: int, errors) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from megarl.rollout.link import (
-        Outbox,
-        bucket_items,
-        bucket_layout,
-        receive_buckets,
-        recv_object,
-        send_buckets,
-    )
-
     try:
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=member == 0)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("b", store), member, 2, timedelta(seconds=60))
+        pg = _gloo_pair(member, port)
         tensors = _bucket_tensors()
         buckets = bucket_layout(tensors, 1024)
         sums = FamilySums()
@@ -251,8 +250,6 @@ def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums():
     """Tensors cut into 1 KiB buckets (one larger than that alone in its own), packed,
     broadcast, and read back by name: equal to the sender's, bit for bit, with equal checksums
     per family."""
-    from megarl.rollout.link import bucket_layout
-
     layout = bucket_layout(_bucket_tensors(), 1024)
     assert [len(b) for b in layout] == [2, 1, 3]
     assert layout[1] == [("model.layers.0.t2.weight", (1000,))]
@@ -260,23 +257,8 @@ def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums():
 
 
 def _ahead_peer(member: int, port: int, errors) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from megarl.rollout.engine_rank import EngineRank
-    from megarl.rollout.link import (
-        Inbox,
-        Outbox,
-        bucket_items,
-        bucket_layout,
-        send_buckets,
-        timed_broadcasts,
-    )
-
     try:
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=member == 0)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("a", store), member, 2, timedelta(seconds=60))
+        pg = _gloo_pair(member, port)
         tensors = _bucket_tensors()
         buckets = bucket_layout(tensors, 1024)
         if member == 0:  # the trainer: a whole update sent before the engine reads a message
