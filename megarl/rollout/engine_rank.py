@@ -57,6 +57,10 @@ from megarl.rollout.vllm_layout import describe_model
 
 log = logging.getLogger(__name__)
 
+UPDATES = ("weights", "adapters")
+"""The requests answered as soon as they are done, ahead of generate requests still running
+(the trainer tells the two kinds of answer apart by their `op`)."""
+
 
 def serve() -> int:
     """An engine rank's life: answer trainer rank 0 until it says stop; returns the exit status
@@ -133,9 +137,6 @@ class EngineRank:
     """One engine rank's state: the engine, the policy version its weights hold, and the
     answers owed to trainer rank 0, oldest first (a dict, or a `_Batch` still generating)."""
 
-    SYNCS = ("weights", "adapters")
-    """Requests answered as soon as they are done, ahead of generate requests still running."""
-
     def __init__(self, pg, model_dir: str):
         self.pg, self.model_dir = pg, model_dir
         self.engine: RolloutEngine | None = None
@@ -173,7 +174,7 @@ class EngineRank:
             log.exception("engine request %r failed", op)
             reply = {"error": f"{type(e).__name__}: {e}"}
         reply["op"] = op
-        (self._done if op in self.SYNCS else self._owed).append(reply)
+        (self._done if op in UPDATES else self._owed).append(reply)
 
     def _answer(self, op: str, msg: dict) -> dict:
         engine = self.engine

@@ -63,6 +63,7 @@ from megarl.rollout.adapter_sync import compare, trainer_sums
 from megarl.rollout.checksum import FamilySums, mismatched
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.engine import ENGINE_DTYPES, Rollout
+from megarl.rollout.engine_rank import UPDATES
 from megarl.rollout.link import (
     LinkError,
     Outbox,
@@ -304,7 +305,8 @@ class SeparateRollout:
         syncs = syncs_to_verify(self._pending, at, newest)
         for sync in syncs:
             self._receive(sync)
-        self._pending = [p for p in self._pending if p is not request and p not in syncs]
+        taken = [request, *syncs]
+        self._pending = [p for p in self._pending if all(p is not t for t in taken)]
         error = next((e for e in (s.error() for s in syncs) if e is not None), None)
         if error is not None:  # the samples after a failed sync are of other weights
             return [error] * len(gathered)
@@ -334,7 +336,7 @@ class SeparateRollout:
         for e in range(self.engines):
             while e not in wanted.replies:
                 reply = recv_object(self.link, 1 + e)
-                kind = _Sync if reply.get("op") in ("weights", "adapters") else _Request
+                kind = _Sync if reply.get("op") in UPDATES else _Request
                 owner = next(
                     (p for p in self._pending if isinstance(p, kind) and e not in p.replies),
                     None,
