@@ -338,12 +338,6 @@ class RunConfig:
                 "the ranks of a vLLM instance would have to step its scheduler in lockstep; "
                 "accepted: env.scheduler=waves, or rollout.tensor_parallel=1"
             )
-        if self.rollout.inflight_updates and self.env.multi_turn and self.env.scheduler != "waves":
-            raise ConfigError(
-                f"rollout.inflight_updates with env.scheduler={self.env.scheduler}: a multi-turn "
-                "rollout takes weight updates between two waves of turns, when none is "
-                "generating; accepted: env.scheduler=waves, or rollout.inflight_updates=false"
-            )
         if self.rollout.inflight_updates and (
             self.rollout.placement != "separate" or self.algorithm.max_staleness == 0
         ):

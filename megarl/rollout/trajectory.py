@@ -71,15 +71,21 @@ class Tokens:
     """The policy version of each response token: the version that sampled it, an
     environment's token that of the turn before it."""
 
-    def add(self, ids: list[int], logprobs: list[float] | None, version: int | None = None):
-        """Append sampled tokens (with their logprobs and the policy version that sampled them)
-        or, with None, the environment's."""
+    def add(
+        self, ids: list[int], logprobs: list[float] | None, version: int | list[int] | None = None
+    ):
+        """Append sampled tokens (with their logprobs and the policy version that sampled them:
+        one for all, or one per token) or, with None, the environment's."""
         self.response += ids
         self.mask += [0 if logprobs is None else 1] * len(ids)
         self.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
         if version is None:
             version = self.versions[-1] if self.versions else 0
-        self.versions += [version] * len(ids)
+        if isinstance(version, int):
+            version = [version] * len(ids)
+        if len(version) != len(ids):
+            raise ValueError(f"{len(version)} token versions for {len(ids)} tokens")
+        self.versions += version
 
 
 class EnvironmentFailed(Exception):

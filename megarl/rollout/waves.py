@@ -42,8 +42,9 @@ class TurnResult:
     """The sampler's logprob of each."""
     finish_reason: str
     """"stop" or "length" (the turn's max_tokens)."""
-    version: int = 0
-    """The policy version that sampled the turn (separate engines; 0 otherwise)."""
+    version: int | list[int] = 0
+    """The policy version that sampled the turn (separate engines; 0 otherwise), or one per
+    token when a weight update reached the turn while it generated (in flight, `stream`)."""
 
 
 class Client:
