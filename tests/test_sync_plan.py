@@ -8,6 +8,7 @@ import torch
 
 from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import arch_from_hf
+from megarl.rollout import cpu_repack
 from megarl.rollout.pieces import PlanError
 from megarl.rollout.plan import RankMeta, SourceParam, build_plan, hf_index_maps
 from megarl.rollout.vllm_layout import check_coverage, pieces_for_module
@@ -209,3 +210,28 @@ def test_fused_items_from_hf_tensors_equal_vllms_fused_parameters():
         assert not emb[LLAMA.vocab_size :].any()  # vocab padding rows zero, as vLLM's loader
         shared = qkv.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
         assert shared == (hf is received)
+
+
+def _in_heap(ptr: int) -> bool:
+    """Whether address `ptr` lies in glibc's heap (`[heap]` in /proc/self/maps), not in an
+    mmapped block of its own."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith("[heap]"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return True
+    return False
+
+
+@pytest.mark.skipif(cpu_repack._libc() is None, reason="glibc's mallopt only")
+def test_repacking_takes_large_blocks_from_the_heap_and_mmaps_again_after():
+    """`cpu_repack.reused_heap`: a block above glibc's largest mmap threshold (32 MiB) comes
+    from the heap inside the window (a later one can reuse it without page faults) and from an
+    mmap of its own outside it, before and after."""
+    n = 64 * 2**20 // 4
+    before = torch.empty(n)
+    with cpu_repack.reused_heap():
+        inside = torch.empty(n)
+    after = torch.empty(n)
+    assert [_in_heap(t.data_ptr()) for t in (before, inside, after)] == [False, True, False]
