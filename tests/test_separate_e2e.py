@@ -9,7 +9,8 @@ skipped adapter update fails the step. With
 `algorithm.max_staleness=1` (and `rollout.inflight_updates`) two engine ranks generate a step
 ahead, each its share of every request: no trained token is more than one update old, before a
 SIGTERM or after the resume, with evaluations in between. An engine
-rank killed mid-run ends the job with an error that names it.
+rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
+resumes the run.
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
 separate run then add in the same order."""
@@ -187,15 +188,18 @@ def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
     assert (job["trainer_ranks"], job["engine_ranks"]) == (1, 2)
 
 
-def test_an_engine_rank_that_dies_ends_the_job_naming_it(tmp_path):
+def test_an_engine_rank_that_dies_ends_the_attempt_naming_it_and_the_restart_resumes(tmp_path):
+    """The engine rank is killed in step 2: the step's weight sync meets the dead engine and the
+    error names it; under `torchrun --max-restarts 1` every rank starts again and the run resumes
+    from step 1's checkpoint to its end."""
     from megarl.distributed.launch import free_port
 
-    events = tmp_path / "events"
+    events, out = tmp_path / "events", tmp_path / "run"
     plan = [{"where": "train", "step": 2, "rank": 0, "do": "await_signal", "signal": "SIGUSR1"}]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "tests.fault_worker", "train",
-           "--out", str(tmp_path / "run")]
-    for o in (*RUN, *SEPARATE):
+           "--max-restarts", "1", "--master_port", str(free_port()), "-m", "tests.fault_worker",
+           "train", "--out", str(out)]
+    for o in (*RUN, *SEPARATE, "trainer.save_every=1"):
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_PLAN": json.dumps(plan),
            "FAULT_EVENTS": str(events)}
@@ -214,11 +218,13 @@ def test_an_engine_rank_that_dies_ends_the_job_naming_it(tmp_path):
         finally:
             proc.kill()
     text = log.read_text()
-    assert rc != 0
-    # the step's weight sync meets the dead engine: the error names it
     assert re.search(r"LinkError: (broadcasting to|receiving from|sending to) engine 0", text), (
         text[-4000:]
     )
+    assert rc == 0, text[-4000:]
+    assert (events / "pid-rank1-attempt1").exists()  # the engine rank started again
+    assert re.search(r"resumed from \S+step_000001 at step 1", text), text[-4000:]
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
 
 
 @pytest.mark.learning
