@@ -8,7 +8,8 @@ weight update fails the step's sync by the checksums, naming the tensor families
 skipped adapter update fails the step. With
 `algorithm.max_staleness=1` (and `rollout.inflight_updates`) two engine ranks generate a step
 ahead, each its share of every request: no trained token is more than one update old, before a
-SIGTERM or after the resume, with evaluations in between. An engine
+SIGTERM or after the resume, with evaluations in between; with weights that no update changes
+that run trains the samples of the colocated on-policy run, step for step. An engine
 rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
 resumes the run.
 
@@ -37,11 +38,14 @@ RUN = ["logging.wandb=false", "logging.progress=false", "trainer.steps=4",
        "data.prompts_per_step=8", "rollout.n=4"]
 SEPARATE = ["rollout.placement=separate", "rollout.ranks=1"]
 TWO_ENGINES = ["rollout.placement=separate", "rollout.ranks=2"]  # each its share of a request
+# weights that no update changes (each step's update is below fp32's resolution), so a run
+# draws the same samples whatever the weights' version
+FROZEN = ["trainer.steps=5", "optim.lr=1e-30", "optim.min_lr=1e-30", "eval.every=2",
+          "eval.fraction=0.05", "eval.max_prompts=8"]
 # a step ahead, evaluated every 2 steps (an evaluation request waits behind the one ahead)
 # (with in-flight updates: the engine serves every request through its continuous loop)
-ASYNC = [*TWO_ENGINES, "trainer.steps=5", "algorithm.max_staleness=1",
-         "algorithm.off_policy_correction=decoupled", "eval.every=2", "eval.fraction=0.05",
-         "eval.max_prompts=8", "rollout.inflight_updates=true"]
+ASYNC = [*TWO_ENGINES, *FROZEN, "algorithm.max_staleness=1",
+         "algorithm.off_policy_correction=decoupled", "rollout.inflight_updates=true"]
 TIMINGS = {"time_s", "tokens_per_s"}
 
 
@@ -162,7 +166,10 @@ def async_run(tmp_path_factory):
     env = {"FAULT_PLAN": json.dumps(plan), "FAULT_EVENTS": str(events)}
     stopped = _launch(out, ASYNC, nproc=3, module="tests.fault_worker", env=env, name="stopped")
     resumed = _launch(out, ASYNC, nproc=3, name="resumed")
-    return {"out": out, "events": events, "stopped": stopped, "resumed": resumed}
+    rc, log = _launch(root / "on-policy", FROZEN, nproc=1)
+    assert rc == 0, log[-4000:]
+    return {"out": out, "events": events, "stopped": stopped, "resumed": resumed,
+            "on_policy": root / "on-policy"}
 
 
 def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
@@ -184,6 +191,14 @@ def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
         assert r["rollout/samples_generated"] == 8 * 4
     evals = [r["step"] for r in _metrics(async_run["out"]) if "eval/time_s" in r]
     assert evals == [0, 2, 4, 5]
+    # the weights never change: each step trained the very samples, rewards and losses of the
+    # colocated on-policy run, so the requests sent ahead, split over the engines and asked
+    # again after the resume, paired every prompt with its own samples
+    ref = [r for r in _metrics(async_run["on_policy"]) if "reward_mean" in r]
+    for key in ("reward_mean", "response_len", "rollout/samples_generated"):
+        assert [r[key] for r in rows] == [r[key] for r in ref], key
+    # (the decoupled weights differ from 1 by the sampler's ~1e-7 logprob mismatch)
+    assert [r["pg_loss"] for r in rows] == pytest.approx([r["pg_loss"] for r in ref], abs=1e-6)
     job = yaml.safe_load((async_run["out"] / "job.yaml").read_text())
     assert (job["trainer_ranks"], job["engine_ranks"]) == (1, 2)
 
