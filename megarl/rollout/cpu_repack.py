@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import os
 
 import torch
@@ -187,14 +187,15 @@ _M_MMAP_MAX = -4  # glibc's mallopt parameter (malloc.h): how many blocks it may
 _DEFAULT_MMAP_MAX = 65536
 
 
+@functools.cache
 def _libc():
-    """The C library if it has glibc's `mallopt`, else None (another libc, not Linux)."""
-    name = ctypes.util.find_library("c")
+    """The process's C library if it has glibc's `mallopt`, else None (another libc, or not
+    Linux)."""
     try:
-        lib = ctypes.CDLL(name) if name else None
+        lib = ctypes.CDLL(None)  # the symbols already loaded: the C library's among them
     except OSError:
         return None
-    return lib if lib is not None and hasattr(lib, "mallopt") else None
+    return lib if hasattr(lib, "mallopt") else None
 
 
 @contextlib.contextmanager
@@ -205,10 +206,10 @@ def reused_heap():
     is above it) comes from a fresh mmap each time, and every page of it is a page fault (the
     kernel zeroes it) while the reorder writes it; from the heap, the next copies reuse the
     blocks the old ones leave. On the sync benchmark's 506M model (fp32, 2 cores, 2026-12-06):
-    ~300k minor page faults and 0.91 s per sync before; with it the faults fall to none within
-    five syncs and the sync takes 0.48-0.50 s (docs/benchmarks.md). Afterwards glibc may mmap again
-    (the MALLOC_MMAP_MAX_ environment's limit, else its default); the packed weights stay in
-    the heap until the next sync frees them for the new ones."""
+    ~300k minor page faults and 0.73-0.91 s per sync before; with it the faults fall to none
+    within five syncs and the sync takes 0.48-0.53 s (docs/benchmarks.md). Afterwards glibc
+    may mmap again (the MALLOC_MMAP_MAX_ environment's limit, else its default); the packed
+    weights stay in the heap until the next sync frees them for the new ones."""
     libc = _libc()
     if libc is None:
         yield
