@@ -11,7 +11,8 @@ ahead, each its share of every request: no trained token is more than one update
 SIGTERM or after the resume, with evaluations in between; with weights that no update changes
 that run trains the samples of the colocated on-policy run, step for step. An engine
 rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
-resumes the run.
+resumes the run. A TP2 trainer streams its shards to the engine and equals the colocated TP2
+run.
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
 separate run then add in the same order."""
@@ -119,6 +120,22 @@ def test_each_run_records_its_job_and_the_planner_reads_both_placements(runs):
     text = describe_timing(costs, 3)
     assert re.search(r"\| separate( \*\*fastest\*\*)? \| 2 : 1 \| >= 1 \|", text), text
     assert "separate 2 : 1, k=0 on 3: measured" in text
+
+
+def test_two_trainer_ranks_stream_their_shards_to_the_engine_bit_for_bit(tmp_path):
+    """A TP2 trainer: each step's weights reach the engine one tensor at a time through
+    trainer rank 0, trainer rank 1 sending its shards (`CanonicalStream`); the run equals the
+    colocated TP2 run, whose ranks each sync their own engine through the reshard plan."""
+    tp2 = ["trainer.steps=2", "parallel.tensor_parallel=2"]
+    rc, log = _launch(tmp_path / "col", tp2, nproc=2)
+    assert rc == 0, log[-4000:]
+    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *tp2], nproc=3)
+    assert rc == 0, log[-4000:]
+    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
+    assert [r["step"] for r in sep] == [1, 2] and sep == col
+    with open(tmp_path / "sep" / "metrics.jsonl") as f:
+        sync = json.loads(f.readline())["time_s"]["sync_detail"]
+    assert sync["gather"] > 0 and sync["transfer"] >= 0
 
 
 def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path):

@@ -66,6 +66,18 @@ def test_resharding_into_vllm_tp4_slices(results, key):
         assert sim["buckets"] > 1  # 64 kB buckets: several rounds
 
 
+@pytest.mark.parametrize("key", KEYS)
+def test_broadcast_plan_in_many_buckets(results, key):
+    """The CPU plan (every rank's vLLM TP=1 takes the whole model: each member broadcasts
+    what it holds) in 64 kB buckets on plain tensors, so the send and receive buffers are
+    reused bucket after bucket: every slice equals the full HF tensor's."""
+    for res in results:
+        sim = res["layouts"][key]["simulated_tp1"]
+        assert sim["different"] == [] and sim["nan_left"] == []
+        assert sim["mode"] == ("local" if key.endswith("tp1") else "broadcast")
+        assert sim["buckets"] > 2
+
+
 @pytest.mark.parametrize("label", ["staged", "reload", "write"])
 def test_interrupted_sync_names_the_parameter_and_recovers(results, label):
     """staged: a trainer tensor that breaks the exchange; reload: a zero-copy source that breaks

@@ -303,6 +303,7 @@ def job(rank: int, world: int) -> dict:
             out["greedy_after_naive"] = engine.generate(prompts, n=1, greedy=True).response_ids
             res["digests"][key] = digest(ours)
             out["simulated_tp4"] = simulate_tp(chunks, arch, groups, full_hf, 4, 2 * rank + 1)
+            out["simulated_tp1"] = simulate_tp(chunks, arch, groups, full_hf, 1, 0)
             if name == "llama" and layout == {"tensor_parallel": 1}:
                 res["engine"] = engine_contract(engine, cfg)
                 res["faults"] = faults(ws, engine, chunks, ref)

@@ -1,31 +1,36 @@
-"""Export a distributed model as an HF directory, one tensor at a time (collective).
+"""A distributed model's tensors, whole, on global rank 0, one at a time (`CanonicalStream`);
+with it, the export as an HF directory (`save_hf_streaming`) and the weights the separate
+placement's trainer sends its engines (`megarl.rollout.separate`). Collective.
 
-Global rank 0 writes. Memory beyond the parameters: rank 0 holds the pieces of one canonical
-tensor, then the merged tensor and its HF split (at most 2x the largest tensor; measured by
-tests/test_memory_bounds.py); every other rank holds nothing (it sends its parameters as they
-are). The plan comes from one small metadata exchange (`gather_object` of names, shapes and
-dtypes to rank 0; object collectives carry metadata only: on an NCCL-only group they stage
-max-object-size x world bytes on the device):
+Memory beyond the parameters: rank 0 holds the pieces of one canonical tensor, then the merged
+tensor and its HF split (at most 2x the largest tensor; measured by tests/test_memory_bounds.py);
+every other rank holds nothing (it sends its parameters as they are). The plan comes from one
+small metadata exchange (`gather_object` of names, shapes and dtypes to rank 0; object
+collectives carry metadata only: on an NCCL-only group they stage max-object-size x world bytes
+on the device):
 
 1. Every rank lists the shards it contributes (`layout.is_contributor`: DP rank 0 of each
    replica set; of a tensor every TP rank holds whole, TP rank 0), keyed by canonical name.
 2. Rank 0 checks that the shards cover every canonical tensor of the arch exactly once (all TP
-   pieces, same dtype), opens the output directory and plans the safetensors shards from the
-   HF shapes (`mapping.hf_shapes_for`), then tells every rank whether to go on (broadcast of one
-   error string: a refused directory fails on every rank, nobody waits in a send).
-3. All ranks walk the canonical tensors in HF writing order. A contributor other than rank 0
-   copies each of its shards to host memory and `send`s it to rank 0: on GPU the process group is
-   device-mapped (`cpu:gloo,cuda:nccl`), so these point-to-point messages go through gloo and no
-   NCCL communicator is created per (sender, rank 0) pair (there would be up to world - 1 of
-   them, each with device buffers); the export is bound by the disk anyway;
+   pieces, same dtype) and tells every rank whether to go on (broadcast of one error string: a
+   plan that fails, fails on every rank, and nobody waits in a send). The export then opens its
+   directory and plans the safetensors shards from the HF shapes (`mapping.hf_shapes_for`),
+   with a second such broadcast.
+3. Each walk (`CanonicalStream.tensors`): all ranks go through the canonical tensors in HF
+   writing order. A contributor other than rank 0 copies each of its shards to host memory and
+   `send`s it to rank 0: on GPU the process group is device-mapped (`cpu:gloo,cuda:nccl`), so
+   these point-to-point messages go through gloo and no NCCL communicator is created per
+   (sender, rank 0) pair (there would be up to world - 1 of them, each with device buffers);
    rank 0 `recv`s the pieces of one tensor (or takes its own), merges the TP pieces
-   (`layout.merge_tp`), cuts vocab padding, maps it to HF (`mapping.canonical_to_hf`: QKV per
-   query group, [gate; up]) and appends the HF tensor(s) to the open shard file
-   (`hf_io.StreamingShardWriter`, which writes each shard's header up front). Everyone sends in
-   the same global order and rank 0 receives in it, so the point-to-point pairs always match.
-4. A write error on rank 0 does not stop the receiving (the senders would block): rank 0 keeps
-   receiving and discarding, then aborts the directory and broadcasts the error, which every rank
-   raises. The directory is written under a temporary name and renamed at the end (`AtomicDir`).
+   (`layout.merge_tp`) and cuts vocab padding. The export maps each tensor to HF
+   (`mapping.canonical_to_hf`: QKV per query group, [gate; up]) and appends the HF tensor(s) to
+   the open shard file (`hf_io.StreamingShardWriter`, which writes each shard's header up
+   front). Everyone sends in the same global order and rank 0 receives in it, so the
+   point-to-point pairs always match.
+4. An error on rank 0 while it consumes the walk does not stop the receiving (the senders would
+   block): closing the walk receives and drops the rest. The export then aborts the directory
+   and broadcasts the error, which every rank raises. The directory is written under a
+   temporary name and renamed at the end (`AtomicDir`).
 
 Not handled: an error on a sender while others are mid-stream leaves rank 0 waiting in `recv`
 until the process group's timeout (as any collective would).
@@ -33,8 +38,10 @@ until the process group's timeout (as any collective would).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -64,28 +71,16 @@ def save_hf_streaming(
     tokenizer files of `tokenizer_dir`, generation config). Tensors keep the parameters' dtype;
     `hf_config` (default `arch.hf_config`) becomes config.json with that dtype. Returns the
     absolute `out_dir`."""
-    order = canonical_names_for(arch)
-    index = {n: i for i, n in enumerate(order)}
-    mine: dict[str, torch.Tensor] = {}
-    meta = []
-    for name, local_name, p in local_params(chunks):
-        if not is_contributor(p):
-            continue
-        dim, tp, r = tp_shard(p)
-        mine[name] = p.detach()
-        meta.append((name, local_name, dim, tp, r, tuple(p.shape), str(p.dtype)))
-    rank = dist.get_rank()
-    metas: list | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(meta, metas, dst=0)
-
-    plan = writer = out = None
+    try:
+        stream = CanonicalStream(chunks, arch)
+    except ValueError as e:  # (raised on every rank)
+        raise RuntimeError(f"HF export to {out_dir} refused: {e}") from e
+    writer = out = None
     err: list[str | None] = [None]
-    if rank == 0:
+    if dist.get_rank() == 0:
         try:
-            plan = _plan(arch, metas, order)
             out = AtomicDir(out_dir, overwrite=overwrite)
-            dtype = getattr(torch, next(iter(plan.values()))[0].dtype.removeprefix("torch."))
-            specs = [(n, s, dtype) for n, s in hf_shapes_for(arch).items()]
+            specs = [(n, s, stream.dtype) for n, s in hf_shapes_for(arch).items()]
             writer = StreamingShardWriter(out.tmp, specs, max_shard_bytes=max_shard_bytes)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err[0] = f"{type(e).__name__}: {e}"
@@ -95,26 +90,94 @@ def save_hf_streaming(
     if err[0] is not None:
         raise RuntimeError(f"HF export to {out_dir} refused: {err[0]}")
 
-    if rank != 0:
-        for name in sorted(mine, key=lambda n: index[n]):
-            dist.send(mine[name].detach().cpu().contiguous(), dst=0)  # host: gloo, see above
-    else:
-        err[0] = _receive_and_write(arch, plan, mine, writer, order)
-        if err[0] is None:
-            try:
-                writer.close()
-                config = export_config(hf_config or arch.hf_config, arch.family, _name(dtype))
-                finish_hf_dir(out.tmp, config, tokenizer_dir)
-                out.commit()
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                err[0] = f"{type(e).__name__}: {e}"
-        if err[0] is not None:
+    writing = None
+    try:
+        with contextlib.closing(stream.tensors()) as tensors:  # (rank 0's only)
+            for writing, full in tensors:
+                for hf_name, t in canonical_to_hf(arch, [(writing, full)]):
+                    writer.write(hf_name, t)
+        writing = None
+        if writer is not None:
+            writer.close()
+            config = export_config(hf_config or arch.hf_config, arch.family, _name(stream.dtype))
+            finish_hf_dir(out.tmp, config, tokenizer_dir)
+            out.commit()
+    except Exception as e:  # noqa: BLE001 - raised on every rank below (rank 0 only: the others
+        # only send, and their sends complete: closing the walk receives what is left)
+        err[0] = (
+            f"{type(e).__name__}" + (f" while writing {writing!r}" if writing else "") + f": {e}"
+        )
+        log.error("HF export: %s", err[0])
+        if writer is not None:
             writer.abort()
             out.abort()
     dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
         raise RuntimeError(f"HF export to {out_dir} failed: {err[0]}")
     return os.path.abspath(os.fspath(out_dir))
+
+
+class CanonicalStream:
+    """The canonical tensors of a model held across the default group's ranks, whole, on global
+    rank 0, one at a time (module doc, steps 1-3). Made once (collective: the metadata exchange;
+    a plan that does not cover the arch raises on every rank); each `tensors()` is one walk over
+    the current values, collective over the default group."""
+
+    def __init__(self, chunks: list[torch.nn.Module], arch: ModelArch):
+        self.chunks, self.arch = chunks, arch
+        self.order = canonical_names_for(arch)
+        meta = []
+        for name, local_name, p in local_params(chunks):
+            if is_contributor(p):
+                dim, tp, r = tp_shard(p)
+                meta.append((name, local_name, dim, tp, r, tuple(p.shape), str(p.dtype)))
+        rank = dist.get_rank()
+        metas: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(meta, metas, dst=0)
+        self.plan: dict[str, list[Piece]] = {}
+        err: list[str | None] = [None]
+        if rank == 0:
+            try:
+                self.plan = _plan(arch, metas, self.order)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                err[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(err, src=0)
+        if err[0] is not None:
+            raise ValueError(f"the model's tensors cannot be streamed whole: {err[0]}")
+        dtypes = [None if rank else next(iter(self.plan.values()))[0].dtype]
+        dist.broadcast_object_list(dtypes, src=0)
+        self.dtype: torch.dtype = getattr(torch, dtypes[0].removeprefix("torch."))
+        """The parameters' one dtype."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """On rank 0, `(canonical name, whole tensor)` in canonical order (a tensor rank 0
+        holds whole is its live parameter, not a copy: done with before the next update); on
+        the other ranks nothing: they send their pieces. Closed early (`contextlib.closing`),
+        rank 0 receives and drops the rest, so that no sender waits."""
+        index = {n: i for i, n in enumerate(self.order)}
+        mine = {name: p.detach() for name, _, p in local_params(self.chunks) if is_contributor(p)}
+        if dist.get_rank() != 0:
+            for name in sorted(mine, key=lambda n: index[n]):
+                dist.send(mine[name].cpu().contiguous(), dst=0)  # host: gloo, see module doc
+            return
+        done = 0
+        try:
+            for name in self.order:
+                parts = [self._piece(x, mine, name) for x in self.plan[name]]
+                done += 1
+                yield name, _merge(self.arch, name, self.plan[name][0].dim, parts)
+        except GeneratorExit:
+            for name in self.order[done:]:
+                for x in self.plan[name]:
+                    self._piece(x, mine, name)
+            raise
+
+    def _piece(self, x: Piece, mine: dict, name: str) -> torch.Tensor:
+        if x.src == 0:
+            return mine[name].cpu()
+        buf = torch.empty(x.shape, dtype=self.dtype)
+        dist.recv(buf, src=x.src)
+        return buf
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -164,34 +227,6 @@ def _plan(arch: ModelArch, metas: list[list], order: list[str]) -> dict[str, lis
     if len(dtypes) != 1:
         raise ValueError(f"parameters have several dtypes {dtypes}; the export writes one")
     return plan
-
-
-def _receive_and_write(arch, plan, mine, writer, order) -> str | None:
-    """Rank 0: receive every tensor in order; write it unless a write already failed (then
-    keep receiving so that no sender blocks). Returns the first error, or None."""
-    err = None
-    dtype = writer.specs[0][2]  # the one dtype of all pieces (checked by `_plan`)
-    for name in order:
-        parts = []
-        for x in plan[name]:
-            if x.src == 0:
-                parts.append(mine[name].cpu())
-            else:
-                buf = torch.empty(x.shape, dtype=dtype)
-                dist.recv(buf, src=x.src)
-                parts.append(buf)
-        if err is not None:
-            continue
-        try:
-            full = _merge(arch, name, plan[name][0].dim, parts)
-            del parts
-            for hf_name, t in canonical_to_hf(arch, [(name, full)]):
-                writer.write(hf_name, t)
-            del full
-        except Exception as e:  # noqa: BLE001 - reported after the stream drains
-            err = f"{type(e).__name__} while writing {name!r}: {e}"
-            log.error("HF export: %s", err)
-    return err
 
 
 def _merge(arch: ModelArch, name: str, dim: int, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -142,14 +142,16 @@ class Broadcasts:
             raise self._error(e) from e
         return self
 
-    def wait(self) -> None:
+    def wait(self, keep: int = 0) -> None:
+        """Wait for the oldest broadcasts until at most `keep` are in flight (their tensors
+        are then released)."""
         try:
-            for work, _ in self.works:
+            while len(self.works) > keep:
+                work, _ = self.works.pop(0)
                 work.wait()
         except RuntimeError as e:
-            raise self._error(e) from e
-        finally:
             self.works = []
+            raise self._error(e) from e
 
     def _error(self, e: Exception) -> LinkError:
         if self.pg.rank() == 0:
@@ -173,8 +175,14 @@ def bucket_layout(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[l
     return buckets
 
 
-def send_buckets(pg, tensors: list, buckets: list, dtype: torch.dtype, sums) -> float:
-    """Member 0: broadcast `tensors` (the (name, tensor) pairs `buckets` was laid out from),
+IN_FLIGHT = 4
+"""Buckets `send_buckets` keeps on the wire at once: the sender holds at most these, not the
+model."""
+
+
+def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums) -> float:
+    """Member 0: broadcast `tensors` ((name, tensor) pairs, in the order and shapes `buckets`
+    lays out; an iterable, consumed as the buckets are packed),
     each bucket packed into one flat buffer of `dtype` and added to `sums` (a
     `megarl.rollout.checksum.FamilySums`) while the buckets before it are on the wire; returns
     the seconds spent packing (the rest of the time is the wire's)."""
@@ -183,14 +191,20 @@ def send_buckets(pg, tensors: list, buckets: list, dtype: torch.dtype, sums) -> 
         t0 = time.perf_counter()
         flat = torch.empty(sum(math.prod(shape) for _, shape in bucket), dtype=dtype)
         offset = 0
-        for _ in bucket:
+        for want, shape in bucket:
             name, t = next(it)
+            if name != want or tuple(t.shape) != shape:  # the engines would load it elsewhere
+                raise ValueError(
+                    f"tensor {name!r} {tuple(t.shape)} sent where the engines expect {want!r} "
+                    f"{shape}"
+                )
             packed = flat[offset : offset + t.numel()].view(t.shape)
             packed.copy_(t)
             sums.add(name, packed)
             offset += t.numel()
         packing += time.perf_counter() - t0
         sending.start(flat)
+        sending.wait(keep=IN_FLIGHT)  # (bounded memory: the model may not fit twice)
     sending.wait()
     return packing
 

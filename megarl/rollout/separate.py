@@ -14,9 +14,11 @@ The trainer sees a `RolloutComponent` (`SeparateRollout`, this module); each eng
   as its trajectory's start (`trajectory_items`: messages, dataset row, token ids). Each sample
   carries the policy version of each of its tokens (the number of syncs the engine's weights
   held when it sampled it).
-- weights: the full HF-named state, gathered to trainer rank 0, cast to the engine dtype and
-  broadcast in buckets; the engine receives every bucket at once (on its receiving thread,
-  whatever it is generating), loads them when it reaches the update, through vLLM's reload
+- weights: the HF-named tensors, streamed through trainer rank 0 one whole tensor at a time
+  (`megarl.convert.stream.CanonicalStream`: the other trainer ranks send it their pieces),
+  each cast to the engine dtype into the bucket it is broadcast in, a few buckets in flight;
+  the engine receives every bucket at once (on its receiving thread, whatever it is
+  generating), loads them when it reaches the update, through vLLM's reload
   (the naive path's loader) or its CPU repack, and answers with its checksums per tensor family
   (`megarl.rollout.checksum`) of what it loaded, as soon as it loaded them. The trainer goes on
   once the bytes are sent and compares the answer with its own checksums before it takes any
@@ -36,13 +38,16 @@ k = 0 the only request out is the step's own: generation and training alternate,
 results equal the colocated placement's. Requests still out at a stop are answered (and
 discarded) before the engines stop; a resumed run asks for them again, with its current weights.
 
-Simplifications, stated: the weights travel through one gather to trainer rank 0 (the whole model
-in its memory, as the naive sync), not through the reshard plans of the colocated sync; engines
-run vLLM TP=1 each.
+Simplifications, stated: every byte of the weights passes through trainer rank 0 (its memory
+holds one tensor and the buckets in flight, not the model), not through the reshard plans of
+the colocated sync from the ranks that hold the shards; the link is gloo, on host memory, also
+on GPU; each engine receives the whole model into host memory before it loads it; engines run
+vLLM TP=1 each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -50,9 +55,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megarl.convert.layout import gather_full_state
-from megarl.convert.mapping import canonical_to_hf
+from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
 from megarl.convert.peft import adapter_config, whole_adapters
+from megarl.convert.stream import CanonicalStream
 from megarl.distributed.placement import link, placement
 from megarl.distributed.topology import Groups
 from megarl.envs.config import EnvConfig
@@ -188,6 +193,8 @@ class SeparateRollout:
         self.max_staleness = max_staleness
         self._generated = 0
         self._floor_s: float | None = None
+        self._stream: CanonicalStream | None = None
+        """The policy's tensors, whole, on trainer rank 0 (made at the first sync)."""
         self._pending: list[_Request] = []
         """Trainer rank 0: requests sent whose samples have not been trained on, oldest first."""
 
@@ -364,14 +371,9 @@ class SeparateRollout:
         if self.lora is not None:
             return self._sync_adapters()
         t0 = time.perf_counter()
-        # trainer rank 0 holds the model (alone: views of the parameters, sent before the update)
         with lora.merged(self.policy):  # LoRA: the engines get W + scale B A
-            full = gather_full_state(self.policy, to_all=False, views=True)
-        t_gathered = time.perf_counter()
-        stats = self._send_weights(full) if self.link is not None else {}
-        del full
+            stats = self._send_weights()
         self.version += 1
-        stats["gather_seconds"] = t_gathered - t0
         return {**stats, "seconds": time.perf_counter() - t0, "version": self.version}
 
     def _sync_adapters(self) -> dict:
@@ -379,10 +381,7 @@ class SeparateRollout:
         checked by the engines' read-back sums when their answer arrives."""
         t0, out = time.perf_counter(), {}
         if not self._base_sent:
-            full = gather_full_state(self.policy, to_all=False, views=True)
-            base = self._send_weights(full) if self.link is not None else {}
-            del full
-            out = {f"base_{k}": v for k, v in base.items()}
+            out = {f"base_{k}": v for k, v in self._send_weights().items()}
             self._base_sent = True
         t1 = time.perf_counter()
         tensors = whole_adapters(self.policy)  # collective over the trainer ranks
@@ -404,11 +403,23 @@ class SeparateRollout:
             "mode": "adapters",
         }
 
-    def _send_weights(self, full: dict) -> dict:
+    def _send_weights(self) -> dict:
+        """The policy's tensors, whole, from every trainer rank through trainer rank 0 to the
+        engines (`CanonicalStream`: one canonical tensor at a time, each HF tensor cast to the
+        engine dtype into the bucket it is sent in). Collective over the trainer ranks; the
+        others only send their pieces to trainer rank 0."""
         t0 = time.perf_counter()
-        # (copied once, into the bucket they are sent in)
-        tensors = [(name, t.to(self.dtype)) for name, t in canonical_to_hf(self.arch, full.items())]
-        buckets = bucket_layout(tensors, BUCKET_BYTES)
+        if self._stream is None:
+            self._stream = CanonicalStream(self.policy, self.arch)  # (metadata, once)
+        if self.link is None:
+            for _ in self._stream.tensors():
+                pass
+            return {"gather_seconds": time.perf_counter() - t0}
+        layout = [
+            (name, torch.empty(shape, dtype=self.dtype, device="meta"))
+            for name, shape in hf_shapes_for(self.arch).items()
+        ]
+        buckets = bucket_layout(layout, BUCKET_BYTES)
         version = self.version + 1
         floor = self._floor_s is None  # the first sync also times a raw broadcast of its bytes
         msg = {"op": "weights", "version": version, "buckets": buckets, "floor": floor}
@@ -419,12 +430,15 @@ class SeparateRollout:
         # the engines receive every bucket before they write any
         t_names = time.perf_counter() - t0 - (self._floor_s if floor else 0.0)
         sent, t1 = FamilySums(), time.perf_counter()
-        packing = send_buckets(self.link, tensors, buckets, self.dtype, sent)
+        with contextlib.closing(self._stream.tensors()) as tensors:
+            hf = _Timed(canonical_to_hf(self.arch, tensors))
+            packing = send_buckets(self.link, hf, buckets, self.dtype, sent)
         t_sent = time.perf_counter()
         self._pending.append(_Sync(version, sent.state()))
         return {
-            "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-            "checksum_seconds": t_names + packing,
+            "bytes": sum(t.numel() * t.element_size() for _, t in layout),
+            "checksum_seconds": t_names + packing - hf.seconds,
+            "gather_seconds": hf.seconds,  # waiting for the other trainer ranks' pieces
             "broadcast_seconds": t_sent - t1 - packing,  # the wire's time after the packing
             "floor_seconds": self._floor_s,
             "families_verified": len(sent.sums),
@@ -435,6 +449,23 @@ class SeparateRollout:
 
     def close(self) -> None:
         """The engines stop with the job (`stop_engines`)."""
+
+
+class _Timed:
+    """Iterates `it`, adding up the seconds spent inside `it` (`seconds`)."""
+
+    def __init__(self, it):
+        self.it, self.seconds = it, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 def syncs_to_verify(pending: list, at: int, newest: int) -> list[_Sync]:

@@ -320,9 +320,10 @@ def collect_metrics(
 def sync_times(stats: dict) -> dict:
     """`time_s.sync_detail`, this rank's figures of the weight sync (part of `time_s.sync`, so
     not a stage of its own): `transfer` (colocated: the exchange between trainer ranks;
-    separate: the broadcast to the engines) and, separate only, `gather` (the model to trainer
-    rank 0), `checksum` (the HF names, the engine dtype and the sender's checksums) and `floor`:
-    a raw broadcast of the same bytes, timed once at start-up."""
+    separate: the broadcast after the last bucket is packed) and, separate only, `gather` (the
+    tensors made whole on trainer rank 0, one at a time, from the other trainer ranks' pieces),
+    `checksum` (packing the buckets in the engine dtype, and the sender's checksums) and
+    `floor`: a raw broadcast of the same bytes, timed once at start-up."""
     keys = {
         "exchange_seconds": "transfer",
         "broadcast_seconds": "transfer",
