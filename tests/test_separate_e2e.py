@@ -12,7 +12,7 @@ SIGTERM or after the resume, with evaluations in between; with weights that no u
 that run trains the samples of the colocated on-policy run, step for step. An engine
 rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
 resumes the run. A TP2 trainer streams its shards to the engine and equals the colocated TP2
-run.
+run (extended tier).
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
 separate run then add in the same order."""
@@ -122,6 +122,7 @@ def test_each_run_records_its_job_and_the_planner_reads_both_placements(runs):
     assert "separate 2 : 1, k=0 on 3: measured" in text
 
 
+@pytest.mark.extended  # CI: one trainer rank here; the stream over TP2 / PP2 in the HF export
 def test_two_trainer_ranks_stream_their_shards_to_the_engine_bit_for_bit(tmp_path):
     """A TP2 trainer: each step's weights reach the engine one tensor at a time through
     trainer rank 0, trainer rank 1 sending its shards (`CanonicalStream`); the run equals the
