@@ -209,6 +209,23 @@ def _export_errors(actor, arch, out, where) -> list[str]:
             bad.append(f"{where}: write failure says {e}")
     finally:
         stream.StreamingShardWriter = StreamingShardWriter
+    merge, calls = stream._merge, []
+
+    def failing_merge(*args):  # rank 0's merge of the third tensor fails, inside the walk
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("test: merge failed")
+        return merge(*args)
+
+    stream._merge = failing_merge
+    try:
+        save_hf_streaming(actor, arch, failed)
+        bad.append(f"{where}: a failure inside the walk not raised")
+    except RuntimeError as e:
+        if "merge failed" not in str(e):
+            bad.append(f"{where}: a failure inside the walk says {e}")
+    finally:
+        stream._merge = merge
     parent, base = os.path.split(failed)
     if any(n.startswith(("." + base, base)) for n in os.listdir(parent)):
         bad.append(f"{where}: failed export left files in {parent}")

@@ -154,10 +154,9 @@ class CanonicalStream:
         holds whole is its live parameter, not a copy: done with before the next update); on
         the other ranks nothing: they send their pieces. Closed early (`contextlib.closing`),
         rank 0 receives and drops the rest, so that no sender waits."""
-        index = {n: i for i, n in enumerate(self.order)}
         mine = {name: p.detach() for name, _, p in local_params(self.chunks) if is_contributor(p)}
         if dist.get_rank() != 0:
-            for name in sorted(mine, key=lambda n: index[n]):
+            for name in sorted(mine, key=self.order.index):
                 dist.send(mine[name].cpu().contiguous(), dst=0)  # host: gloo, see module doc
             return
         done = 0
@@ -166,10 +165,11 @@ class CanonicalStream:
                 parts = [self._piece(x, mine, name) for x in self.plan[name]]
                 done += 1
                 yield name, _merge(self.arch, name, self.plan[name][0].dim, parts)
-        except GeneratorExit:
-            for name in self.order[done:]:
-                for x in self.plan[name]:
-                    self._piece(x, mine, name)
+        except BaseException:  # closed early, or a failure here: the senders must not wait
+            with contextlib.suppress(Exception):  # (a broken group: the first error stands)
+                for name in self.order[done:]:
+                    for x in self.plan[name]:
+                        self._piece(x, mine, name)
             raise
 
     def _piece(self, x: Piece, mine: dict, name: str) -> torch.Tensor:

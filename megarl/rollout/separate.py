@@ -194,7 +194,10 @@ class SeparateRollout:
         self._generated = 0
         self._floor_s: float | None = None
         self._stream: CanonicalStream | None = None
-        """The policy's tensors, whole, on trainer rank 0 (made at the first sync)."""
+        """The policy's tensors, whole, on trainer rank 0 (made at the first sync, with the
+        buckets they are sent in and their bytes)."""
+        self._buckets: list = []
+        self._bytes = 0
         self._pending: list[_Request] = []
         """Trainer rank 0: requests sent whose samples have not been trained on, oldest first."""
 
@@ -411,15 +414,17 @@ class SeparateRollout:
         t0 = time.perf_counter()
         if self._stream is None:
             self._stream = CanonicalStream(self.policy, self.arch)  # (metadata, once)
+            layout = [
+                (name, torch.empty(shape, dtype=self.dtype, device="meta"))
+                for name, shape in hf_shapes_for(self.arch).items()
+            ]
+            self._buckets = bucket_layout(layout, BUCKET_BYTES)
+            self._bytes = sum(t.numel() * t.element_size() for _, t in layout)
         if self.link is None:
             for _ in self._stream.tensors():
                 pass
             return {"gather_seconds": time.perf_counter() - t0}
-        layout = [
-            (name, torch.empty(shape, dtype=self.dtype, device="meta"))
-            for name, shape in hf_shapes_for(self.arch).items()
-        ]
-        buckets = bucket_layout(layout, BUCKET_BYTES)
+        buckets = self._buckets
         version = self.version + 1
         floor = self._floor_s is None  # the first sync also times a raw broadcast of its bytes
         msg = {"op": "weights", "version": version, "buckets": buckets, "floor": floor}
@@ -436,7 +441,7 @@ class SeparateRollout:
         t_sent = time.perf_counter()
         self._pending.append(_Sync(version, sent.state()))
         return {
-            "bytes": sum(t.numel() * t.element_size() for _, t in layout),
+            "bytes": self._bytes,
             "checksum_seconds": t_names + packing - hf.seconds,
             "gather_seconds": hf.seconds,  # waiting for the other trainer ranks' pieces
             "broadcast_seconds": t_sent - t1 - packing,  # the wire's time after the packing
