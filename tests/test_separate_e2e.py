@@ -9,7 +9,9 @@ skipped adapter update fails the step. With
 `algorithm.max_staleness=1` (and `rollout.inflight_updates`) two engine ranks generate a step
 ahead, each its share of every request: no trained token is more than one update old, before a
 SIGTERM or after the resume, with evaluations in between; with weights that no update changes
-that run trains the samples of the colocated on-policy run, step for step. An engine
+that run trains the samples of the colocated on-policy run, step for step; with weights that
+learn, one engine a step ahead equals bit for bit the sequential run whose engine gets each
+update one step late (tests/lagged_worker.py). An engine
 rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
 resumes the run. A TP2 trainer streams its shards to the engine and equals the colocated TP2
 run (extended tier).
@@ -166,6 +168,7 @@ def test_lora_adapters_reach_the_separate_engine_as_they_reach_a_colocated_one(t
     assert col[-1]["kl"] > 0  # the adapters moved the policy the engines sampled from
 
 
+@pytest.mark.extended  # CI: a skipped weight update fails by the checksums (above)
 def test_an_engine_that_skips_an_adapter_update_fails_the_step(tmp_path):
     rc, log = _launch(tmp_path / "skip", [*SEPARATE, *LORA], nproc=2,
                       module="tests.separate_worker", env={"SKIP_SYNC": "0", "SKIP_ADAPTERS": "2"})
@@ -219,6 +222,24 @@ def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
     assert [r["pg_loss"] for r in rows] == pytest.approx([r["pg_loss"] for r in ref], abs=1e-6)
     job = yaml.safe_load((async_run["out"] / "job.yaml").read_text())
     assert (job["trainer_ranks"], job["engine_ranks"]) == (1, 2)
+
+
+def test_a_step_ahead_trains_what_an_engine_one_update_behind_samples(tmp_path):
+    """With weights that learn, a run a step ahead equals, bit for bit, the sequential run whose
+    colocated engine gets each update one step late (tests/lagged_worker.py): step t trains the
+    samples of the weights before update t-1, corrected by their behaviour logprobs, at the
+    weights after it, and nothing else differs."""
+    k1 = ["algorithm.off_policy_correction=decoupled", "eval.every=0"]
+    rc, log = _launch(tmp_path / "ahead", [*SEPARATE, *k1, "algorithm.max_staleness=1"], nproc=2)
+    assert rc == 0, log[-4000:]
+    rc, log = _launch(tmp_path / "lagged", k1, nproc=1, module="tests.lagged_worker")
+    assert rc == 0, log[-4000:]
+    ahead, lagged = _metrics(tmp_path / "ahead"), _metrics(tmp_path / "lagged")
+    assert [r["rollout/staleness_max"] for r in ahead] == [0, 1, 1, 1]
+    assert min(r["logprob_mismatch"] for r in ahead[1:]) > 0.01  # the weights did move
+    ages = {"rollout/staleness_max", "rollout/staleness_mean", "rollout/token_staleness_mean",
+            "rollout/staleness_share_0", "rollout/staleness_share_1", "rollout/inflight_share"}
+    assert [{k: v for k, v in r.items() if k not in ages} for r in ahead] == lagged
 
 
 def test_an_engine_rank_that_dies_ends_the_attempt_naming_it_and_the_restart_resumes(tmp_path):

@@ -75,7 +75,7 @@ class AlgorithmConfig:
     """How many policy updates the weights that generated a trained sample may be behind the
     policy it trains (0: on-policy; generation and training alternate). k > 0 needs
     rollout.placement=separate: the engines generate the next k steps' samples while the
-    trainer trains; pair it with an off_policy_correction (tis or decoupled, measured in
+    trainer trains; pair it with an off_policy_correction (mis, tis or decoupled, measured in
     docs/placement.md)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
