@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -200,15 +201,6 @@ def _export_errors(actor, arch, out, where) -> list[str]:
         if "already holds" not in str(e):
             bad.append(f"{where}: refusal says {e}")
     failed = out + "-failed"
-    stream.StreamingShardWriter = _FailingWriter
-    try:
-        save_hf_streaming(actor, arch, failed)
-        bad.append(f"{where}: write failure not raised")
-    except RuntimeError as e:
-        if "no space left writing" not in str(e):
-            bad.append(f"{where}: write failure says {e}")
-    finally:
-        stream.StreamingShardWriter = StreamingShardWriter
     merge, calls = stream._merge, []
 
     def failing_merge(*args):  # rank 0's merge of the third tensor fails, inside the walk
@@ -217,15 +209,17 @@ def _export_errors(actor, arch, out, where) -> list[str]:
             raise RuntimeError("test: merge failed")
         return merge(*args)
 
-    stream._merge = failing_merge
-    try:
-        save_hf_streaming(actor, arch, failed)
-        bad.append(f"{where}: a failure inside the walk not raised")
-    except RuntimeError as e:
-        if "merge failed" not in str(e):
-            bad.append(f"{where}: a failure inside the walk says {e}")
-    finally:
-        stream._merge = merge
+    for attr, broken, says, what in (
+        ("StreamingShardWriter", _FailingWriter, "no space left writing", "write failure"),
+        ("_merge", failing_merge, "merge failed", "a failure inside the walk"),
+    ):
+        with mock.patch.object(stream, attr, broken):
+            try:
+                save_hf_streaming(actor, arch, failed)
+                bad.append(f"{where}: {what} not raised")
+            except RuntimeError as e:
+                if says not in str(e):
+                    bad.append(f"{where}: {what} says {e}")
     parent, base = os.path.split(failed)
     if any(n.startswith(("." + base, base)) for n in os.listdir(parent)):
         bad.append(f"{where}: failed export left files in {parent}")

@@ -126,6 +126,7 @@ class CanonicalStream:
     def __init__(self, chunks: list[torch.nn.Module], arch: ModelArch):
         self.chunks, self.arch = chunks, arch
         self.order = canonical_names_for(arch)
+        self.position = {name: i for i, name in enumerate(self.order)}
         meta = []
         for name, local_name, p in local_params(chunks):
             if is_contributor(p):
@@ -156,7 +157,7 @@ class CanonicalStream:
         rank 0 receives and drops the rest, so that no sender waits."""
         mine = {name: p.detach() for name, _, p in local_params(self.chunks) if is_contributor(p)}
         if dist.get_rank() != 0:
-            for name in sorted(mine, key=self.order.index):
+            for name in sorted(mine, key=self.position.__getitem__):
                 dist.send(mine[name].cpu().contiguous(), dst=0)  # host: gloo, see module doc
             return
         done = 0

@@ -180,6 +180,11 @@ IN_FLIGHT = 4
 model."""
 
 
+def bucket_numel(bucket: list) -> int:
+    """Elements of one bucket of `bucket_layout`: the length of its flat buffer."""
+    return sum(math.prod(shape) for _, shape in bucket)
+
+
 def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums) -> float:
     """Member 0: broadcast `tensors` ((name, tensor) pairs, in the order and shapes `buckets`
     lays out; an iterable, consumed as the buckets are packed),
@@ -189,7 +194,7 @@ def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums) -> float:
     sending, it, packing = Broadcasts(pg), iter(tensors), 0.0
     for bucket in buckets:
         t0 = time.perf_counter()
-        flat = torch.empty(sum(math.prod(shape) for _, shape in bucket), dtype=dtype)
+        flat = torch.empty(bucket_numel(bucket), dtype=dtype)
         offset = 0
         for want, shape in bucket:
             name, t = next(it)
@@ -212,7 +217,7 @@ def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums) -> float:
 def receive_buckets(pg, buckets: list, dtype: torch.dtype) -> list[torch.Tensor]:
     """The other members: every bucket `send_buckets` sends, as flat buffers (all received
     before this returns)."""
-    flats = [torch.empty(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
+    flats = [torch.empty(bucket_numel(b), dtype=dtype) for b in buckets]
     receiving = Broadcasts(pg)
     for flat in flats:
         receiving.start(flat)
@@ -232,7 +237,7 @@ def bucket_items(buckets: list, flats: list[torch.Tensor]):
 def timed_broadcasts(pg, buckets: list, dtype: torch.dtype) -> float:
     """Seconds to broadcast the sync's buckets as plain buffers (no checksums, no loading):
     the floor a sync is measured against. Both sides call it, in the same order."""
-    flats = [torch.zeros(sum(math.prod(s) for _, s in b), dtype=dtype) for b in buckets]
+    flats = [torch.zeros(bucket_numel(b), dtype=dtype) for b in buckets]
     t0 = time.perf_counter()
     for flat in flats:
         broadcast(pg, flat)

@@ -73,6 +73,7 @@ from megarl.rollout.link import (
     LinkError,
     Outbox,
     bucket_layout,
+    bucket_numel,
     recv_object,
     send_buckets,
     timed_broadcasts,
@@ -195,9 +196,8 @@ class SeparateRollout:
         self._floor_s: float | None = None
         self._stream: CanonicalStream | None = None
         """The policy's tensors, whole, on trainer rank 0 (made at the first sync, with the
-        buckets they are sent in and their bytes)."""
+        buckets they are sent in)."""
         self._buckets: list = []
-        self._bytes = 0
         self._pending: list[_Request] = []
         """Trainer rank 0: requests sent whose samples have not been trained on, oldest first."""
 
@@ -419,7 +419,6 @@ class SeparateRollout:
                 for name, shape in hf_shapes_for(self.arch).items()
             ]
             self._buckets = bucket_layout(layout, BUCKET_BYTES)
-            self._bytes = sum(t.numel() * t.element_size() for _, t in layout)
         if self.link is None:
             for _ in self._stream.tensors():
                 pass
@@ -441,7 +440,7 @@ class SeparateRollout:
         t_sent = time.perf_counter()
         self._pending.append(_Sync(version, sent.state()))
         return {
-            "bytes": self._bytes,
+            "bytes": sum(map(bucket_numel, buckets)) * self.dtype.itemsize,
             "checksum_seconds": t_names + packing - hf.seconds,
             "gather_seconds": hf.seconds,  # waiting for the other trainer ranks' pieces
             "broadcast_seconds": t_sent - t1 - packing,  # the wire's time after the packing
