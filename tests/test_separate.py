@@ -10,8 +10,14 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.config import load_config
-from megarl.distributed.placement import JobPlacement, PlacementError
-from megarl.rollout.checksum import FamilySums, family, mismatched, tensor_sums
+from megarl.distributed.placement import (
+    JobPlacement,
+    PlacementError,
+    init_placement,
+    link,
+    sender_link,
+)
+from megarl.rollout.checksum import FamilySums, family, merged, mismatched, tensor_sums
 from megarl.rollout.engine import Rollout
 from megarl.rollout.engine_rank import EngineRank
 from megarl.rollout.link import (
@@ -233,7 +239,7 @@ def _bucket_peer(member: int, port: int, errors) -> None:
             out.send(sums.state(), 1)
             out.flush()  # taken before this process ends
             return
-        flats = receive_buckets(pg, buckets, torch.bfloat16)
+        flats = receive_buckets([(0, pg, buckets)], torch.bfloat16)
         got = list(bucket_items(buckets, flats))
         assert [n for n, _ in got] == [n for n, _ in tensors]
         for (name, t), (_, want) in zip(got, tensors, strict=True):
@@ -262,7 +268,8 @@ def _ahead_peer(member: int, port: int, errors) -> None:
         if member == 0:  # the trainer: a whole update sent before the engine reads a message
             out = Outbox(pg)
             out.send({"op": "start", "dtype": "bf16"}, 1)
-            out.send({"op": "weights", "version": 1, "buckets": buckets, "floor": True}, 1)
+            msg = {"op": "weights", "version": 1, "buckets": buckets, "floor": True}
+            out.send({**msg, "senders": [(0, len(buckets))]}, 1)
             timed_broadcasts(pg, buckets, torch.bfloat16)
             send_buckets(pg, tensors, buckets, torch.bfloat16, FamilySums())
             out.send({"op": "stop"}, 1)
@@ -288,25 +295,94 @@ def test_an_engine_receives_an_update_on_its_inbox_thread():
     _two_members(_ahead_peer)
 
 
+def _senders_peer(job_rank: int, port: int, errors) -> None:
+    """Job rank `job_rank` of three, placed as a run places them: trainer ranks 0 and 1, each
+    broadcasting its own share of the tensors over its own link, and one engine rank."""
+    try:
+        import os
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        os.environ.update(RANK=str(job_rank), WORLD_SIZE="3")
+        store = dist.TCPStore("127.0.0.1", port, 3, is_master=job_rank == 0)
+        where = init_placement("gloo", "separate", 1, store, timedelta(seconds=60))
+        tensors = _bucket_tensors()
+        shares = {0: tensors[:2], 1: tensors[2:]}
+        layouts = {r: bucket_layout(t, 1024) for r, t in shares.items()}
+        if where.role == "train":
+            r, out = where.rank, Outbox(link()) if where.rank == 0 else None
+            if r == 0:  # the order of the sync's messages, as `SeparateRollout` sends them
+                out.send({"op": "start", "dtype": "bf16"}, 1)
+                senders = [(s, len(b)) for s, b in layouts.items()]
+                buckets = layouts[0] + layouts[1]
+                msg = {"op": "weights", "version": 1, "floor": True, "buckets": buckets}
+                out.send({**msg, "senders": senders}, 1)
+            pg = sender_link(r)  # rank 0's is the link; rank 1's is made now, with the engine's
+            assert (pg is link()) == (r == 0)
+            timed_broadcasts(pg, layouts[r], torch.bfloat16, r)
+            sums = FamilySums()
+            send_buckets(pg, shares[r], layouts[r], torch.bfloat16, sums, r)
+            states: list | None = [None, None] if r == 0 else None
+            dist.gather_object(sums.state(), states, dst=0)
+            if r == 0:
+                out.send({"op": "sums", "sums": merged(states)}, 1)
+                out.send({"op": "stop"}, 1)
+                out.flush()
+            return
+        rank = EngineRank(link(), None)  # no engine: only the receiving side is exercised
+        inbox = Inbox(link(), 0, last=lambda m: m["op"] == "stop", prepare=rank.receive_ahead)
+        assert inbox.get()["op"] == "start"
+        update = inbox.get()
+        got = list(bucket_items(update["buckets"], update["flats"]))
+        assert [n for n, _ in got] == [n for n, _ in tensors]
+        sums = FamilySums()
+        for (name, t), (_, want) in zip(got, tensors, strict=True):
+            assert torch.equal(t, want), name
+            sums.add(name, t)
+        assert mismatched(inbox.get()["sums"], sums.state()) == []
+        assert inbox.get()["op"] == "stop"
+    except BaseException as e:  # reported to the test, which fails with it
+        errors.put(f"job rank {job_rank}: {type(e).__name__}: {e}")
+
+
+def test_two_trainer_ranks_send_their_own_tensors_over_their_own_links_at_once():
+    """Two trainer ranks (two pipeline stages' first ranks) broadcast their shares over links
+    of their own (`sender_link`, rank 1's made at its first update by it and the engine); the
+    engine receives both at once, in the order of the sync's bucket list, bit for bit, and the
+    senders' checksums merged equal the engine's."""
+    _two_members(_senders_peer, members=3)
+
+
+def test_senders_checksums_merge_to_the_checksums_of_all_their_tensors():
+    tensors = _bucket_tensors()
+    whole, parts = FamilySums(), [FamilySums(), FamilySums(), FamilySums()]
+    for i, (name, t) in enumerate(tensors):
+        whole.add(name, t)
+        parts[i % 3].add(name, t)
+    assert merged([p.state() for p in parts]) == whole.state()
+    assert merged([p.state() for p in parts[:2]]) != whole.state()
+
+
 def test_the_link_carries_objects_and_broadcasts_between_two_processes():
     _two_members(_link_peer)
 
 
-def _two_members(peer) -> None:
-    """`peer(member, port, errors)` in two processes joined by a gloo link; fails with the
-    first error either reports."""
+def _two_members(peer, members: int = 2) -> None:
+    """`peer(member, port, errors)` in `members` processes (two: joined by a gloo link); fails
+    with the first error one reports."""
     from megarl.distributed.launch import free_port
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=peer, args=(m, port, errors)) for m in (0, 1)]
+    procs = [ctx.Process(target=peer, args=(m, port, errors)) for m in range(members)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
     assert errors.empty(), errors.get()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert [p.exitcode for p in procs] == [0] * members
 
 
 def test_each_token_has_the_version_of_the_last_switch_at_or_before_it():

@@ -13,8 +13,9 @@ that run trains the samples of the colocated on-policy run, step for step; with 
 learn, one engine a step ahead equals bit for bit the sequential run whose engine gets each
 update one step late (tests/lagged_worker.py). An engine
 rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
-resumes the run. A TP2 trainer streams its shards to the engine and equals the colocated TP2
-run (extended tier).
+resumes the run. A PP2 trainer's stages each send their own weights to the engine, at once,
+over links of their own, and the run equals the colocated PP2 run; a TP2 trainer's rank 1 sends
+its shards through rank 0, equal to the colocated TP2 run too (extended tier).
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
 separate run then add in the same order."""
@@ -124,11 +125,28 @@ def test_each_run_records_its_job_and_the_planner_reads_both_placements(runs):
     assert "separate 2 : 1, k=0 on 3: measured" in text
 
 
-@pytest.mark.extended  # CI: one trainer rank here; the stream over TP2 / PP2 in the HF export
-def test_two_trainer_ranks_stream_their_shards_to_the_engine_bit_for_bit(tmp_path):
-    """A TP2 trainer: each step's weights reach the engine one tensor at a time through
-    trainer rank 0, trainer rank 1 sending its shards (`CanonicalStream`); the run equals the
-    colocated TP2 run, whose ranks each sync their own engine through the reshard plan."""
+def test_each_pipeline_stage_sends_its_own_weights_and_the_run_equals_colocated(tmp_path):
+    """A PP2 trainer: each stage's first rank makes its stage's tensors whole and broadcasts
+    them over a link of its own, both stages at once, every sync verified by the checksums of
+    the two merged; the run equals the colocated PP2 run, whose ranks each sync their own
+    engine through the reshard plan, bit for bit."""
+    pp2 = ["trainer.steps=2", "parallel.pipeline_parallel=2"]
+    rc, log = _launch(tmp_path / "col", pp2, nproc=2)
+    assert rc == 0, log[-4000:]
+    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *pp2], nproc=3)
+    assert rc == 0, log[-4000:]
+    assert re.search(r"trainer ranks 0 \([\d.]+ MB\), 1 \([\d.]+ MB\) send", log), log[-4000:]
+    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
+    assert [r["step"] for r in sep] == [1, 2] and sep == col
+    with open(tmp_path / "sep" / "metrics.jsonl") as f:
+        sync = json.loads(f.readline())["time_s"]["sync_detail"]
+    assert sync["floor"] > 0 and sync["transfer"] >= 0
+
+
+@pytest.mark.extended  # CI: two pipeline stages (above); TP pieces made whole on TP rank 0
+def test_two_tensor_parallel_ranks_stream_their_shards_to_the_engine_bit_for_bit(tmp_path):
+    """A TP2 trainer: trainer rank 1 sends its shards to trainer rank 0, which makes each
+    tensor whole and sends it to the engine; the run equals the colocated TP2 run."""
     tp2 = ["trainer.steps=2", "parallel.tensor_parallel=2"]
     rc, log = _launch(tmp_path / "col", tp2, nproc=2)
     assert rc == 0, log[-4000:]

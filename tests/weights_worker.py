@@ -23,7 +23,7 @@ from megarl.convert.sharded import (
     load_hf_sharded,
     seeded_init,
 )
-from megarl.convert.stream import save_hf_streaming
+from megarl.convert.stream import CanonicalStream, save_hf_streaming
 from megarl.distributed import ParallelConfig, Topology
 from megarl.models.builder import build_model, unwrap
 from megarl.models.hf_config import PrecisionConfig, arch_from_hf
@@ -176,6 +176,33 @@ def correctness(rank, world, cases: dict, layouts: dict, out_root: str) -> list[
             dist.barrier()
             if name == names[0]:
                 bad += _export_errors(actor, arch, out, where)
+            many = layout.get("pipeline_parallel", 1) > 1 or layout.get("expert_parallel", 1) > 1
+            bad += _check_spread(actor, arch, where, rank, world, many)
+    return bad
+
+
+def _check_spread(actor, arch, where: str, rank: int, world: int, many: bool) -> list[str]:
+    """The spread walk (the separate placement's sync): every canonical tensor made whole once,
+    on the rank of its first TP piece, equal bit for bit to the walk through rank 0; more than
+    one rank collects when the layout has pipeline stages or expert-parallel ranks (`many`)."""
+    whole = dict(CanonicalStream(actor, arch).tensors())  # rank 0's; nothing elsewhere
+    spread = CanonicalStream(actor, arch, spread=True)
+    got: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(dict(spread.tensors()), got, dst=0)
+    if rank != 0:
+        return []
+    bad, seen = [], {}
+    for r, tensors in enumerate(got):
+        for n, t in tensors.items():
+            if n in seen or spread.collector[n] != r:
+                bad.append(f"{where} spread: {n} on rank {r} (collector {spread.collector[n]})")
+            seen[n] = r
+            if not torch.equal(t, whole[n]):
+                bad.append(f"{where} spread: {n} on rank {r} differs")
+    if sorted(seen) != sorted(whole):
+        bad.append(f"{where} spread: missing {sorted(set(whole) - set(seen))[:4]}")
+    if (len(set(seen.values())) > 1) != many:
+        bad.append(f"{where} spread: collected on ranks {sorted(set(seen.values()))}")
     return bad
 
 

@@ -1,13 +1,14 @@
-"""A distributed model's tensors, whole, on global rank 0, one at a time (`CanonicalStream`);
-with it, the export as an HF directory (`save_hf_streaming`) and the weights the separate
-placement's trainer sends its engines (`megarl.rollout.separate`). Collective.
+"""A distributed model's tensors, whole, on global rank 0 (or each on the first rank of its
+pipeline stage), one at a time (`CanonicalStream`); with it, the export as an HF directory
+(`save_hf_streaming`) and the weights the separate placement's trainer sends its engines
+(`megarl.rollout.separate`, spread over the stages' first ranks). Collective.
 
 Memory beyond the parameters: rank 0 holds the pieces of one canonical tensor, then the merged
 tensor and its HF split (at most 2x the largest tensor; measured by tests/test_memory_bounds.py);
 every other rank holds nothing (it sends its parameters as they are). The plan comes from one
-small metadata exchange (`gather_object` of names, shapes and dtypes to rank 0; object
-collectives carry metadata only: on an NCCL-only group they stage max-object-size x world bytes
-on the device):
+small metadata exchange (`gather_object` of names, shapes and dtypes to rank 0, the plan
+broadcast back; object collectives carry metadata only: on an NCCL-only group they stage
+max-object-size x world bytes on the device):
 
 1. Every rank lists the shards it contributes (`layout.is_contributor`: DP rank 0 of each
    replica set; of a tensor every TP rank holds whole, TP rank 0), keyed by canonical name.
@@ -26,7 +27,12 @@ on the device):
    (`mapping.canonical_to_hf`: QKV per query group, [gate; up]) and appends the HF tensor(s) to
    the open shard file (`hf_io.StreamingShardWriter`, which writes each shard's header up
    front). Everyone sends in the same global order and rank 0 receives in it, so the
-   point-to-point pairs always match.
+   point-to-point pairs always match. Spread (`CanonicalStream(spread=True)`, the separate
+   placement's sync), each tensor is made whole on the rank of its first TP piece instead of
+   rank 0 (`collector`): every pipeline stage's first rank collects its stage's tensors from
+   its TP peers, the stages in parallel. The walk is the same global order on every rank, each
+   tensor a matched set of sends to its collector, so the pairs still match: the ranks still
+   working on the earliest unfinished tensor are all of its senders and its collector.
 4. An error on rank 0 while it consumes the walk does not stop the receiving (the senders would
    block): closing the walk receives and drops the rest. The export then aborts the directory
    and broadcasts the error, which every rank raises. The directory is written under a
@@ -119,11 +125,12 @@ def save_hf_streaming(
 
 class CanonicalStream:
     """The canonical tensors of a model held across the default group's ranks, whole, on global
-    rank 0, one at a time (module doc, steps 1-3). Made once (collective: the metadata exchange;
-    a plan that does not cover the arch raises on every rank); each `tensors()` is one walk over
-    the current values, collective over the default group."""
+    rank 0 (`spread`: each on its stage's first rank), one at a time (module doc, steps 1-3).
+    Made once (collective: the metadata exchange; a plan that does not cover the arch raises on
+    every rank); each `tensors()` is one walk over the current values, collective over the
+    default group."""
 
-    def __init__(self, chunks: list[torch.nn.Module], arch: ModelArch):
+    def __init__(self, chunks: list[torch.nn.Module], arch: ModelArch, spread: bool = False):
         self.chunks, self.arch = chunks, arch
         self.order = canonical_names_for(arch)
         self.position = {name: i for i, name in enumerate(self.order)}
@@ -135,46 +142,60 @@ class CanonicalStream:
         rank = dist.get_rank()
         metas: list | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(meta, metas, dst=0)
-        self.plan: dict[str, list[Piece]] = {}
-        err: list[str | None] = [None]
+        out: list = [None, {}]
         if rank == 0:
             try:
-                self.plan = _plan(arch, metas, self.order)
+                out[1] = _plan(arch, metas, self.order)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
-                err[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(err, src=0)
-        if err[0] is not None:
-            raise ValueError(f"the model's tensors cannot be streamed whole: {err[0]}")
-        dtypes = [None if rank else next(iter(self.plan.values()))[0].dtype]
-        dist.broadcast_object_list(dtypes, src=0)
-        self.dtype: torch.dtype = getattr(torch, dtypes[0].removeprefix("torch."))
+                out[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(out, src=0)
+        if out[0] is not None:
+            raise ValueError(f"the model's tensors cannot be streamed whole: {out[0]}")
+        self.plan: dict[str, list[Piece]] = out[1]
+        self.dtype: torch.dtype = getattr(
+            torch, next(iter(self.plan.values()))[0].dtype.removeprefix("torch.")
+        )
         """The parameters' one dtype."""
+        self.collector = {
+            name: pieces[0].src if spread else 0 for name, pieces in self.plan.items()
+        }
+        """The rank each canonical tensor is made whole on: global rank 0, or, `spread`, the
+        rank that holds its first TP piece (the first rank of its pipeline stage, or of its
+        expert-parallel rank), so that each stage's ranks send to their own."""
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """On rank 0, `(canonical name, whole tensor)` in canonical order (a tensor rank 0
-        holds whole is its live parameter, not a copy: done with before the next update); on
-        the other ranks nothing: they send their pieces. Closed early (`contextlib.closing`),
-        rank 0 receives and drops the rest, so that no sender waits."""
+        """On each collector (`collector`), `(canonical name, whole tensor)` of its tensors in
+        canonical order (a tensor it holds whole is its live parameter, not a copy: done with
+        before the next update); every other piece is sent to its tensor's collector. Closed
+        early (`contextlib.closing`), a collector receives and drops the rest, so that no
+        sender waits."""
         mine = {name: p.detach() for name, _, p in local_params(self.chunks) if is_contributor(p)}
-        if dist.get_rank() != 0:
-            for name in sorted(mine, key=self.position.__getitem__):
-                dist.send(mine[name].cpu().contiguous(), dst=0)  # host: gloo, see module doc
-            return
-        done = 0
+        me, done = dist.get_rank(), 0
         try:
             for name in self.order:
-                parts = [self._piece(x, mine, name) for x in self.plan[name]]
+                if self.collector[name] == me:
+                    parts = [self._piece(x, mine, name) for x in self.plan[name]]
+                    done += 1
+                    yield name, _merge(self.arch, name, self.plan[name][0].dim, parts)
+                    continue
+                if name in mine:
+                    self._send(name, mine)
                 done += 1
-                yield name, _merge(self.arch, name, self.plan[name][0].dim, parts)
         except BaseException:  # closed early, or a failure here: the senders must not wait
             with contextlib.suppress(Exception):  # (a broken group: the first error stands)
                 for name in self.order[done:]:
-                    for x in self.plan[name]:
-                        self._piece(x, mine, name)
+                    if self.collector[name] == me:
+                        for x in self.plan[name]:
+                            self._piece(x, mine, name)
+                    elif name in mine:
+                        self._send(name, mine)
             raise
 
+    def _send(self, name: str, mine: dict) -> None:
+        dist.send(mine[name].cpu().contiguous(), dst=self.collector[name])  # host: gloo (doc)
+
     def _piece(self, x: Piece, mine: dict, name: str) -> torch.Tensor:
-        if x.src == 0:
+        if x.src == dist.get_rank():
             return mine[name].cpu()
         buf = torch.empty(x.shape, dtype=self.dtype)
         dist.recv(buf, src=x.src)

@@ -8,7 +8,9 @@ CP x DP), made from torchrun's rendezvous store under different key prefixes; a 
 the link, joins trainer rank 0 with every engine rank (member 0 = trainer rank 0, member 1 + i =
 engine i). Prompts, samples and weights travel over the link (gloo on CPU; a raw
 `ProcessGroupGloo`, not registered with torch.distributed, because its members are not one
-default world).
+default world). Each other trainer rank that sends weights (`sender_link`: the first rank of
+each pipeline stage, or of each expert-parallel rank's experts) gets a link of its own to the
+engines, made when it first sends, in the same way.
 
 `JobPlacement.split` is the arithmetic (pure); `init_placement` makes the groups.
 """
@@ -79,13 +81,16 @@ class JobPlacement:
 
 _PLACEMENT: JobPlacement | None = None
 _LINK = None
+_STORE = None
+_TIMEOUT: timedelta | None = None
+_SENDER_LINKS: dict[int, object] = {}
 
 
 def init_placement(backend: str, placement: str, engines: int, store, timeout) -> JobPlacement:
     """This rank's default process group (its role's ranks) and, with `separate`, the link
     (module docstring). `store`: torchrun's rendezvous store, keys of this attempt prefixed;
     collective over the job."""
-    global _PLACEMENT, _LINK
+    global _PLACEMENT, _LINK, _STORE, _TIMEOUT
     env = os.environ
     where = JobPlacement.split(int(env["RANK"]), int(env["WORLD_SIZE"]), placement, engines)
     if store is None and where.separate:
@@ -100,7 +105,8 @@ def init_placement(backend: str, placement: str, engines: int, store, timeout) -
         _LINK = dist.ProcessGroupGloo(
             dist.PrefixStore("link", store), where.link_rank, engines + 1, timeout
         )
-    _PLACEMENT = where
+    _PLACEMENT, _STORE, _TIMEOUT = where, store, timeout
+    _SENDER_LINKS.clear()
     return where
 
 
@@ -116,3 +122,20 @@ def link():
     """The link's process group on its members (trainer rank 0 and the engine ranks), else
     None."""
     return _LINK
+
+
+def sender_link(trainer_rank: int):
+    """The link between trainer rank `trainer_rank` (member 0) and every engine rank (member
+    1 + i); trainer rank 0's is `link()`. Made on first use, by that trainer rank and every
+    engine rank (each engine rank asks for the links in the same order: making one waits for
+    all its members)."""
+    if trainer_rank == 0:
+        return _LINK
+    if trainer_rank not in _SENDER_LINKS:
+        where = placement()
+        member = 0 if where.role == "train" else 1 + where.rank
+        store = dist.PrefixStore(f"link-{trainer_rank}", _STORE)
+        _SENDER_LINKS[trainer_rank] = dist.ProcessGroupGloo(
+            store, member, where.engines + 1, _TIMEOUT
+        )
+    return _SENDER_LINKS[trainer_rank]

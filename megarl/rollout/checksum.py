@@ -76,6 +76,17 @@ class FamilySums:
         return {k: (*v, self.tensors[k]) for k, v in self.sums.items()}
 
 
+def merged(states: list[dict]) -> dict[str, tuple[int, int, int]]:
+    """The `FamilySums.state()` of all the tensors of `states` (several senders' shares of one
+    sync): the sums add modulo 2^64, so the order of the senders does not matter."""
+    out: dict[str, list[int]] = {}
+    for state in states:
+        for key, (plain, weighted, count) in state.items():
+            s = out.setdefault(key, [0, 0, 0])
+            s[0], s[1], s[2] = (s[0] + plain) % _MOD, (s[1] + weighted) % _MOD, s[2] + count
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def mismatched(sent: dict, received: dict) -> list[str]:
     """The families whose checksums (or tensor counts) differ, or that only one side has."""
     return sorted(k for k in set(sent) | set(received) if sent.get(k) != received.get(k))

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.distributed.placement import link
+from megarl.distributed.placement import link, sender_link
 from megarl.rollout import cpu_repack
 from megarl.rollout.checksum import FamilySums
 from megarl.rollout.colocated import write_engine_dir
@@ -52,7 +52,6 @@ from megarl.rollout.link import (
     Outbox,
     bucket_items,
     receive_buckets,
-    timed_broadcasts,
 )
 from megarl.rollout.multi_turn import TrajectoryRunner, load_multi_turn
 from megarl.rollout.staleness import token_versions
@@ -232,9 +231,16 @@ class EngineRank:
             msg["flats"] = self._receive(msg)
 
     def _receive(self, msg: dict) -> list[torch.Tensor]:
+        """Every sender's buckets (`msg["senders"]`: (trainer rank, its buckets' count), in the
+        order of `msg["buckets"]`), each over its link, all at once."""
+        sources, at = [], 0
+        for sender, count in msg["senders"]:
+            pg = self.pg if sender == 0 else sender_link(sender)  # (made at the first update)
+            sources.append((sender, pg, msg["buckets"][at : at + count]))
+            at += count
         if msg["floor"]:  # before the weights, as the trainer sends them
-            timed_broadcasts(self.pg, msg["buckets"], self._dtype)
-        return receive_buckets(self.pg, msg["buckets"], self._dtype)
+            receive_buckets(sources, self._dtype)
+        return receive_buckets(sources, self._dtype)
 
     def _load_weights(self, msg: dict) -> dict:
         """The weights the trainer broadcast after `msg` (received ahead, or now), written into

@@ -1,6 +1,8 @@
 """Messages and tensors over the link between trainer rank 0 and the engine ranks
 (`megarl.distributed.placement`): a raw gloo process group, so point-to-point `send` / `recv`
-and `broadcast` are called on the group object itself, member 0 being trainer rank 0.
+and `broadcast` are called on the group object itself, member 0 being trainer rank 0. Weights
+also travel from other trainer ranks, each over a link of its own whose member 0 it is
+(`placement.sender_link`): broadcasts only.
 
 An object travels as its pickle: an int64 length, then the bytes. Sends go through an `Outbox`
 and complete in the background: gloo completes a send only when the peer posts the matching
@@ -120,18 +122,18 @@ class Inbox:
         return msg
 
 
-def broadcast(pg, tensor: torch.Tensor) -> None:
-    """`tensor` from member 0 (trainer rank 0) to every member, in place."""
-    Broadcasts(pg).start(tensor).wait()
+def broadcast(pg, tensor: torch.Tensor, sender: int = 0) -> None:
+    """`tensor` from member 0 (trainer rank `sender`) to every member, in place."""
+    Broadcasts(pg, sender).start(tensor).wait()
 
 
 class Broadcasts:
-    """Broadcasts from member 0 that run while the caller goes on (gloo moves the bytes on its
-    own threads): `start(tensor)` each, then `wait()` for all; the tensors must stay untouched
-    until then. A failure raises `LinkError` from `wait`."""
+    """Broadcasts from member 0 (trainer rank `sender`) that run while the caller goes on (gloo
+    moves the bytes on its own threads): `start(tensor)` each, then `wait()` for all; the
+    tensors must stay untouched until then. A failure raises `LinkError` from `wait`."""
 
-    def __init__(self, pg):
-        self.pg, self.works = pg, []
+    def __init__(self, pg, sender: int = 0):
+        self.pg, self.sender, self.works = pg, sender, []
 
     def start(self, tensor: torch.Tensor) -> Broadcasts:
         opts = dist.BroadcastOptions()
@@ -156,8 +158,11 @@ class Broadcasts:
     def _error(self, e: Exception) -> LinkError:
         if self.pg.rank() == 0:
             who = "engine 0" if self.pg.size() == 2 else f"engines 0-{self.pg.size() - 2}"
-            return LinkError(f"broadcasting to {who} (rollout ranks) failed: {e}")
-        return LinkError(f"receiving a broadcast from trainer rank 0 failed: {e}")
+            return LinkError(
+                f"broadcasting from trainer rank {self.sender} to {who} (rollout ranks) "
+                f"failed: {e}"
+            )
+        return LinkError(f"receiving a broadcast from trainer rank {self.sender} failed: {e}")
 
 
 def bucket_layout(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list]:
@@ -185,13 +190,13 @@ def bucket_numel(bucket: list) -> int:
     return sum(math.prod(shape) for _, shape in bucket)
 
 
-def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums) -> float:
-    """Member 0: broadcast `tensors` ((name, tensor) pairs, in the order and shapes `buckets`
-    lays out; an iterable, consumed as the buckets are packed),
-    each bucket packed into one flat buffer of `dtype` and added to `sums` (a
+def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums, sender: int = 0) -> float:
+    """Member 0 (trainer rank `sender`): broadcast `tensors` ((name, tensor) pairs, in the order
+    and shapes `buckets` lays out; an iterable, consumed as the buckets are packed), each
+    bucket packed into one flat buffer of `dtype` and added to `sums` (a
     `megarl.rollout.checksum.FamilySums`) while the buckets before it are on the wire; returns
     the seconds spent packing (the rest of the time is the wire's)."""
-    sending, it, packing = Broadcasts(pg), iter(tensors), 0.0
+    sending, it, packing = Broadcasts(pg, sender), iter(tensors), 0.0
     for bucket in buckets:
         t0 = time.perf_counter()
         flat = torch.empty(bucket_numel(bucket), dtype=dtype)
@@ -214,14 +219,19 @@ def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums) -> float:
     return packing
 
 
-def receive_buckets(pg, buckets: list, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The other members: every bucket `send_buckets` sends, as flat buffers (all received
-    before this returns)."""
-    flats = [torch.empty(bucket_numel(b), dtype=dtype) for b in buckets]
-    receiving = Broadcasts(pg)
-    for flat in flats:
-        receiving.start(flat)
-    receiving.wait()
+def receive_buckets(sources: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The engines: every bucket each sender's `send_buckets` sends, as flat buffers in the
+    order of `sources` ((trainer rank, its link, its buckets) per sender; all received before
+    this returns). Every link's receives are posted before any is waited for, so that the
+    senders send at once."""
+    flats, receiving = [], []
+    for sender, pg, buckets in sources:
+        receiving.append(Broadcasts(pg, sender))
+        for b in buckets:
+            flats.append(torch.empty(bucket_numel(b), dtype=dtype))
+            receiving[-1].start(flats[-1])
+    for r in receiving:
+        r.wait()
     return flats
 
 
@@ -234,11 +244,12 @@ def bucket_items(buckets: list, flats: list[torch.Tensor]):
             offset += math.prod(shape)
 
 
-def timed_broadcasts(pg, buckets: list, dtype: torch.dtype) -> float:
-    """Seconds to broadcast the sync's buckets as plain buffers (no checksums, no loading):
-    the floor a sync is measured against. Both sides call it, in the same order."""
+def timed_broadcasts(pg, buckets: list, dtype: torch.dtype, sender: int = 0) -> float:
+    """A sender: seconds to broadcast its buckets as plain buffers (no checksums, no loading),
+    the floor a sync is measured against; the engines take them with `receive_buckets`, in
+    the same order as the sync's."""
     flats = [torch.zeros(bucket_numel(b), dtype=dtype) for b in buckets]
     t0 = time.perf_counter()
     for flat in flats:
-        broadcast(pg, flat)
+        broadcast(pg, flat, sender)
     return time.perf_counter() - t0

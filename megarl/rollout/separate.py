@@ -14,14 +14,19 @@ The trainer sees a `RolloutComponent` (`SeparateRollout`, this module); each eng
   as its trajectory's start (`trajectory_items`: messages, dataset row, token ids). Each sample
   carries the policy version of each of its tokens (the number of syncs the engine's weights
   held when it sampled it).
-- weights: the HF-named tensors, streamed through trainer rank 0 one whole tensor at a time
-  (`megarl.convert.stream.CanonicalStream`: the other trainer ranks send it their pieces),
-  each cast to the engine dtype into the bucket it is broadcast in, a few buckets in flight;
-  the engine receives every bucket at once (on its receiving thread, whatever it is
-  generating), loads them when it reaches the update, through vLLM's reload
+- weights: the HF-named tensors, one whole tensor at a time, from the first rank of each
+  pipeline stage (and of each expert-parallel rank's experts), the senders at once, each over a
+  link of its own to the engines (`placement.sender_link`; trainer rank 0's is the link):
+  `megarl.convert.stream.CanonicalStream(spread=True)` makes each tensor whole on the sender of
+  its stage (the stage's other TP ranks send it their pieces); each HF tensor is cast to the
+  engine dtype into the bucket it is broadcast in, a few buckets in flight per sender. Trainer
+  rank 0 tells the engines every sender's bucket layout (`sender_buckets`) in the update's
+  message; the engine receives every sender's buckets at once (on its receiving thread,
+  whatever it is generating), loads them when it reaches the update, through vLLM's reload
   (the naive path's loader) or its CPU repack, and answers with its checksums per tensor family
   (`megarl.rollout.checksum`) of what it loaded, as soon as it loaded them. The trainer goes on
-  once the bytes are sent and compares the answer with its own checksums before it takes any
+  once the bytes are sent (trainer rank 0 gathers the senders' checksums, which add up) and
+  compares the answer with them before it takes any
   sample generated after the sync or with a token of its version (`syncs_to_verify`): a
   missing, stale or corrupted tensor fails that step by name.
 - stop: the engine shuts down; its process exits with the trainer's exit status.
@@ -38,11 +43,11 @@ k = 0 the only request out is the step's own: generation and training alternate,
 results equal the colocated placement's. Requests still out at a stop are answered (and
 discarded) before the engines stop; a resumed run asks for them again, with its current weights.
 
-Simplifications, stated: every byte of the weights passes through trainer rank 0 (its memory
-holds one tensor and the buckets in flight, not the model), not through the reshard plans of
-the colocated sync from the ranks that hold the shards; the link is gloo, on host memory, also
-on GPU; each engine receives the whole model into host memory before it loads it; engines run
-vLLM TP=1 each.
+Simplifications, stated: a stage's tensors pass through its first rank, made whole there (its
+memory holds one tensor and the buckets in flight, not the stage), not cut by the reshard plans
+of the colocated sync for engines of vLLM TP > 1 (engines run vLLM TP=1 each); the links are
+gloo, on host memory, also on GPU (vLLM's NCCL / IPC weight-transfer engines are not used);
+each engine receives the whole model into host memory before it loads it.
 """
 
 from __future__ import annotations
@@ -55,17 +60,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
+from megarl.convert.mapping import canonical_to_hf, mapped_tensors
 from megarl.convert.peft import adapter_config, whole_adapters
 from megarl.convert.stream import CanonicalStream
-from megarl.distributed.placement import link, placement
+from megarl.distributed.placement import link, placement, sender_link
 from megarl.distributed.topology import Groups
 from megarl.envs.config import EnvConfig
 from megarl.models import lora
 from megarl.models.hf_config import ModelArch
 from megarl.models.lora import LoraConfig
 from megarl.rollout.adapter_sync import compare, trainer_sums
-from megarl.rollout.checksum import FamilySums, mismatched
+from megarl.rollout.checksum import FamilySums, merged, mismatched
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.engine import ENGINE_DTYPES, Rollout
 from megarl.rollout.engine_rank import UPDATES
@@ -195,9 +200,10 @@ class SeparateRollout:
         self._generated = 0
         self._floor_s: float | None = None
         self._stream: CanonicalStream | None = None
-        """The policy's tensors, whole, on trainer rank 0 (made at the first sync, with the
-        buckets they are sent in)."""
-        self._buckets: list = []
+        """The policy's tensors, whole, on each stage's first rank (made at the first sync, with
+        the buckets they are sent in)."""
+        self._buckets: dict[int, list] = {}
+        """{trainer rank: the buckets it sends} (`sender_buckets`)."""
         self._pending: list[_Request] = []
         """Trainer rank 0: requests sent whose samples have not been trained on, oldest first."""
 
@@ -407,42 +413,56 @@ class SeparateRollout:
         }
 
     def _send_weights(self) -> dict:
-        """The policy's tensors, whole, from every trainer rank through trainer rank 0 to the
-        engines (`CanonicalStream`: one canonical tensor at a time, each HF tensor cast to the
-        engine dtype into the bucket it is sent in). Collective over the trainer ranks; the
-        others only send their pieces to trainer rank 0."""
-        t0 = time.perf_counter()
+        """The policy's tensors, whole, from the trainer ranks to the engines: each pipeline
+        stage's first rank makes its stage's tensors whole (`CanonicalStream(spread=True)`: the
+        stage's other ranks send it their pieces) and broadcasts them over its own link
+        (`sender_link`), each HF tensor cast to the engine dtype into the bucket it is sent in;
+        the stages send at once. Collective over the trainer ranks."""
+        t0, me = time.perf_counter(), dist.get_rank()
         if self._stream is None:
-            self._stream = CanonicalStream(self.policy, self.arch)  # (metadata, once)
-            layout = [
-                (name, torch.empty(shape, dtype=self.dtype, device="meta"))
-                for name, shape in hf_shapes_for(self.arch).items()
-            ]
-            self._buckets = bucket_layout(layout, BUCKET_BYTES)
-        if self.link is None:
-            for _ in self._stream.tensors():
-                pass
-            return {"gather_seconds": time.perf_counter() - t0}
-        buckets = self._buckets
-        version = self.version + 1
+            self._stream = CanonicalStream(self.policy, self.arch, spread=True)  # (metadata)
+            self._buckets = sender_buckets(self.arch, self._stream.collector, self.dtype)
+            if self.link is not None:
+                sizes = {r: sum(map(bucket_numel, b)) * self.dtype.itemsize / 1e6
+                         for r, b in self._buckets.items()}
+                log.info(
+                    "weight syncs: trainer ranks %s send to the engines, each over its own link",
+                    ", ".join(f"{r} ({mb:.1f} MB)" for r, mb in sizes.items()),
+                )
+        layouts, version = self._buckets, self.version + 1
         floor = self._floor_s is None  # the first sync also times a raw broadcast of its bytes
-        msg = {"op": "weights", "version": version, "buckets": buckets, "floor": floor}
-        for e in range(self.engines):
-            self.outbox.send(msg, 1 + e)
-        if floor:
-            self._floor_s = timed_broadcasts(self.link, buckets, self.dtype)
+        if self.link is not None:
+            msg = {"op": "weights", "version": version, "floor": floor}
+            msg["senders"] = [(r, len(b)) for r, b in layouts.items()]
+            msg["buckets"] = [b for r in layouts for b in layouts[r]]
+            for e in range(self.engines):
+                self.outbox.send(msg, 1 + e)
+        mine = layouts.get(me)
+        wire = sender_link(me) if mine is not None else None  # (made at the first sync)
+        own_floor = timed_broadcasts(wire, mine, self.dtype, me) if floor and mine else 0.0
         # the engines receive every bucket before they write any
-        t_names = time.perf_counter() - t0 - (self._floor_s if floor else 0.0)
-        sent, t1 = FamilySums(), time.perf_counter()
+        t_names = time.perf_counter() - t0 - own_floor
+        sent, t1, packing = FamilySums(), time.perf_counter(), 0.0
         with contextlib.closing(self._stream.tensors()) as tensors:
             hf = _Timed(canonical_to_hf(self.arch, tensors))
-            packing = send_buckets(self.link, hf, buckets, self.dtype, sent)
+            if mine is not None:
+                packing = send_buckets(wire, hf, mine, self.dtype, sent, me)
+            else:
+                for _ in hf:  # (nothing: this rank only sends its pieces to its collector)
+                    pass
         t_sent = time.perf_counter()
-        self._pending.append(_Sync(version, sent.state()))
+        shares: list | None = [None] * dist.get_world_size() if me == 0 else None
+        dist.gather_object((sent.state(), own_floor), shares, dst=0)  # each sender's share
+        if floor:  # the senders' raw broadcasts ran at once: the slowest is the floor
+            self._floor_s = max(f for _, f in shares) if me == 0 else own_floor
+        if self.link is not None:
+            self._pending.append(_Sync(version, merged([state for state, _ in shares])))
+        numel = sum(bucket_numel(b) for r in layouts for b in layouts[r])
         return {
-            "bytes": sum(map(bucket_numel, buckets)) * self.dtype.itemsize,
+            "bytes": numel * self.dtype.itemsize,
+            "senders": len(layouts),
             "checksum_seconds": t_names + packing - hf.seconds,
-            "gather_seconds": hf.seconds,  # waiting for the other trainer ranks' pieces
+            "gather_seconds": hf.seconds,  # waiting for the stage's other ranks' pieces
             "broadcast_seconds": t_sent - t1 - packing,  # the wire's time after the packing
             "floor_seconds": self._floor_s,
             "families_verified": len(sent.sums),
@@ -470,6 +490,22 @@ class _Timed:
             return next(self.it)
         finally:
             self.seconds += time.perf_counter() - t0
+
+
+def sender_buckets(arch: ModelArch, collector: dict, dtype: torch.dtype) -> dict[int, list]:
+    """{trainer rank: the buckets it broadcasts}, for each rank that makes tensors whole
+    (`collector`: canonical name -> rank, in canonical order), by rank: its HF tensors in the
+    order its walk yields them (`canonical_to_hf`), cut into `BUCKET_BYTES` buckets."""
+    mapped, per = mapped_tensors(arch), {}
+    for name, rank in collector.items():
+        if name == "output_layer.weight" and arch.tie_word_embeddings:
+            continue  # (the tied head is the embedding: `canonical_to_hf` drops it)
+        item = mapped[name]
+        per.setdefault(rank, []).extend(
+            (n, torch.empty(shape, dtype=dtype, device="meta"))
+            for n, shape in zip(item.hf, item.shapes, strict=True)
+        )
+    return {r: bucket_layout(per[r], BUCKET_BYTES) for r in sorted(per)}
 
 
 def syncs_to_verify(pending: list, at: int, newest: int) -> list[_Sync]:

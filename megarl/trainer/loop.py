@@ -321,7 +321,7 @@ def sync_times(stats: dict) -> dict:
     """`time_s.sync_detail`, this rank's figures of the weight sync (part of `time_s.sync`, so
     not a stage of its own): `transfer` (colocated: the exchange between trainer ranks;
     separate: the broadcast after the last bucket is packed) and, separate only, `gather` (the
-    tensors made whole on trainer rank 0, one at a time, from the other trainer ranks' pieces),
+    tensors made whole on trainer rank 0, one at a time, from its stage's other ranks' pieces),
     `checksum` (packing the buckets in the engine dtype, and the sender's checksums) and
     `floor`: a raw broadcast of the same bytes, timed once at start-up."""
     keys = {
