@@ -439,6 +439,8 @@ class SeparateRollout:
                 self.outbox.send(msg, 1 + e)
         mine = layouts.get(me)
         wire = sender_link(me) if mine is not None else None  # (made at the first sync)
+        if floor:  # every link made before any sender's clock starts
+            dist.barrier()
         own_floor = timed_broadcasts(wire, mine, self.dtype, me) if floor and mine else 0.0
         # the engines receive every bucket before they write any
         t_names = time.perf_counter() - t0 - own_floor
