@@ -27,9 +27,11 @@ $(STAMP): setup.py
 	$(PY) -c "import megarl, megatron.core, vllm, transformers"
 	touch $(STAMP)
 
-# the CI tier: every feature once, tiny shapes; the cost of each test is printed
+# the CI tier: every feature once, tiny shapes; the cost of each test is printed. Two pytest
+# workers, each taking whole files (a module's fixtures stay shared): most of a test's time is
+# a process importing torch, megatron-core and vLLM on one core, so two at once fill 2 cores
 test: install
-	$(PY) -m pytest -q tests -m "not learning and not extended" --durations=25
+	$(PY) -m pytest -q tests -m "not learning and not extended" --durations=25 -n 2 --dist loadfile
 
 # learning quality (multi-seed runs, learning bars) and the further layouts / variants of
 # features the CI tier checks once (tens of minutes)

