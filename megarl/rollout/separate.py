@@ -457,8 +457,12 @@ class SeparateRollout:
         dist.gather_object((sent.state(), own_floor), shares, dst=0)  # each sender's share
         if floor:  # the senders' raw broadcasts ran at once: the slowest is the floor
             self._floor_s = max(f for _, f in shares) if me == 0 else own_floor
+            if me == 0:
+                each = ", ".join(f"rank {r} {shares[r][1]:.3f} s" for r in layouts)
+                log.info("weight sync floor (a raw broadcast of the same bytes): %s", each)
+        expect = merged([state for state, _ in shares]) if me == 0 else sent.state()
         if self.link is not None:
-            self._pending.append(_Sync(version, merged([state for state, _ in shares])))
+            self._pending.append(_Sync(version, expect))
         numel = sum(bucket_numel(b) for r in layouts for b in layouts[r])
         return {
             "bytes": numel * self.dtype.itemsize,
@@ -467,7 +471,7 @@ class SeparateRollout:
             "gather_seconds": hf.seconds,  # waiting for the stage's other ranks' pieces
             "broadcast_seconds": t_sent - t1 - packing,  # the wire's time after the packing
             "floor_seconds": self._floor_s,
-            "families_verified": len(sent.sums),
+            "families_verified": len(expect),
         }
 
     def samples_generated(self) -> int:
