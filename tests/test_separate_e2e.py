@@ -15,7 +15,8 @@ update one step late (tests/lagged_worker.py). An engine
 rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
 resumes the run. A PP2 trainer's stages each send their own weights to the engine, at once,
 over links of their own, and the run equals the colocated PP2 run; a TP2 trainer's rank 1 sends
-its shards through rank 0, equal to the colocated TP2 run too (extended tier).
+its shards through rank 0, and an EP2 MoE trainer's rank 1 its experts over its own link, each
+equal to the colocated run at its layout (extended tier).
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
 separate run then add in the same order."""
@@ -157,6 +158,27 @@ def test_two_tensor_parallel_ranks_stream_their_shards_to_the_engine_bit_for_bit
     with open(tmp_path / "sep" / "metrics.jsonl") as f:
         sync = json.loads(f.readline())["time_s"]["sync_detail"]
     assert sync["gather"] > 0 and sync["transfer"] >= 0
+
+
+# the default's tiny model as a Qwen3-MoE: 4 experts, 2 per token
+MOE = ["model.config.architectures=[Qwen3MoeForCausalLM]", "model.config.model_type=qwen3_moe",
+       "model.config.moe_intermediate_size=64", "model.config.head_dim=32",
+       "model.config.num_experts=4", "model.config.num_experts_per_tok=2",
+       "model.config.norm_topk_prob=true"]
+
+
+@pytest.mark.extended  # CI: two pipeline stages (above); here expert-parallel rank 1's experts
+def test_each_expert_parallel_rank_sends_its_own_experts_and_the_run_equals_colocated(tmp_path):
+    """An EP2 MoE trainer: rank 1 sends the experts it holds over its own link, rank 0 the rest;
+    the run equals the colocated EP2 run bit for bit."""
+    ep2 = [*MOE, "trainer.steps=2", "parallel.expert_parallel=2"]
+    rc, log = _launch(tmp_path / "col", ep2, nproc=2)
+    assert rc == 0, log[-4000:]
+    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *ep2], nproc=3)
+    assert rc == 0, log[-4000:]
+    assert re.search(r"trainer ranks 0 \([\d.]+ MB\), 1 \([\d.]+ MB\) send", log), log[-4000:]
+    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
+    assert [r["step"] for r in sep] == [1, 2] and sep == col
 
 
 def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path):
