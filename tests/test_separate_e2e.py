@@ -126,21 +126,31 @@ def test_each_run_records_its_job_and_the_planner_reads_both_placements(runs):
     assert "separate 2 : 1, k=0 on 3: measured" in text
 
 
+def _two_trainers_equal_colocated(tmp_path, layout: list) -> tuple[str, dict]:
+    """Two trainer ranks at `layout`, colocated, then separate with one engine: the same
+    metrics bit for bit over 2 steps. Returns the separate run's log and its first sync's
+    `time_s.sync_detail`."""
+    overrides = ["trainer.steps=2", *layout]
+    rc, log = _launch(tmp_path / "col", overrides, nproc=2)
+    assert rc == 0, log[-4000:]
+    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *overrides], nproc=3)
+    assert rc == 0, log[-4000:]
+    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
+    assert [r["step"] for r in sep] == [1, 2] and sep == col
+    with open(tmp_path / "sep" / "metrics.jsonl") as f:
+        return log, json.loads(f.readline())["time_s"]["sync_detail"]
+
+
+TWO_SENDERS = re.compile(r"trainer ranks 0 \([\d.]+ MB\), 1 \([\d.]+ MB\) send")
+
+
 def test_each_pipeline_stage_sends_its_own_weights_and_the_run_equals_colocated(tmp_path):
     """A PP2 trainer: each stage's first rank makes its stage's tensors whole and broadcasts
     them over a link of its own, both stages at once, every sync verified by the checksums of
     the two merged; the run equals the colocated PP2 run, whose ranks each sync their own
     engine through the reshard plan, bit for bit."""
-    pp2 = ["trainer.steps=2", "parallel.pipeline_parallel=2"]
-    rc, log = _launch(tmp_path / "col", pp2, nproc=2)
-    assert rc == 0, log[-4000:]
-    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *pp2], nproc=3)
-    assert rc == 0, log[-4000:]
-    assert re.search(r"trainer ranks 0 \([\d.]+ MB\), 1 \([\d.]+ MB\) send", log), log[-4000:]
-    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
-    assert [r["step"] for r in sep] == [1, 2] and sep == col
-    with open(tmp_path / "sep" / "metrics.jsonl") as f:
-        sync = json.loads(f.readline())["time_s"]["sync_detail"]
+    log, sync = _two_trainers_equal_colocated(tmp_path, ["parallel.pipeline_parallel=2"])
+    assert TWO_SENDERS.search(log), log[-4000:]
     assert sync["floor"] > 0 and sync["transfer"] >= 0
 
 
@@ -148,15 +158,8 @@ def test_each_pipeline_stage_sends_its_own_weights_and_the_run_equals_colocated(
 def test_two_tensor_parallel_ranks_stream_their_shards_to_the_engine_bit_for_bit(tmp_path):
     """A TP2 trainer: trainer rank 1 sends its shards to trainer rank 0, which makes each
     tensor whole and sends it to the engine; the run equals the colocated TP2 run."""
-    tp2 = ["trainer.steps=2", "parallel.tensor_parallel=2"]
-    rc, log = _launch(tmp_path / "col", tp2, nproc=2)
-    assert rc == 0, log[-4000:]
-    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *tp2], nproc=3)
-    assert rc == 0, log[-4000:]
-    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
-    assert [r["step"] for r in sep] == [1, 2] and sep == col
-    with open(tmp_path / "sep" / "metrics.jsonl") as f:
-        sync = json.loads(f.readline())["time_s"]["sync_detail"]
+    log, sync = _two_trainers_equal_colocated(tmp_path, ["parallel.tensor_parallel=2"])
+    assert re.search(r"trainer ranks 0 \([\d.]+ MB\) send", log), log[-4000:]
     assert sync["gather"] > 0 and sync["transfer"] >= 0
 
 
@@ -171,14 +174,8 @@ MOE = ["model.config.architectures=[Qwen3MoeForCausalLM]", "model.config.model_t
 def test_each_expert_parallel_rank_sends_its_own_experts_and_the_run_equals_colocated(tmp_path):
     """An EP2 MoE trainer: rank 1 sends the experts it holds over its own link, rank 0 the rest;
     the run equals the colocated EP2 run bit for bit."""
-    ep2 = [*MOE, "trainer.steps=2", "parallel.expert_parallel=2"]
-    rc, log = _launch(tmp_path / "col", ep2, nproc=2)
-    assert rc == 0, log[-4000:]
-    rc, log = _launch(tmp_path / "sep", [*SEPARATE, *ep2], nproc=3)
-    assert rc == 0, log[-4000:]
-    assert re.search(r"trainer ranks 0 \([\d.]+ MB\), 1 \([\d.]+ MB\) send", log), log[-4000:]
-    sep, col = _metrics(tmp_path / "sep"), _metrics(tmp_path / "col")
-    assert [r["step"] for r in sep] == [1, 2] and sep == col
+    log, _ = _two_trainers_equal_colocated(tmp_path, [*MOE, "parallel.expert_parallel=2"])
+    assert TWO_SENDERS.search(log), log[-4000:]
 
 
 def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path):
