@@ -133,7 +133,6 @@ class CanonicalStream:
     def __init__(self, chunks: list[torch.nn.Module], arch: ModelArch, spread: bool = False):
         self.chunks, self.arch = chunks, arch
         self.order = canonical_names_for(arch)
-        self.position = {name: i for i, name in enumerate(self.order)}
         meta = []
         for name, local_name, p in local_params(chunks):
             if is_contributor(p):
@@ -170,29 +169,28 @@ class CanonicalStream:
         early (`contextlib.closing`), a collector receives and drops the rest, so that no
         sender waits."""
         mine = {name: p.detach() for name, _, p in local_params(self.chunks) if is_contributor(p)}
-        me, done = dist.get_rank(), 0
+        done = 0
         try:
             for name in self.order:
-                if self.collector[name] == me:
-                    parts = [self._piece(x, mine, name) for x in self.plan[name]]
-                    done += 1
-                    yield name, _merge(self.arch, name, self.plan[name][0].dim, parts)
-                    continue
-                if name in mine:
-                    self._send(name, mine)
+                whole = self._take(name, mine)
                 done += 1
+                if whole is not None:
+                    yield name, whole
         except BaseException:  # closed early, or a failure here: the senders must not wait
             with contextlib.suppress(Exception):  # (a broken group: the first error stands)
                 for name in self.order[done:]:
-                    if self.collector[name] == me:
-                        for x in self.plan[name]:
-                            self._piece(x, mine, name)
-                    elif name in mine:
-                        self._send(name, mine)
+                    self._take(name, mine, merge=False)  # (a failing merge must not stop it)
             raise
 
-    def _send(self, name: str, mine: dict) -> None:
-        dist.send(mine[name].cpu().contiguous(), dst=self.collector[name])  # host: gloo (doc)
+    def _take(self, name: str, mine: dict, merge: bool = True) -> torch.Tensor | None:
+        """This rank's part in tensor `name`: its collector receives the pieces and returns it
+        whole (`merge`); a rank that holds a piece sends it (host: gloo, see the module doc)."""
+        if self.collector[name] == dist.get_rank():
+            parts = [self._piece(x, mine, name) for x in self.plan[name]]
+            return _merge(self.arch, name, self.plan[name][0].dim, parts) if merge else None
+        if name in mine:
+            dist.send(mine[name].cpu().contiguous(), dst=self.collector[name])
+        return None
 
     def _piece(self, x: Piece, mine: dict, name: str) -> torch.Tensor:
         if x.src == dist.get_rank():

@@ -466,7 +466,6 @@ class SeparateRollout:
         numel = sum(bucket_numel(b) for r in layouts for b in layouts[r])
         return {
             "bytes": numel * self.dtype.itemsize,
-            "senders": len(layouts),
             "checksum_seconds": t_names + packing - hf.seconds,
             "gather_seconds": hf.seconds,  # waiting for the stage's other ranks' pieces
             "broadcast_seconds": t_sent - t1 - packing,  # the wire's time after the packing
