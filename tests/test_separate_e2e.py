@@ -154,13 +154,23 @@ def test_each_pipeline_stage_sends_its_own_weights_and_the_run_equals_colocated(
     assert sync["floor"] > 0 and sync["transfer"] >= 0
 
 
-@pytest.mark.extended  # CI: two pipeline stages (above); TP pieces made whole on TP rank 0
-def test_two_tensor_parallel_ranks_stream_their_shards_to_the_engine_bit_for_bit(tmp_path):
-    """A TP2 trainer: trainer rank 1 sends its shards to trainer rank 0, which makes each
-    tensor whole and sends it to the engine; the run equals the colocated TP2 run."""
+@pytest.mark.extended  # CI: two pipeline stages (above); here the two TP ranks share the sending
+def test_two_tensor_parallel_ranks_share_the_sending_bit_for_bit(tmp_path):
+    """A TP2 trainer: each tensor is made whole on one of the two TP ranks (each receiving the
+    other's piece), about half the bytes on each, and each sends its half over its own link;
+    the run equals the colocated TP2 run."""
     log, sync = _two_trainers_equal_colocated(tmp_path, ["parallel.tensor_parallel=2"])
-    assert re.search(r"trainer ranks 0 \([\d.]+ MB\) send", log), log[-4000:]
+    assert TWO_SENDERS.search(log), log[-4000:]
     assert sync["gather"] > 0 and sync["transfer"] >= 0
+
+
+@pytest.mark.extended  # CI: the TP1 x DP2 split is checked in tests/test_sharded_weights.py
+def test_two_data_parallel_replicas_share_the_sending_bit_for_bit(tmp_path):
+    """A DP2 trainer: the replicas hold equal copies; each makes about half of the tensors
+    whole from its own and sends them over its own link; the run equals the colocated DP2
+    run."""
+    log, _ = _two_trainers_equal_colocated(tmp_path, [])  # (DP: the ranks left over)
+    assert TWO_SENDERS.search(log), log[-4000:]
 
 
 # the default's tiny model as a Qwen3-MoE: 4 experts, 2 per token
@@ -172,8 +182,9 @@ MOE = ["model.config.architectures=[Qwen3MoeForCausalLM]", "model.config.model_t
 
 @pytest.mark.extended  # CI: two pipeline stages (above); here expert-parallel rank 1's experts
 def test_each_expert_parallel_rank_sends_its_own_experts_and_the_run_equals_colocated(tmp_path):
-    """An EP2 MoE trainer: rank 1 sends the experts it holds over its own link, rank 0 the rest;
-    the run equals the colocated EP2 run bit for bit."""
+    """An EP2 MoE trainer: each rank sends the experts it holds over its own link, and about
+    half of the dense tensors (the two ranks are data-parallel replicas for those); the run
+    equals the colocated EP2 run bit for bit."""
     log, _ = _two_trainers_equal_colocated(tmp_path, [*MOE, "parallel.expert_parallel=2"])
     assert TWO_SENDERS.search(log), log[-4000:]
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megarl.convert.hf_io import LazyHFTensors, StreamingShardWriter
+from megarl.convert.stream import Piece, spread_plan
 from megarl.distributed.launch import spawn
 from tests import weights_worker as ww
 from tests.test_convert_common import CASES, make_hf_dir
@@ -79,6 +80,35 @@ def test_seeded_init_values():
     assert torch.equal(a.get("model.norm.weight"), torch.ones(TINY_LLAMA["hidden_size"]))
     assert abs(a.get(q).std().item() - 0.02) < 0.004
     assert abs(a.get(o).std().item() - 0.02 / 4) < 0.001  # 0.02 / sqrt(2 x 8 layers)
+
+
+def test_the_spread_plan_shares_the_bytes_over_every_rank_holding_pieces():
+    """TP2 x DP2 (replica 0: ranks 0, 1; replica 1: ranks 2, 3): each tensor is made whole on
+    a rank holding one of its pieces, from that rank's replica; a tensor the TP ranks hold whole
+    only on TP rank 0 of a replica; the four ranks collect within one tensor's bytes of each
+    other."""
+
+    def copies(n: int, whole: bool = False) -> dict:
+        if whole:
+            return {dp: [Piece(2 * dp, -1, 0, 1, (n,), "torch.float32")] for dp in (0, 1)}
+        return {
+            dp: [Piece(2 * dp + r, 0, r, 2, (n // 2,), "torch.float32") for r in (0, 1)]
+            for dp in (0, 1)
+        }
+
+    sizes = [64, 8, 8, 32, 2, 16, 16, 4, 4, 2]
+    held = {f"t{i}": copies(n, whole=i in (4, 9)) for i, n in enumerate(sizes)}
+    plan, collector = spread_plan(held)
+    load = dict.fromkeys(range(4), 0)
+    for i, (name, by_dp) in enumerate(held.items()):
+        assert plan[name] in by_dp.values()  # one replica's pieces, all of them
+        assert collector[name] in [x.src for x in plan[name]]
+        load[collector[name]] += sizes[i]
+        if i in (4, 9):
+            assert collector[name] in (0, 2)
+    assert sorted(set(collector.values())) == [0, 1, 2, 3]
+    assert max(load.values()) - min(load.values()) <= max(sizes)
+    assert spread_plan({"t": {0: copies(8)[0]}})[1] == {"t": 0}  # one copy: its TP rank 0
 
 
 def test_streaming_writer_plan_and_errors(tmp_path):

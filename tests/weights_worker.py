@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.convert.hf_io import LazyHFTensors, StreamingShardWriter, save_hf_dir
-from megarl.convert.layout import gather_full_state, load_full_state
+from megarl.convert.layout import gather_full_state, load_full_state, local_params, replica
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for, hf_to_canonical
 from megarl.convert.sharded import (
     SeededHFTensors,
@@ -176,15 +176,15 @@ def correctness(rank, world, cases: dict, layouts: dict, out_root: str) -> list[
             dist.barrier()
             if name == names[0]:
                 bad += _export_errors(actor, arch, out, where)
-            many = layout.get("pipeline_parallel", 1) > 1 or layout.get("expert_parallel", 1) > 1
-            bad += _check_spread(actor, arch, where, rank, world, many)
+            bad += _check_spread(actor, arch, where, rank, world)
     return bad
 
 
-def _check_spread(actor, arch, where: str, rank: int, world: int, many: bool) -> list[str]:
+def _check_spread(actor, arch, where: str, rank: int, world: int) -> list[str]:
     """The spread walk (the separate placement's sync): every canonical tensor made whole once,
-    on the rank of its first TP piece, equal bit for bit to the walk through rank 0; more than
-    one rank collects when the layout has pipeline stages or expert-parallel ranks (`many`)."""
+    on its collector, equal bit for bit to the walk through rank 0; every rank collects (in
+    these layouts each holds pieces: a pipeline stage's, a TP shard's or a DP replica's), and
+    from the pieces of its own DP replica."""
     whole = dict(CanonicalStream(actor, arch).tensors())  # rank 0's; nothing elsewhere
     spread = CanonicalStream(actor, arch, spread=True)
     got: list | None = [None] * world if rank == 0 else None
@@ -201,8 +201,11 @@ def _check_spread(actor, arch, where: str, rank: int, world: int, many: bool) ->
                 bad.append(f"{where} spread: {n} on rank {r} differs")
     if sorted(seen) != sorted(whole):
         bad.append(f"{where} spread: missing {sorted(set(whole) - set(seen))[:4]}")
-    if (len(set(seen.values())) > 1) != many:
+    if sorted(set(seen.values())) != list(range(world)):
         bad.append(f"{where} spread: collected on ranks {sorted(set(seen.values()))}")
+    for n, pieces in spread.plan.items():
+        if spread.collector[n] not in [x.src for x in pieces]:
+            bad.append(f"{where} spread: {n} collected on a rank holding none of its pieces")
     return bad
 
 
@@ -229,12 +232,16 @@ def _export_errors(actor, arch, out, where) -> list[str]:
             bad.append(f"{where}: refusal says {e}")
     failed = out + "-failed"
     merge, calls = stream._merge, []
+    own = {n for n, _, p in local_params(actor) if replica(p) is not None}
+    has_received = len(own) < len(CanonicalStream(actor, arch).plan)  # (collective)
 
-    def failing_merge(*args):  # rank 0's merge of the third tensor fails, inside the walk
-        calls.append(1)
-        if len(calls) == 3:
+    def failing_merge(arch, name, dim, parts):
+        # rank 0's merge fails inside the walk: of the first tensor whose pieces it received
+        # (they must not be received twice), or, holding every tensor itself, of the third
+        calls.append(name)
+        if (name not in own) if has_received else len(calls) == 3:
             raise RuntimeError("test: merge failed")
-        return merge(*args)
+        return merge(arch, name, dim, parts)
 
     for attr, broken, says, what in (
         ("StreamingShardWriter", _FailingWriter, "no space left writing", "write failure"),

@@ -129,6 +129,13 @@ def is_contributor(p) -> bool:
     """Whether this rank's copy of `p` is the one whole-model readers take: DP replicas (the
     expert-DP group for experts) hold equal copies, so only DP rank 0's counts; of a tensor that
     is not TP-sharded, only TP rank 0's."""
+    return replica(p) == 0
+
+
+def replica(p) -> int | None:
+    """Which of `p`'s equal copies this rank holds a part of: its DP rank (with context
+    parallel; the expert-DP rank for experts), or None on a TP rank other than 0 for a tensor
+    that is not TP-sharded (TP rank 0's copy stands for the TP group's)."""
     from megatron.core import parallel_state as ps
 
     if is_expert(p):
@@ -137,7 +144,7 @@ def is_contributor(p) -> bool:
     else:
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         tp_rank = ps.get_tensor_model_parallel_rank()
-    return dp_rank == 0 and (_is_tp_sharded(p) or tp_rank == 0)
+    return dp_rank if _is_tp_sharded(p) or tp_rank == 0 else None
 
 
 def gather_full_state(

@@ -1,20 +1,22 @@
-"""A distributed model's tensors, whole, on global rank 0 (or each on the first rank of its
-pipeline stage), one at a time (`CanonicalStream`); with it, the export as an HF directory
+"""A distributed model's tensors, whole, on global rank 0 (or each on one of the ranks holding
+it, spread), one at a time (`CanonicalStream`); with it, the export as an HF directory
 (`save_hf_streaming`) and the weights the separate placement's trainer sends its engines
-(`megarl.rollout.separate`, spread over the stages' first ranks). Collective.
+(`megarl.rollout.separate`, spread over every rank holding pieces). Collective.
 
-Memory beyond the parameters: rank 0 holds the pieces of one canonical tensor, then the merged
-tensor and its HF split (at most 2x the largest tensor; measured by tests/test_memory_bounds.py);
-every other rank holds nothing (it sends its parameters as they are). The plan comes from one
-small metadata exchange (`gather_object` of names, shapes and dtypes to rank 0, the plan
-broadcast back; object collectives carry metadata only: on an NCCL-only group they stage
-max-object-size x world bytes on the device):
+Memory beyond the parameters: rank 0 (spread: each collector) holds the pieces of one canonical
+tensor, then the merged tensor and its HF split (at most 2x the largest tensor; measured by
+tests/test_memory_bounds.py); every other rank holds nothing (it sends its parameters as they
+are). The plan comes from one small metadata exchange (`gather_object` of names, shapes and
+dtypes to rank 0, the plan broadcast back; object collectives carry metadata only: on an
+NCCL-only group they stage max-object-size x world bytes on the device):
 
-1. Every rank lists the shards it contributes (`layout.is_contributor`: DP rank 0 of each
-   replica set; of a tensor every TP rank holds whole, TP rank 0), keyed by canonical name.
-2. Rank 0 checks that the shards cover every canonical tensor of the arch exactly once (all TP
-   pieces, same dtype) and tells every rank whether to go on (broadcast of one error string: a
-   plan that fails, fails on every rank, and nobody waits in a send). The export then opens its
+1. Every rank lists the shards it contributes, keyed by canonical name: DP rank 0's
+   (`layout.is_contributor`; of a tensor every TP rank holds whole, TP rank 0's), spread every
+   DP replica's, tagged with the replica (`layout.replica`).
+2. Rank 0 checks that each replica's shards cover every canonical tensor of the arch exactly
+   once (all TP pieces, same dtype) and tells every rank whether to go on (broadcast of one
+   error string: a plan that fails, fails on every rank, and nobody waits in a send). The
+   export then opens its
    directory and plans the safetensors shards from the HF shapes (`mapping.hf_shapes_for`),
    with a second such broadcast.
 3. Each walk (`CanonicalStream.tensors`): all ranks go through the canonical tensors in HF
@@ -28,9 +30,11 @@ max-object-size x world bytes on the device):
    the open shard file (`hf_io.StreamingShardWriter`, which writes each shard's header up
    front). Everyone sends in the same global order and rank 0 receives in it, so the
    point-to-point pairs always match. Spread (`CanonicalStream(spread=True)`, the separate
-   placement's sync), each tensor is made whole on the rank of its first TP piece instead of
-   rank 0 (`collector`): every pipeline stage's first rank collects its stage's tensors from
-   its TP peers, the stages in parallel. The walk is the same global order on every rank, each
+   placement's sync), each tensor is made whole on one of the ranks holding a piece of it, in
+   any DP replica, instead of rank 0 (`collector`, chosen by `spread_plan`: the holder that has
+   collected the fewest bytes so far), from the pieces of that rank's replica: the pipeline
+   stages, and within a stage its TP ranks and DP replicas, each collect and send about an
+   equal share, in parallel. The walk is the same global order on every rank, each
    tensor a matched set of sends to its collector, so the pairs still match: the ranks still
    working on the earliest unfinished tensor are all of its senders and its collector.
 4. An error on rank 0 while it consumes the walk does not stop the receiving (the senders would
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -55,7 +60,7 @@ import torch.distributed as dist
 
 from megarl.convert.export import export_config, finish_hf_dir
 from megarl.convert.hf_io import AtomicDir, StreamingShardWriter
-from megarl.convert.layout import VOCAB_PARAMS, is_contributor, local_params, merge_tp, tp_shard
+from megarl.convert.layout import VOCAB_PARAMS, local_params, merge_tp, replica, tp_shard
 from megarl.convert.mapping import canonical_names_for, canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import ModelArch
 
@@ -125,7 +130,8 @@ def save_hf_streaming(
 
 class CanonicalStream:
     """The canonical tensors of a model held across the default group's ranks, whole, on global
-    rank 0 (`spread`: each on its stage's first rank), one at a time (module doc, steps 1-3).
+    rank 0 (`spread`: each on one of the ranks holding it), one at a time (module doc, steps
+    1-3).
     Made once (collective: the metadata exchange; a plan that does not cover the arch raises on
     every rank); each `tensors()` is one walk over the current values, collective over the
     default group."""
@@ -135,32 +141,33 @@ class CanonicalStream:
         self.order = canonical_names_for(arch)
         meta = []
         for name, local_name, p in local_params(chunks):
-            if is_contributor(p):
+            copy = replica(p)
+            if copy == 0 or (spread and copy is not None):
                 dim, tp, r = tp_shard(p)
-                meta.append((name, local_name, dim, tp, r, tuple(p.shape), str(p.dtype)))
+                meta.append((name, local_name, dim, tp, r, tuple(p.shape), str(p.dtype), copy))
         rank = dist.get_rank()
         metas: list | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(meta, metas, dst=0)
-        out: list = [None, {}]
+        out: list = [None, {}, {}]
         if rank == 0:
             try:
-                out[1] = _plan(arch, metas, self.order)
+                copies = _plan(arch, metas, self.order)
+                out[1:] = spread_plan(copies) if spread else _at_rank_0(copies)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 out[0] = f"{type(e).__name__}: {e}"
         dist.broadcast_object_list(out, src=0)
         if out[0] is not None:
             raise ValueError(f"the model's tensors cannot be streamed whole: {out[0]}")
         self.plan: dict[str, list[Piece]] = out[1]
+        """canonical name -> the pieces it is made whole from (one copy's, by TP rank)."""
+        self.collector: dict[str, int] = out[2]
+        """The rank each canonical tensor is made whole on: global rank 0, or, `spread`, one of
+        the ranks holding a piece of it (in any DP replica), chosen so that each rank collects
+        about the same bytes (`spread_plan`)."""
         self.dtype: torch.dtype = getattr(
             torch, next(iter(self.plan.values()))[0].dtype.removeprefix("torch.")
         )
         """The parameters' one dtype."""
-        self.collector = {
-            name: pieces[0].src if spread else 0 for name, pieces in self.plan.items()
-        }
-        """The rank each canonical tensor is made whole on: global rank 0, or, `spread`, the
-        rank that holds its first TP piece (the first rank of its pipeline stage, or of its
-        expert-parallel rank), so that each stage's ranks send to their own."""
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """On each collector (`collector`), `(canonical name, whole tensor)` of its tensors in
@@ -168,27 +175,26 @@ class CanonicalStream:
         before the next update); every other piece is sent to its tensor's collector. Closed
         early (`contextlib.closing`), a collector receives and drops the rest, so that no
         sender waits."""
-        mine = {name: p.detach() for name, _, p in local_params(self.chunks) if is_contributor(p)}
+        mine = {n: p.detach() for n, _, p in local_params(self.chunks) if replica(p) is not None}
         done = 0
         try:
             for name in self.order:
-                whole = self._take(name, mine)
-                done += 1
-                if whole is not None:
-                    yield name, whole
+                parts = self._take(name, mine)
+                done += 1  # (received: a merge that fails below must not receive them again)
+                if parts is not None:
+                    yield name, _merge(self.arch, name, self.plan[name][0].dim, parts)
         except BaseException:  # closed early, or a failure here: the senders must not wait
             with contextlib.suppress(Exception):  # (a broken group: the first error stands)
                 for name in self.order[done:]:
-                    self._take(name, mine, merge=False)  # (a failing merge must not stop it)
+                    self._take(name, mine)
             raise
 
-    def _take(self, name: str, mine: dict, merge: bool = True) -> torch.Tensor | None:
-        """This rank's part in tensor `name`: its collector receives the pieces and returns it
-        whole (`merge`); a rank that holds a piece sends it (host: gloo, see the module doc)."""
+    def _take(self, name: str, mine: dict) -> list[torch.Tensor] | None:
+        """This rank's part in tensor `name`: its collector receives the pieces (returns them,
+        by TP rank); a rank that holds one of them sends it (host: gloo, see the module doc)."""
         if self.collector[name] == dist.get_rank():
-            parts = [self._piece(x, mine, name) for x in self.plan[name]]
-            return _merge(self.arch, name, self.plan[name][0].dim, parts) if merge else None
-        if name in mine:
+            return [self._piece(x, mine, name) for x in self.plan[name]]
+        if any(x.src == dist.get_rank() for x in self.plan[name]):
             dist.send(mine[name].cpu().contiguous(), dst=self.collector[name])
         return None
 
@@ -217,14 +223,16 @@ class Piece(NamedTuple):
     dtype: str
 
 
-def _plan(arch: ModelArch, metas: list[list], order: list[str]) -> dict[str, list[Piece]]:
-    """canonical name -> its pieces sorted by TP rank; raises naming the tensor when a piece is
-    missing, doubled or inconsistent, or a tensor has no HF name."""
-    pieces: dict[str, list[Piece]] = {}
+def _plan(arch: ModelArch, metas: list[list], order: list[str]) -> dict[str, dict[int, list]]:
+    """canonical name -> {DP replica: its pieces sorted by TP rank}; raises naming the tensor
+    when a piece is missing, doubled or inconsistent, or a tensor has no HF name."""
+    pieces: dict[str, dict[int, list[Piece]]] = {}
     where: dict[str, str] = {}
     for src, meta in enumerate(metas):
-        for name, local_name, dim, tp, r, shape, dtype in meta:
-            pieces.setdefault(name, []).append(Piece(src, dim, r, tp, shape, dtype))
+        for name, local_name, dim, tp, r, shape, dtype, copy in meta:
+            pieces.setdefault(name, {}).setdefault(copy, []).append(
+                Piece(src, dim, r, tp, shape, dtype)
+            )
             where[name] = f"rank {src} {local_name!r}"
     extra = sorted(set(pieces) - set(order))
     if extra:
@@ -233,20 +241,44 @@ def _plan(arch: ModelArch, metas: list[list], order: list[str]) -> dict[str, lis
         )
     plan = {}
     for name in order:
-        got = sorted(pieces.get(name, []), key=lambda x: x.tp_rank)
-        tp = got[0].tp_size if got else 1
-        layouts = {(x.dim, x.tp_size) for x in got}
-        if [x.tp_rank for x in got] != list(range(tp)) or len(layouts) != 1:
-            raise ValueError(
-                f"canonical tensor {name!r}: pieces (rank, tp_rank) "
-                f"{[(x.src, x.tp_rank) for x in got]}, expected exactly one per TP rank "
-                f"0..{tp - 1} on DP rank 0"
-            )
-        plan[name] = got
-    dtypes = sorted({x.dtype for v in plan.values() for x in v})
+        plan[name] = {}
+        for copy, found in sorted(pieces.get(name, {0: []}).items()):
+            got = sorted(found, key=lambda x: x.tp_rank)
+            tp = got[0].tp_size if got else 1
+            layouts = {(x.dim, x.tp_size) for x in got}
+            if [x.tp_rank for x in got] != list(range(tp)) or len(layouts) != 1:
+                raise ValueError(
+                    f"canonical tensor {name!r}: pieces (rank, tp_rank) "
+                    f"{[(x.src, x.tp_rank) for x in got]}, expected exactly one per TP rank "
+                    f"0..{tp - 1} on DP rank {copy}"
+                )
+            plan[name][copy] = got
+    dtypes = sorted({x.dtype for v in plan.values() for c in v.values() for x in c})
     if len(dtypes) != 1:
         raise ValueError(f"parameters have several dtypes {dtypes}; the export writes one")
     return plan
+
+
+def _at_rank_0(copies: dict[str, dict[int, list]]) -> tuple[dict, dict]:
+    """(plan, collector): DP replica 0's pieces of every tensor, each made whole on rank 0."""
+    return {n: c[0] for n, c in copies.items()}, dict.fromkeys(copies, 0)
+
+
+def spread_plan(copies: dict[str, dict[int, list]]) -> tuple[dict, dict]:
+    """(plan, collector): each tensor, in canonical order, made whole on the rank holding a
+    piece of it (in any DP replica) that has collected the fewest bytes so far (ties: the lowest
+    rank), from the pieces of that rank's replica. Every rank that holds pieces shares the
+    sending: the stages of a pipeline, and within a stage its TP ranks and DP replicas."""
+    load: dict[int, int] = {}
+    plan, collector = {}, {}
+    for name, by_copy in copies.items():
+        numel = sum(math.prod(x.shape) for x in by_copy[0])
+        _, rank, copy = min(
+            (load.get(x.src, 0), x.src, c) for c, pieces in by_copy.items() for x in pieces
+        )
+        plan[name], collector[name] = by_copy[copy], rank
+        load[rank] = load.get(rank, 0) + numel
+    return plan, collector
 
 
 def _merge(arch: ModelArch, name: str, dim: int, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -14,11 +14,13 @@ The trainer sees a `RolloutComponent` (`SeparateRollout`, this module); each eng
   as its trajectory's start (`trajectory_items`: messages, dataset row, token ids). Each sample
   carries the policy version of each of its tokens (the number of syncs the engine's weights
   held when it sampled it).
-- weights: the HF-named tensors, one whole tensor at a time, from the first rank of each
-  pipeline stage (and of each expert-parallel rank's experts), the senders at once, each over a
-  link of its own to the engines (`placement.sender_link`; trainer rank 0's is the link):
-  `megarl.convert.stream.CanonicalStream(spread=True)` makes each tensor whole on the sender of
-  its stage (the stage's other TP ranks send it their pieces); each HF tensor is cast to the
+- weights: the HF-named tensors, one whole tensor at a time, from every trainer rank that holds
+  pieces of them, each sending about an equal share of the bytes, the senders at once, each
+  over a link of its own to the engines (`placement.sender_link`; trainer rank 0's is the
+  link): `megarl.convert.stream.CanonicalStream(spread=True)` makes each tensor whole on one of
+  the ranks holding a piece of it, in any DP replica (the pipeline stages, and within a stage
+  its TP ranks and DP replicas, share the tensors; the other TP ranks of the collector's
+  replica send it their pieces); each HF tensor is cast to the
   engine dtype into the bucket it is broadcast in, a few buckets in flight per sender. Trainer
   rank 0 tells the engines every sender's bucket layout (`sender_buckets`) in the update's
   message; the engine receives every sender's buckets at once (on its receiving thread,
@@ -43,9 +45,9 @@ k = 0 the only request out is the step's own: generation and training alternate,
 results equal the colocated placement's. Requests still out at a stop are answered (and
 discarded) before the engines stop; a resumed run asks for them again, with its current weights.
 
-Simplifications, stated: a stage's tensors pass through its first rank, made whole there (its
-memory holds one tensor and the buckets in flight, not the stage), not cut by the reshard plans
-of the colocated sync for engines of vLLM TP > 1 (engines run vLLM TP=1 each); the links are
+Simplifications, stated: each tensor is made whole on its sender (which holds one tensor and
+the buckets in flight beyond its parameters), not cut by the reshard plans of the colocated
+sync for engines of vLLM TP > 1 (engines run vLLM TP=1 each); the links are
 gloo, on host memory, also on GPU (vLLM's NCCL / IPC weight-transfer engines are not used);
 each engine receives the whole model into host memory before it loads it.
 """
@@ -200,8 +202,8 @@ class SeparateRollout:
         self._generated = 0
         self._floor_s: float | None = None
         self._stream: CanonicalStream | None = None
-        """The policy's tensors, whole, on each stage's first rank (made at the first sync, with
-        the buckets they are sent in)."""
+        """The policy's tensors, whole, each on its sender (made at the first sync, with the
+        buckets they are sent in)."""
         self._buckets: dict[int, list] = {}
         """{trainer rank: the buckets it sends} (`sender_buckets`)."""
         self._pending: list[_Request] = []
@@ -413,11 +415,11 @@ class SeparateRollout:
         }
 
     def _send_weights(self) -> dict:
-        """The policy's tensors, whole, from the trainer ranks to the engines: each pipeline
-        stage's first rank makes its stage's tensors whole (`CanonicalStream(spread=True)`: the
-        stage's other ranks send it their pieces) and broadcasts them over its own link
-        (`sender_link`), each HF tensor cast to the engine dtype into the bucket it is sent in;
-        the stages send at once. Collective over the trainer ranks."""
+        """The policy's tensors, whole, from the trainer ranks to the engines: each rank that
+        holds pieces makes its share of the tensors whole (`CanonicalStream(spread=True)`: the
+        other TP ranks of its replica send it their pieces) and broadcasts them over its own
+        link (`sender_link`), each HF tensor cast to the engine dtype into the bucket it is sent
+        in; the senders send at once. Collective over the trainer ranks."""
         t0, me = time.perf_counter(), dist.get_rank()
         if self._stream is None:
             self._stream = CanonicalStream(self.policy, self.arch, spread=True)  # (metadata)
