@@ -16,9 +16,8 @@ NCCL-only group they stage max-object-size x world bytes on the device):
 2. Rank 0 checks that each replica's shards cover every canonical tensor of the arch exactly
    once (all TP pieces, same dtype) and tells every rank whether to go on (broadcast of one
    error string: a plan that fails, fails on every rank, and nobody waits in a send). The
-   export then opens its
-   directory and plans the safetensors shards from the HF shapes (`mapping.hf_shapes_for`),
-   with a second such broadcast.
+   export then opens its directory and plans the safetensors shards from the HF shapes
+   (`mapping.hf_shapes_for`), with a second such broadcast.
 3. Each walk (`CanonicalStream.tensors`): all ranks go through the canonical tensors in HF
    writing order. A contributor other than rank 0 copies each of its shards to host memory and
    `send`s it to rank 0: on GPU the process group is device-mapped (`cpu:gloo,cuda:nccl`), so
@@ -34,9 +33,9 @@ NCCL-only group they stage max-object-size x world bytes on the device):
    any DP replica, instead of rank 0 (`collector`, chosen by `spread_plan`: the holder that has
    collected the fewest bytes so far), from the pieces of that rank's replica: the pipeline
    stages, and within a stage its TP ranks and DP replicas, each collect and send about an
-   equal share, in parallel. The walk is the same global order on every rank, each
-   tensor a matched set of sends to its collector, so the pairs still match: the ranks still
-   working on the earliest unfinished tensor are all of its senders and its collector.
+   equal share, in parallel. The walk is the same global order on every rank, each tensor a
+   matched set of sends to its collector, so the pairs still match: the ranks still working on
+   the earliest unfinished tensor are all of its senders and its collector.
 4. An error on rank 0 while it consumes the walk does not stop the receiving (the senders would
    block): closing the walk receives and drops the rest. The export then aborts the directory
    and broadcasts the error, which every rank raises. The directory is written under a
