@@ -47,9 +47,10 @@ discarded) before the engines stop; a resumed run asks for them again, with its 
 
 Simplifications, stated: each tensor is made whole on its sender (which holds one tensor and
 the buckets in flight beyond its parameters), not cut by the reshard plans of the colocated
-sync for engines of vLLM TP > 1 (engines run vLLM TP=1 each); the links are
-gloo, on host memory, also on GPU (vLLM's NCCL / IPC weight-transfer engines are not used);
-each engine receives the whole model into host memory before it loads it.
+sync for engines of vLLM TP > 1 (engines run vLLM TP=1 each); the links are gloo, on host
+memory, also on GPU (vLLM's NCCL / IPC weight-transfer engines are not used), one per sending
+trainer rank (each engine holds one gloo group per trainer rank that holds pieces); each engine
+receives the whole model into host memory before it loads it.
 """
 
 from __future__ import annotations
