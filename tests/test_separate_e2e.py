@@ -14,9 +14,9 @@ learn, one engine a step ahead equals bit for bit the sequential run whose engin
 update one step late (tests/lagged_worker.py). An engine
 rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
 resumes the run. A PP2 trainer's stages each send their own weights to the engine, at once,
-over links of their own, and the run equals the colocated PP2 run; a TP2 trainer's rank 1 sends
-its shards through rank 0, and an EP2 MoE trainer's rank 1 its experts over its own link, each
-equal to the colocated run at its layout (extended tier).
+over links of their own, and the run equals the colocated PP2 run; a TP2 trainer's two ranks,
+a DP2 trainer's two replicas and an EP2 MoE trainer's two ranks (its experts from the rank
+holding them) each share the sending, equal to the colocated run at its layout (extended tier).
 
 Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
 separate run then add in the same order."""

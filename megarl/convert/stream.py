@@ -241,7 +241,9 @@ def _plan(arch: ModelArch, metas: list[list], order: list[str]) -> dict[str, dic
     plan = {}
     for name in order:
         plan[name] = {}
-        for copy, found in sorted(pieces.get(name, {0: []}).items()):
+        by_copy = pieces.get(name, {})
+        by_copy.setdefault(0, [])  # (replica 0 must be whole: the export reads it)
+        for copy, found in sorted(by_copy.items()):
             got = sorted(found, key=lambda x: x.tp_rank)
             tp = got[0].tp_size if got else 1
             layouts = {(x.dim, x.tp_size) for x in got}

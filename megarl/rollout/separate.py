@@ -15,22 +15,21 @@ The trainer sees a `RolloutComponent` (`SeparateRollout`, this module); each eng
   carries the policy version of each of its tokens (the number of syncs the engine's weights
   held when it sampled it).
 - weights: the HF-named tensors, one whole tensor at a time, from every trainer rank that holds
-  pieces of them, each sending about an equal share of the bytes, the senders at once, each
-  over a link of its own to the engines (`placement.sender_link`; trainer rank 0's is the
-  link): `megarl.convert.stream.CanonicalStream(spread=True)` makes each tensor whole on one of
-  the ranks holding a piece of it, in any DP replica (the pipeline stages, and within a stage
-  its TP ranks and DP replicas, share the tensors; the other TP ranks of the collector's
-  replica send it their pieces); each HF tensor is cast to the
-  engine dtype into the bucket it is broadcast in, a few buckets in flight per sender. Trainer
-  rank 0 tells the engines every sender's bucket layout (`sender_buckets`) in the update's
-  message; the engine receives every sender's buckets at once (on its receiving thread,
-  whatever it is generating), loads them when it reaches the update, through vLLM's reload
-  (the naive path's loader) or its CPU repack, and answers with its checksums per tensor family
-  (`megarl.rollout.checksum`) of what it loaded, as soon as it loaded them. The trainer goes on
-  once the bytes are sent (trainer rank 0 gathers the senders' checksums, which add up) and
-  compares the answer with them before it takes any
-  sample generated after the sync or with a token of its version (`syncs_to_verify`): a
-  missing, stale or corrupted tensor fails that step by name.
+  pieces of them, each sending about an equal share of the bytes, the senders at once, each over
+  a link of its own to the engines (`placement.sender_link`; trainer rank 0's is the link):
+  `megarl.convert.stream.CanonicalStream(spread=True)` makes each tensor whole on one of the
+  ranks holding a piece of it, in any DP replica (the pipeline stages, and within a stage its TP
+  ranks and DP replicas, share the tensors; the other TP ranks of the collector's replica send
+  it their pieces); each HF tensor is cast to the engine dtype into the bucket it is broadcast
+  in, a few buckets in flight per sender. Trainer rank 0 tells the engines every sender's bucket
+  layout (`sender_buckets`) in the update's message; the engine receives every sender's buckets
+  at once (on its receiving thread, whatever it is generating), loads them when it reaches the
+  update, through vLLM's reload (the naive path's loader) or its CPU repack, and answers with
+  its checksums per tensor family (`megarl.rollout.checksum`) of what it loaded, as soon as it
+  loaded them. The trainer goes on once the bytes are sent (trainer rank 0 gathers the senders'
+  checksums, which add up) and compares the answer with them before it takes any sample
+  generated after the sync or with a token of its version (`syncs_to_verify`): a missing, stale
+  or corrupted tensor fails that step by name.
 - stop: the engine shuts down; its process exits with the trainer's exit status.
 
 Bounded staleness (`algorithm.max_staleness` k): at step t the trainer also sends the requests
