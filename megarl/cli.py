@@ -229,7 +229,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from megarl.config import load_config  # deferred: imports torch (2 s)
-    from megarl.plan import plan  # deferred: imports torch (2 s)
+    from megarl.plan import describe, plan  # deferred: imports torch (2 s)
 
     if args.stage_costs:
         from megarl.plan.render import describe_timing  # deferred: imports torch (2 s)
@@ -245,7 +245,7 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan(
         cfg, gpus=args.gpus, gpu_mem_gib=args.gpu_mem, nodes=args.nodes, config_path=args.config
     )
-    print(result.describe(), end="")
+    print(describe(result), end="")
     return 0 if result.fits else 1
 
 
@@ -285,25 +285,22 @@ def _train(args: argparse.Namespace) -> int:
 
     train = offline.train if cfg.algorithm.offline else loop.train
 
-    init_distributed(
+    from megarl import rollout  # deferred: imports torch (2 s)
+
+    job = init_distributed(
         faults.collective_timeout(cfg.trainer),
         placement=cfg.rollout.placement,
         engines=cfg.rollout.ranks,
     )
-    from megarl.distributed.placement import placement  # deferred: imports torch (2 s)
-    from megarl.rollout import engine_rank, separate  # deferred: imports torch (2 s)
-
-    if placement().role == "rollout":  # an engine rank: serves trainer rank 0 until it stops
-        return engine_rank.serve()
-    status = 1  # what the engines exit with when the trainer raises
-    try:
-        status = _train_ranks(args, cfg, given, stem, train)
-    finally:
-        separate.stop_engines(status)
-    return status
+    with job:
+        if job.placement.role == "rollout":  # an engine rank: serves trainer rank 0 until stop
+            return rollout.serve(job)
+        with rollout.engine_ranks(job) as engines:  # they exit with the trainer's status
+            engines.status = _train_ranks(args, cfg, given, stem, train, job)
+        return engines.status
 
 
-def _train_ranks(args: argparse.Namespace, cfg, given: tuple, stem: str, train) -> int:
+def _train_ranks(args: argparse.Namespace, cfg, given: tuple, stem: str, train, job) -> int:
     """The trainer ranks' part of `megarl train` (every rank, when the engines are colocated)."""
     import torch.distributed as dist
 
@@ -315,7 +312,7 @@ def _train_ranks(args: argparse.Namespace, cfg, given: tuple, stem: str, train) 
     if args.resume and dist.get_rank() == 0:
         print(f"megarl: resuming {out}", file=sys.stderr, flush=True)
     try:
-        run_ = train(cfg, out)
+        run_ = train(cfg, out, job)
     except TrainingDiverged as e:
         if dist.get_rank() == 0:
             print(f"megarl: {e}", file=sys.stderr)

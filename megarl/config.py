@@ -27,7 +27,7 @@ from megarl.models.hf_config import PrecisionConfig
 from megarl.models.lora import LoraConfig
 from megarl.models.optim import OptimConfig
 from megarl.rewards.config import RewardConfig
-from megarl.rollout.config import RolloutConfig
+from megarl.rollout import RolloutConfig
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.yaml")
 

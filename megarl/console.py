@@ -56,7 +56,7 @@ QUIET_ENV = {
     "WANDB_SILENT": "true",  # its banner and run summary (~30 lines); the data is in RUN/wandb
 }
 VLLM_EXPECTED = (
-    # settings megarl makes on purpose (see megarl.rollout.engine)
+    # settings megarl makes on purpose (see megarl.rollout.engine.engine)
     "The global random seed is set to",
     "does not officially support disabling chunked prefill",
     "Enforce eager set",

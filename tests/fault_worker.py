@@ -117,8 +117,8 @@ def install() -> None:
 
     build_run = recipe.build_run
 
-    def build_then_act(cfg, out_dir, stage):
-        run = build_run(cfg, out_dir, stage)
+    def build_then_act(cfg, out_dir, stage, job=None):
+        run = build_run(cfg, out_dir, stage, job)
         _act("setup", 0, out_dir)
         return run
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 
 def install() -> None:
-    from megarl.rollout.colocated import ColocatedRollout
+    from megarl.rollout import SyncStats
+    from megarl.rollout.placement.colocated import ColocatedRollout
 
     generate, sync_weights = ColocatedRollout.generate, ColocatedRollout.sync_weights
 
@@ -25,12 +26,12 @@ def install() -> None:
             sync_weights(self)  # the weights of the update before this step, after its samples
         return rollout
 
-    def sync_one_step_late(self) -> dict:
+    def sync_one_step_late(self) -> SyncStats:
         if not hasattr(self, "lagged_update"):  # at setup: the initial weights, now
             self.lagged_update = False
             return sync_weights(self)
         self.lagged_update = True
-        return {}
+        return SyncStats(mode="lagged", bytes=0, seconds=0.0)
 
     ColocatedRollout.generate = generate_then_sync
     ColocatedRollout.sync_weights = sync_one_step_late

@@ -8,10 +8,10 @@ import torch
 from megarl.convert.peft import whole_adapters
 from megarl.models import lora
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.adapter_sync import AdapterSync
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.weight_sync import SyncError
+from megarl.rollout.engine.engine import RolloutEngine
+from megarl.rollout.sync.adapters import ColocatedAdapters
+from megarl.rollout.sync.stats import SyncError
 from tests import lora_worker as lw
 from tests.test_sync_workers import model_dir
 
@@ -32,7 +32,7 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     arch = arch_from_hf(hf)
     rcfg = RolloutConfig(n=1, max_tokens=6, kv_cache_memory_bytes=64 * 2**20, seed=7)
     engine = RolloutEngine(model_dir(hf), arch, rcfg, lora_rank=r)
-    sync = AdapterSync(chunks, arch, engine, groups, cfg)
+    sync = ColocatedAdapters(chunks, arch, engine, groups, cfg)
     first = sync.sync()
     before = {"adapters": whole_adapters(chunks), **_sample(engine)}
     with torch.no_grad():  # a "step": the same change on every rank holding a B shard
@@ -49,7 +49,7 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     # an adapter load that fails: the engine refuses to generate until a sync succeeds again
     bad = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(1)}  # not an adapter key
     failed = []
-    for attempt in (lambda: engine.load_adapter(bad, sync.config), lambda: _sample(engine)):
+    for attempt in (lambda: engine.weights.load_adapter(bad, sync.config), lambda: _sample(engine)):
         try:
             attempt()
         except Exception as e:
@@ -58,12 +58,12 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     again = _sample(engine)
     # the same policy as merged weights (`model.lora.merge: true`), the engine's LoRA unused
     sync.base.sync()
-    engine.unload_adapter()
+    engine.weights.unload_adapter()
     merged = _sample(engine)
-    sync.base.sync(merge_adapters=False)  # the base alone again, as AdapterSync keeps it
+    sync.base.sync(merge_adapters=False)  # the base alone again, as ColocatedAdapters keeps it
     # the adapters of `before` from an actor at PP2 (the layers gathered over the stages)
     chunks, groups, _, _, cfg = lw.actor_at(world, hf, out, batch, r, alpha, lw.PP2)
-    pp2 = AdapterSync(chunks, arch, engine, groups, cfg)
+    pp2 = ColocatedAdapters(chunks, arch, engine, groups, cfg)
     pp2.sync()
     at_pp2 = _sample(engine)
     engine.close()

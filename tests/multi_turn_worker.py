@@ -88,7 +88,7 @@ def observation_messages(messages: list[dict]) -> list[list[dict]]:
 
 def check_exact(ro, calls, fmt, positions: list[int]) -> dict:
     """Each trajectory this rank generated, against the engine calls that made it."""
-    from megarl.rollout.trajectory import turn_seed
+    from megarl.rollout.seeds import turn_seed
 
     by_seed = {}
     for prompts, seeds, out in calls:
@@ -103,7 +103,7 @@ def check_exact(ro, calls, fmt, positions: list[int]) -> dict:
         res["checked"] += 1
         prompt, resp = ro.prompt_ids[j], ro.response_ids[j]
         mask, lps = ro.response_mask[j], ro.response_logprobs[j]
-        rec = ro.trajectories[j]
+        rec = ro.turns.records[j]
         obs = observation_messages(rec.messages)
         at, ok = 0, len(mask) == len(resp) == len(lps)
         for t in range(rec.turns):
@@ -167,46 +167,40 @@ def sampled_deltas(chunks, arch, groups, ro, pad_to: int):
 
 def inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state) -> dict:
     """In-flight updates with an environment (what an engine rank's `between_turns` does, the
-    link aside), per scheduler: the weights change before the second wave of turns (waves) or
+    link aside: the same `RolloutWorker.update` from the worker's `poll`), per scheduler: the
+    weights change before the second wave of turns (waves) or
     before the third decoding step (stream: in the middle of the first turns). Every sampled
     token is scored by Megatron under the weights of the version it is stamped with, and (power)
     the second version's tokens under the first's weights. This rank alone (DP2, TP1)."""
     import dataclasses
 
     from megarl.convert.mapping import canonical_to_hf
-    from megarl.rollout.multi_turn import TrajectoryRunner, load_multi_turn, trajectory_items
+    from megarl.rollout.multi_turn.sources import trajectory_items
+    from megarl.rollout.placement.worker import RolloutWorker, load_trajectories
 
     g = torch.Generator().manual_seed(13)
     new = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     out = {}
     for scheduler, at in (("waves", 2), ("stream", 3)):
         cfg = dataclasses.replace(env_cfg, scheduler=scheduler)
-        runner = TrajectoryRunner(engine, load_multi_turn(cfg, tok), tok)
-        state_of = {"version": 0, "calls": 0}
-        runner.version = lambda s=state_of: s["version"]
-        runner.before_generate = _update_on_call(engine, arch, new, at, state_of)
+        worker = RolloutWorker(engine, load_trajectories(cfg, tok), cfg)
+        calls = {"polls": 0}
+
+        def write():
+            engine.weights.load_hf(canonical_to_hf(arch, new.items()))
+
+        def poll(worker=worker, calls=calls, at=at):  # an update arrives before the at-th
+            calls["polls"] += 1
+            if calls["polls"] == at:
+                worker.update(write, 1)
+
+        worker.poll = poll
         batch, positions = prompt_batch(tok, 0, 1)
-        ro = runner.run(trajectory_items(batch, None), positions, SEED)
-        engine.load_hf_weights(canonical_to_hf(arch, state.items()))
-        engine.reset_prefix_cache()
+        ro = worker.generate(trajectory_items(batch, None), positions, SEED)
+        engine.weights.load_hf(canonical_to_hf(arch, state.items()))
         out[f"inflight_{scheduler}"] = _scored_versions(chunks, arch, groups, ro, state, new)
-        out[f"inflight_{scheduler}"]["calls"] = state_of["calls"]
+        out[f"inflight_{scheduler}"]["calls"] = calls["polls"]
     return out
-
-
-def _update_on_call(engine, arch, new, at: int, state_of: dict):
-    """A `before_generate` hook that loads `new` (version 1) on its `at`-th call, as an engine
-    rank loads an update that arrived while it generated (the running turns' KV recomputed)."""
-    from megarl.convert.mapping import canonical_to_hf
-
-    def hook():
-        state_of["calls"] += 1
-        if state_of["calls"] == at:
-            engine.load_hf_weights(canonical_to_hf(arch, new.items()))
-            engine.reset_prefix_cache(running=engine.has_unfinished())
-            state_of["version"] = 1
-
-    return hook
 
 
 def _scored_versions(chunks, arch, groups, ro, state, new) -> dict:
@@ -220,10 +214,10 @@ def _scored_versions(chunks, arch, groups, ro, state, new) -> dict:
         load_full_state(chunks, weights)
         deltas[v] = sampled_deltas(chunks, arch, groups, ro, pad_to=1)
     load_full_state(chunks, state)
-    pairs = zip(ro.response_versions, ro.response_mask, strict=True)
+    pairs = zip(ro.versions.tokens, ro.response_mask, strict=True)
     stamps = torch.tensor([v for vs, m in pairs for v, k in zip(vs, m, strict=True) if k])
     turns = []  # per sample, the versions of each turn's sampled tokens, in order
-    for vs, m in zip(ro.response_versions, ro.response_mask, strict=True):
+    for vs, m in zip(ro.versions.tokens, ro.response_mask, strict=True):
         runs, prev = [], 0
         for v, k in zip(vs, m, strict=True):
             if k and not prev:
@@ -234,8 +228,7 @@ def _scored_versions(chunks, arch, groups, ro, state, new) -> dict:
         turns.append(runs)
     return {
         "turns": turns,
-        "lengths_match": [len(v) for v in ro.response_versions]
-        == [len(r) for r in ro.response_ids],
+        "lengths_match": [len(v) for v in ro.versions.tokens] == [len(r) for r in ro.response_ids],
         "tokens": [stamps.numel(), deltas[0].numel()],
         "own": max(float(deltas[0][stamps == 0].max()), float(deltas[1][stamps == 1].max())),
         "other": float(deltas[0][stamps == 1].mean()),
@@ -253,16 +246,19 @@ def _setup(arch, layout, world):
 
 
 def _rollout(engine, chunks, arch, groups, env_cfg, tok):
-    from megarl.rollout.colocated import ColocatedRollout
-    from megarl.rollout.dispatch import RolloutDispatcher
-    from megarl.rollout.multi_turn import MultiTurnRollout, load_multi_turn
-    from megarl.rollout.weight_sync import WeightSync
+    """The colocated rollout on `engine`, every sample a trajectory of `env_cfg` (None: single
+    turn), synced from `chunks`; and what drives its trajectories."""
+    from megarl.rollout.placement.colocated import ColocatedRollout
+    from megarl.rollout.placement.dispatch import RolloutDispatcher
+    from megarl.rollout.placement.worker import RolloutWorker, load_trajectories
+    from megarl.rollout.sync.colocated import ColocatedWeights
 
-    ws = WeightSync(chunks, arch, engine, groups)
+    ws = ColocatedWeights(chunks, arch, engine, groups)
     ws.sync()
-    colocated = ColocatedRollout(engine, ws, RolloutDispatcher(engine, groups.dp_rank))
-    setup = load_multi_turn(env_cfg, tok)
-    return MultiTurnRollout(colocated, setup, tok, None), setup
+    setup = load_trajectories(env_cfg, tok) if env_cfg is not None else None
+    worker = RolloutWorker(engine, setup, env_cfg)
+    dispatcher = RolloutDispatcher(engine.cfg.tensor_parallel, groups.dp_rank)
+    return ColocatedRollout(worker, ws, dispatcher), setup
 
 
 def job(rank: int, world: int) -> dict:
@@ -272,7 +268,7 @@ def job(rank: int, world: int) -> dict:
     from megarl.envs.config import EnvConfig
     from megarl.models.hf_config import arch_from_hf
     from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.engine import RolloutEngine
+    from megarl.rollout.engine.engine import RolloutEngine
 
     torch.set_num_threads(1)
     tok = tokenizer()
@@ -317,7 +313,7 @@ def job(rank: int, world: int) -> dict:
             {(p, k, tuple(ids), tuple(m), f) for part in every for p, k, ids, m, f in part}
         )
         out["finish"] = sorted({f for *_, f in out["trajectories"]})
-        out["retokenize_diff"] = [r.retokenize_diff for r in ro.trajectories]
+        out["retokenize_diff"] = [r.retokenize_diff for r in ro.turns.records]
         if layout == LAYOUTS[0]:
             out.update(streamed(engine, chunks, arch, groups, tok, env_cfg, out["trajectories"]))
             out.update(failures(engine, chunks, arch, groups, tok))
@@ -348,8 +344,8 @@ def failures(engine, chunks, arch, groups, tok) -> dict:
         "faulty": {
             "seconds": time.perf_counter() - t0,
             "finish": [ro.finish_reason[j] for j in range(0, len(ro), N)],
-            "errors": [ro.trajectories[j].error for j in range(0, len(ro), N)],
-            "env_reward": [ro.trajectories[j].env_reward for j in range(0, len(ro), N)],
+            "errors": [ro.turns.records[j].error for j in range(0, len(ro), N)],
+            "env_reward": [ro.turns.records[j].env_reward for j in range(0, len(ro), N)],
             "response_len": [len(ro.response_ids[j]) for j in range(0, len(ro), N)],
         }
     }
@@ -367,8 +363,8 @@ def failures(engine, chunks, arch, groups, tok) -> dict:
     ro = mt.generate(batch, positions, SEED)
     out["slow"] = {
         "seconds": time.perf_counter() - t0,
-        "waves": mt.last_waves,
-        "turns": [r.turns for r in ro.trajectories],
+        "waves": mt.worker.runner.last_waves,
+        "turns": [r.turns for r in ro.turns.records],
         "finish": list(ro.finish_reason),
     }
     return out
@@ -403,7 +399,7 @@ def streamed(engine, chunks, arch, groups, tok, env_cfg, waves: list) -> dict:
             "same_as_waves": sum(t in set(waves) for t in trajectories),
             "count": len(trajectories),
             "mismatch": mismatch(chunks, arch, groups, ro, pad_to=1),
-            "steps_with_new_turns": mt.last_waves,
+            "steps_with_new_turns": mt.worker.runner.last_waves,
         }
     }
 
@@ -416,7 +412,8 @@ def single_turn_equivalence(engine, chunks, arch, groups, tok) -> dict:
     mt, _ = _rollout(engine, chunks, arch, groups, env_cfg, tok)
     batch, positions = prompt_batch(tok, 0, 1)
     multi = mt.generate(batch, positions, SEED)
-    single = mt.colocated.generate(batch, positions, SEED)
+    one_turn, _ = _rollout(engine, chunks, arch, groups, None, tok)
+    single = one_turn.generate(batch, positions, SEED)
     return {
         "one_turn": {
             "multi": multi.response_ids,

@@ -119,7 +119,7 @@ def measure_vllm(rank, world, hf: dict, kv_bytes: int) -> dict:
 
     from megarl.models.hf_config import arch_from_hf
     from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.engine import RolloutEngine
+    from megarl.rollout.engine.engine import RolloutEngine
 
     arch = arch_from_hf(hf)
     Topology.create(ParallelConfig(), world).initialize(seed=0)

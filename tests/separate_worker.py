@@ -10,33 +10,33 @@ import os
 
 
 def install() -> None:
-    from megarl.rollout import engine_rank
+    from megarl.rollout.sync import receiver
 
-    write, calls = engine_rank._write_weights, [0]
+    write, calls = receiver._write, [0]
 
     def skipping(engine, *args):
         calls[0] += 1
         if calls[0] != int(os.environ["SKIP_SYNC"]):
             return write(engine, *args)
         # the update never reaches vLLM, whichever way the engine writes it
-        engine.load_hf_weights = engine.write_repacked = lambda *a, **k: None
+        engine.weights.load_hf = engine.weights.write_repacked = lambda *a, **k: None
         try:
             return write(engine, *args)
         finally:
-            del engine.load_hf_weights, engine.write_repacked  # the class's methods again
+            del engine.weights.load_hf, engine.weights.write_repacked  # the class's again
 
-    engine_rank._write_weights = skipping
+    receiver._write = skipping
     if "SKIP_ADAPTERS" in os.environ:  # the adapters of that sync never reach vLLM
-        from megarl.rollout.engine import RolloutEngine
+        from megarl.rollout.engine.weights import EngineWeights
 
-        load, loads = RolloutEngine.load_adapter, [0]
+        load, loads = EngineWeights.load_adapter, [0]
 
         def skipping_load(self, tensors, config):
             loads[0] += 1
             if loads[0] != int(os.environ["SKIP_ADAPTERS"]):
                 load(self, tensors, config)
 
-        RolloutEngine.load_adapter = skipping_load
+        EngineWeights.load_adapter = skipping_load
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.mapping import canonical_to_hf
     from megarl.models.hf_config import arch_from_hf
     from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.engine import RolloutEngine
-    from megarl.rollout.weight_sync import WeightSync, naive_sync
+    from megarl.rollout.engine.engine import RolloutEngine
+    from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
 
     torch.set_num_threads(1)
     res: dict = {"layouts": {}, "digests": {}, "broken": {}}
@@ -92,7 +92,7 @@ def job(rank: int, world: int) -> dict:
                 engine.call(install_capture)
             reset_to_sentinel(engine, arch)
             t0 = time.perf_counter()
-            ws = WeightSync(chunks, arch, engine, groups)
+            ws = ColocatedWeights(chunks, arch, engine, groups)
             plan_s = time.perf_counter() - t0
             ws.sync()  # step 0
             load_full_state(chunks, trained)  # one "optimizer step" later
@@ -173,9 +173,10 @@ def broken_mapping(chunks, arch, engine, groups, ref: dict, full_hf: dict, rank:
     - "in_place": vLLM's w13 layout with gate and up offsets swapped, written in place into a
       simulated vLLM EP2 target: the slice comparison must differ;
     - "skipped": one expert slot left out of the pieces: refused at plan time."""
-    from megarl.rollout import moe_layout, plan
-    from megarl.rollout.pieces import PlanError
-    from megarl.rollout.weight_sync import WeightSync
+    from megarl.rollout.engine import moe_layout
+    from megarl.rollout.engine.pieces import PlanError
+    from megarl.rollout.sync import plan
+    from megarl.rollout.sync.colocated import ColocatedWeights
 
     maps_fn, pieces_fn = plan.hf_index_maps, moe_layout.expert_pieces
     gate, up = ("w1", "w3") if arch.family == "mixtral" else ("gate_proj", "up_proj")
@@ -200,7 +201,7 @@ def broken_mapping(chunks, arch, engine, groups, ref: dict, full_hf: dict, rank:
     reset_to_sentinel(engine, arch)
     plan.hf_index_maps = swapped_maps
     try:
-        WeightSync(chunks, arch, engine, groups).sync()
+        ColocatedWeights(chunks, arch, engine, groups).sync()
     finally:
         plan.hf_index_maps = maps_fn
     out["staged"] = compare_bitwise(engine.call(dense_state), ref)
@@ -211,7 +212,7 @@ def broken_mapping(chunks, arch, engine, groups, ref: dict, full_hf: dict, rank:
         moe_layout.expert_pieces = pieces_fn
     moe_layout.expert_pieces = one_slot_missing
     try:
-        WeightSync(chunks, arch, engine, groups)
+        ColocatedWeights(chunks, arch, engine, groups)
         out["skipped"] = ""
     except PlanError as e:
         out["skipped"] = str(e)

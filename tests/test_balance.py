@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megarl.distributed.launch import spawn
-from megarl.rollout.engine import Rollout
+from megarl.rollout import Samples
 from megarl.trainer.balance import balanced_partition
 from tests.test_trainer_e2e import _metrics, _train
 
@@ -73,7 +73,7 @@ def _exchange(rank, world):
     # rank 0's responses are long, rank 1's short; every field encodes the sample's identity
     uid = [rank * 100 + i for i in range(n)]
     resp_len = [(40 if rank == 0 else 3) + i for i in range(n)]
-    rollout = Rollout(
+    rollout = Samples(
         prompt_index=list(range(n)),
         prompt_ids=[[u, u] for u in uid],
         response_ids=[[u] * k for u, k in zip(uid, resp_len, strict=True)],

@@ -158,7 +158,7 @@ def test_smollm2_workload_config_and_trl_spec_match(tmp_path):
     import os
 
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.checks import check_kv_cache
+    from megarl.rollout.engine.checks import check_kv_cache
 
     shape = os.path.join(os.path.dirname(s.TRAIN), "..", "models", "smollm2-135m-instruct")
     with open(os.path.join(shape, "config.json")) as f:

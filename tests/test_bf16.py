@@ -233,8 +233,8 @@ def sync_job(rank: int, world: int) -> dict:
     from megarl.models.optim import build_optimizer
     from megarl.models.vocab import token_logprobs
     from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.engine import RolloutEngine
-    from megarl.rollout.weight_sync import WeightSync, naive_sync
+    from megarl.rollout.engine.engine import RolloutEngine
+    from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
     from megarl.trainer import experience as xp
     from megarl.trainer import update
     from tests.test_sync_workers import LLAMA, canonical_state, model_dir
@@ -258,7 +258,7 @@ def sync_job(rank: int, world: int) -> dict:
     engine = RolloutEngine(model_dir(LLAMA), arch, RolloutConfig(
         n=4, max_tokens=12, kv_cache_memory_bytes=64 * 2**20, seed=7), dtype="bf16")
     engine.call(install_capture)
-    ws = WeightSync(actor, arch, engine, groups)
+    ws = ColocatedWeights(actor, arch, engine, groups)
     ws.sync()
     before = engine.call(dense_state)
     rollout = engine.generate([PROMPTS[0], PROMPTS[1]], seed=3)

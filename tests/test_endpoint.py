@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint (`megarl.rollout.endpoint`, `megarl.rollout.agent`), driven by
+"""The OpenAI-compatible endpoint (`megarl.rollout.agents.endpoint`, `.agent`), driven by
 the real `openai` client, every turn sampled by a real vLLM engine (one in this process, started
 once for the module: a tiny Llama with random "dummy" weights over the toy character tokenizer).
 
@@ -25,12 +25,15 @@ from megarl.distributed.launch import free_port
 from megarl.envs.config import EnvConfig
 from megarl.envs.tool_calls import ToolSetupError
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.agent import NOT_EXTENDING, AgentTrajectory
+from megarl.rollout.agents.agent import AgentTrajectory
+from megarl.rollout.agents.endpoint import ChatEndpoint
+from megarl.rollout.agents.session import NOT_EXTENDING
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.endpoint import ChatEndpoint
-from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.trajectory import TurnLimits, turn_seed
-from megarl.rollout.waves import TurnResult, WaveBatcher
+from megarl.rollout.engine.engine import RolloutEngine
+from megarl.rollout.multi_turn.batcher import TurnResult
+from megarl.rollout.multi_turn.trajectory import TurnLimits
+from megarl.rollout.multi_turn.waves import WaveBatcher
+from megarl.rollout.seeds import turn_seed
 from tests.test_sync_workers import LLAMA, model_dir
 
 openai = pytest.importorskip("openai")

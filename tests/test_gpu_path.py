@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megarl.models.hf_config import ModelConfigError, PrecisionConfig, arch_from_hf
-from megarl.rollout.checks import CPU_KV_CACHE_BYTES, check_kv_cache
 from megarl.rollout.config import RolloutConfig, RolloutConfigError
-from megarl.rollout.stop_tokens import resolve_stop_tokens
+from megarl.rollout.engine.checks import CPU_KV_CACHE_BYTES, check_kv_cache
+from megarl.rollout.engine.stop_tokens import resolve_stop_tokens
 from tests.tiny import TINY_LLAMA
 
 ARCH = arch_from_hf(TINY_LLAMA)  # 4 layers, 2 KV heads, head_dim 16
@@ -78,7 +78,7 @@ def test_vllm_start_is_refused_early_when_the_trainer_left_too_little_free(monke
     """vLLM V1 will not start unless gpu_memory_utilization x the GPU is free; the engine is
     built after the trainer's models, so megarl checks first (after freeing torch's cached
     blocks) and names the value that fits."""
-    from megarl.rollout.checks import check_free_memory
+    from megarl.rollout.engine.checks import check_free_memory
 
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
@@ -103,7 +103,7 @@ def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path)
     import vllm
 
     from megarl.distributed import device
-    from megarl.rollout import engine
+    from megarl.rollout.engine import engine
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     order = []
@@ -126,11 +126,12 @@ def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path)
 
     monkeypatch.setattr(vllm, "LLM", fake_llm)
     for inflight in (False, True):
-        cfg = RolloutConfig(
-            kv_cache_memory_bytes=2**30, stop_token_ids=(2,), inflight_updates=inflight
-        )
+        cfg = RolloutConfig(kv_cache_memory_bytes=2**30, stop_token_ids=(2,))
         with pytest.raises(Stop):
-            engine.RolloutEngine(str(tmp_path), arch_from_hf(TINY_LLAMA), cfg, dtype="bf16")
+            engine.RolloutEngine(
+                str(tmp_path), arch_from_hf(TINY_LLAMA), cfg, dtype="bf16",
+                updates_between_steps=inflight,
+            )  # fmt: skip
     # in-flight updates: vLLM's async scheduling (a forward still queued between steps) is off
     assert order == ["check", ("LLM", "external_launcher", True, None)] + [
         "check",
@@ -249,7 +250,7 @@ LAYOUTS = [  # world, trainer TP, PP, vLLM TP'
 
 @pytest.mark.parametrize("world,tp,pp,vtp", LAYOUTS)
 def test_every_prompt_is_generated_exactly_once(world, tp, pp, vtp):
-    from megarl.rollout.dispatch import DispatchPlan
+    from megarl.rollout.placement.dispatch import DispatchPlan
 
     dp_of = _megatron_dp_of(world, tp, pp)
     plan = DispatchPlan.create(dp_of, vtp)
@@ -268,7 +269,7 @@ def test_every_prompt_is_generated_exactly_once(world, tp, pp, vtp):
 
 
 def test_dispatch_refuses_a_vllm_tp_that_does_not_divide_the_world():
-    from megarl.rollout.dispatch import DispatchPlan
+    from megarl.rollout.placement.dispatch import DispatchPlan
 
     with pytest.raises(ValueError, match="rollout.tensor_parallel=3 must divide"):
         DispatchPlan.create([0] * 8, 3)

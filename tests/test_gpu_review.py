@@ -49,7 +49,7 @@ def test_reload_goes_through_the_workers_entry_point(monkeypatch):
     # runner's reload in `set_current_vllm_config`; calling the runner directly skips it
     import contextlib
 
-    from megarl.rollout import vllm_patches
+    from megarl.rollout.engine import vllm_patches
 
     monkeypatch.setattr(vllm_patches, "cpu_experts_prepacked", lambda m: contextlib.nullcontext())
     calls = []
@@ -74,11 +74,11 @@ def test_reload_goes_through_the_workers_entry_point(monkeypatch):
 
 # ------------------------------------------------------------------ sync timing on GPU
 def test_sync_timing_waits_for_queued_cuda_work(monkeypatch):
-    from megarl.rollout import weight_sync
+    from megarl.rollout.sync.reshard import wait_device
 
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: waited.append(d))
-    weight_sync._wait(torch.device("cpu"))
+    wait_device(torch.device("cpu"))
     assert waited == []
-    weight_sync._wait(torch.device("cuda", 1))
+    wait_device(torch.device("cuda", 1))
     assert waited == [torch.device("cuda", 1)]

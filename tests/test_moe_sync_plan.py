@@ -8,10 +8,10 @@ import torch
 
 from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.moe_layout import expert_pieces
-from megarl.rollout.pieces import PlanError, VllmDescription
-from megarl.rollout.plan import RankMeta, SourceParam, build_plan, hf_index_maps, sync_groups
-from megarl.rollout.vllm_layout import check_coverage
+from megarl.rollout.engine.moe_layout import expert_pieces
+from megarl.rollout.engine.pieces import PlanError, VllmDescription
+from megarl.rollout.engine.vllm_layout import check_coverage
+from megarl.rollout.sync.plan import RankMeta, SourceParam, build_plan, hf_index_maps, sync_groups
 from tests.sync_moe_worker import MIXTRAL, QWEN3_MOE
 from tests.vllm_targets import fake_vllm
 

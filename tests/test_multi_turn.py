@@ -18,10 +18,11 @@ import torch
 
 from megarl.algorithms.advantages import compute_gae
 from megarl.data.tokenizer import build_char_tokenizer
-from megarl.rollout.chat_format import ChatFormat, ChatFormatError
-from megarl.rollout.engine import Rollout
-from megarl.rollout.stream import StreamBatcher
-from megarl.rollout.waves import TurnRequest, TurnResult, WaveBatcher
+from megarl.rollout import Samples, Turns
+from megarl.rollout.multi_turn.batcher import TurnRequest, TurnResult
+from megarl.rollout.multi_turn.chat_format import ChatFormat, ChatFormatError
+from megarl.rollout.multi_turn.stream import StreamBatcher
+from megarl.rollout.multi_turn.waves import WaveBatcher
 from megarl.trainer.experience import build_batch
 
 CHATML = (
@@ -243,17 +244,17 @@ def test_environment_tokens_are_out_of_the_loss_mask():
                     response_mask=[[1, 1, 1, 1]])  # fmt: skip
 
 
-def test_rollout_take_and_concat_move_every_field():
-    a = Rollout([0], [[1]], [[2, 3]], [[-1.0, 0.0]], ["stop"], response_mask=[[1, 0]],
-                trajectories=["A"])  # fmt: skip
-    b = Rollout([1], [[4]], [[5]], [[-2.0]], ["length"], response_mask=[[1]], trajectories=["B"])
-    both = Rollout.concat([a, Rollout.empty(), b])
-    assert both.trajectories == ["A", "B"] and both.response_mask == [[1, 0], [1]]
+def test_samples_take_and_concat_move_every_field():
+    a = Samples([0], [[1]], [[2, 3]], [[-1.0, 0.0]], ["stop"], turns=Turns([[1, 0]], ["A"]))
+    b = Samples([1], [[4]], [[5]], [[-2.0]], ["length"], turns=Turns([[1]], ["B"]))
+    both = Samples.concat([a, Samples.empty(), b])
+    assert both.turns.records == ["A", "B"] and both.response_mask == [[1, 0], [1]]
     back = both.take([1, 0], prompt_index=[7, 8])
-    assert back.prompt_index == [7, 8] and back.trajectories == ["B", "A"]
+    assert back.prompt_index == [7, 8] and back.turns.records == ["B", "A"]
     assert back.response_ids == [[5], [2, 3]] and back.routed_experts is None
-    with pytest.raises(RuntimeError, match="only some parts carry response_mask"):
-        Rollout.concat([a, Rollout([2], [[1]], [[1]], [[0.0]], ["stop"])])
+    assert back.turns.mask == [[1], [1, 0]]
+    with pytest.raises(RuntimeError, match="only some parts carry turns"):
+        Samples.concat([a, Samples([2], [[1]], [[1]], [[0.0]], ["stop"])])
 
 
 # ----------------------------------------------------------------------------- with vLLM

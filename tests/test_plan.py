@@ -35,8 +35,8 @@ import torch
 from megarl.config import RunConfig, build
 from megarl.distributed.launch import spawn
 from megarl.models.vocab import CHUNK_ELEMENTS
+from megarl.plan import describe, plan
 from megarl.plan import formulas as fm
-from megarl.plan import plan
 from tests import plan_worker
 from tests.test_dry_run import EXAMPLE_70B, LLAMA3_70B
 from tests.tiny import TINY_LLAMA
@@ -444,12 +444,12 @@ def _by_hand_70b() -> dict:
 
 def test_lora_70b_fits_on_8_gpus_where_full_fine_tuning_does_not(llama70b):
     lora = plan(_lora_70b(llama70b), gpus=8, gpu_mem_gib=80)
-    text = lora.describe()
+    text = describe(lora)
     assert lora.fits, text
     assert "layout: TP 8 x PP 1 x DP 1" in text and "LoRA rank 16, base frozen" in text
     assert "FITS: peak 53.7 GiB (sync, stage 0) of 76.0 GiB usable" in text
     # the same config fully fine-tuned: grads, Adam and a reference copy of the whole shard
-    full = plan(_lora_70b(llama70b, "model.lora.rank=0"), gpus=8, gpu_mem_gib=80).describe()
+    full = describe(plan(_lora_70b(llama70b, "model.lora.rank=0"), gpus=8, gpu_mem_gib=80))
     assert "DOES NOT FIT: peak 198.8 GiB (rollout, stage 0)" in full
     assert "model states take 164.3 GiB of stage 0's GPU" in full
     # no layout of 8 GPUs: what any layout needs, the adapters (of the whole model) trained
@@ -458,9 +458,9 @@ def test_lora_70b_fits_on_8_gpus_where_full_fine_tuning_does_not(llama70b):
     assert ad == 207_093_760
     assert (
         f"70,553,706,496 params x 2 B (frozen base) + {ad:,} LoRA adapter params x 18 B"
-        in bound.describe()
+        in describe(bound)
     )
-    assert "at least 2 GPUs of 80.0 GiB" in bound.describe()
+    assert "at least 2 GPUs of 80.0 GiB" in describe(bound)
 
 
 def test_lora_rows_are_the_adapters_beside_the_frozen_base(llama70b):
@@ -500,7 +500,7 @@ def test_lora_on_fp8_or_transformer_engine_layers_is_a_problem_naming_the_keys(l
     for key in ("model.lora.rank=16", "precision.fp8=hybrid", "Transformer-Engine"):
         assert key in problem, problem
     assert "accepted: precision.fp8: null and precision.transformer_engine: false" in problem
-    assert result.describe().rstrip().endswith("DOES NOT FIT: this config cannot run on 32 GPUs")
+    assert describe(result).rstrip().endswith("DOES NOT FIT: this config cannot run on 32 GPUs")
     te = plan(_lora_70b(llama70b, "precision.transformer_engine=null"), gpus=8, gpu_mem_gib=80)
     assert not te.fits
     assert "precision.transformer_engine=null: the GPU default" in te.problems[0]

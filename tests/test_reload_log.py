@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from megarl.rollout.vllm_patches import DropBenignReloadWarnings, tied_modules
+from megarl.rollout.engine.vllm_patches import DropBenignReloadWarnings, tied_modules
 
 
 class _Tied(torch.nn.Module):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megarl.rollout.config import RolloutConfig, RolloutConfigError
-from megarl.rollout.mismatch import logprob_mismatch
+from megarl.rollout.metrics import logprob_mismatch
 from tests import test_sync_workers as w
 
 MISMATCH_TOL = 1e-4
@@ -57,9 +57,10 @@ def test_logprob_mismatch_mean_max_over_mask():
     a = torch.tensor([[0.0, -1.0, -2.0], [-1.0, -1.0, 0.0]])
     b = torch.tensor([[0.5, -1.0, -9.0], [-1.25, -1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    m = logprob_mismatch(a, b, mask)
-    assert m == {"mean": pytest.approx(0.75 / 4), "max": 0.5, "tokens": 4}
-    assert logprob_mismatch(a, b, torch.zeros_like(mask)) == {"mean": 0.0, "max": 0.0, "tokens": 0}
+    m = logprob_mismatch(a, b, mask).reduce()
+    assert m == {"logprob_mismatch": pytest.approx(0.75 / 4), "logprob_mismatch_max": 0.5}
+    none = logprob_mismatch(a, b, torch.zeros_like(mask)).reduce()
+    assert none == {"logprob_mismatch": 0.0, "logprob_mismatch_max": 0.0}
     with pytest.raises(ValueError, match="shapes differ"):
         logprob_mismatch(a, b[:, :2], mask)
 
@@ -161,10 +162,7 @@ def test_prefix_cache_is_reset_by_a_weight_sync(results):
 def test_an_inflight_update_reaches_the_running_samples_at_their_next_token(results):
     for res in results:
         fresh, kept = res["inflight"]["recomputed"], res["inflight"]["kept"]
-        # the update's sums as soon as it is loaded (the first request still running), then
-        # the samples in the order asked
-        assert fresh["early"] == 1
-        assert fresh["replies"] == [["op", "sums", "version"]] + 2 * [["op", "rollout", "version"]]
+        assert fresh["running"]  # the update came while the first request decoded
         first, after = fresh["versions"]
         assert fresh["lengths"] == [12] * 16  # 4 prompts x 4 samples, no stop tokens
         assert first == [[0] * 4 + [1] * 8] * 16  # 4 steps, then the update

@@ -79,7 +79,7 @@ def test_rows_with_a_repeated_expert_become_distinct():
 def test_routing_replay_needs_a_moe_model():
     from megarl.models.hf_config import arch_from_hf
     from megarl.rollout.config import RolloutConfig, RolloutConfigError
-    from megarl.rollout.routes import check_routing_replay
+    from megarl.rollout.engine.routes import check_routing_replay
     from tests.tiny import TINY_LLAMA, TINY_QWEN3_MOE
 
     with pytest.raises(RolloutConfigError, match="rollout.routing_replay=true needs a MoE model"):
@@ -88,7 +88,7 @@ def test_routing_replay_needs_a_moe_model():
 
 
 def test_cpu_capture_finds_routes_by_tokens_and_refuses_gaps():
-    from megarl.rollout.routes import RoutesError, _take
+    from megarl.rollout.engine.routes import RoutesError, _take
 
     rows = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)
     chunks = {  # request a: prefill of 3 tokens, then two decode steps; request b: a gap

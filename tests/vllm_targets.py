@@ -64,7 +64,7 @@ def reset_to_sentinel(engine, arch) -> None:
     """Fill every weight vLLM loads with SENTINEL (through vLLM's own loader)."""
     from megarl.convert.mapping import hf_shapes_for
 
-    engine.load_hf_weights((n, torch.full(s, SENTINEL)) for n, s in hf_shapes_for(arch).items())
+    engine.weights.load_hf((n, torch.full(s, SENTINEL)) for n, s in hf_shapes_for(arch).items())
 
 
 def dense_state(worker) -> dict[str, torch.Tensor]:
@@ -162,8 +162,8 @@ def fake_vllm(arch, tp: int, rank: int, *, ep: int = 1):
     """The description a vLLM TP=`tp` engine (rank `rank`; `ep` > 1: vLLM expert parallelism
     over the same ranks) of a Llama / Qwen2 / Qwen3-MoE / Mixtral would publish, built from
     `pieces_for_module` with vLLM's sharding attributes."""
-    from megarl.rollout.pieces import VllmDescription, VllmParam
-    from megarl.rollout.vllm_layout import pieces_for_module
+    from megarl.rollout.engine.pieces import VllmDescription, VllmParam
+    from megarl.rollout.engine.vllm_layout import pieces_for_module
 
     h, hd = arch.hidden_size, arch.head_dim
     q, ffn = arch.num_attention_heads * hd, arch.intermediate_size
@@ -246,13 +246,14 @@ def simulate_tp(chunks, arch, groups, full_hf: dict, vllm_tp: int, vllm_rank: in
     import torch.distributed as dist
 
     from megarl.convert.mapping import hf_shapes_for
-    from megarl.rollout.plan import RankMeta, build_plan, sync_groups
-    from megarl.rollout.vllm_layout import check_coverage
-    from megarl.rollout.weight_sync import Reshard, TensorTarget, _expert_key, _sources
+    from megarl.rollout.engine.vllm_layout import check_coverage
+    from megarl.rollout.sync.colocated import expert_key, trainer_sources
+    from megarl.rollout.sync.plan import RankMeta, build_plan, sync_groups
+    from megarl.rollout.sync.reshard import Reshard, TensorTarget
 
     desc = fake_vllm(arch, vllm_tp, vllm_rank, ep=ep)
     check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
-    sources, params = _sources(chunks)
+    sources, params = trainer_sources(chunks)
     meta = RankMeta(
         dist.get_rank(),
         (groups.dp_rank, 0),
@@ -261,7 +262,7 @@ def simulate_tp(chunks, arch, groups, full_hf: dict, vllm_tp: int, vllm_rank: in
         groups.tp_size,
         tuple(sources),
         desc,
-        _expert_key(arch, groups),
+        expert_key(arch, groups),
     )
     metas = [None] * dist.get_world_size()
     dist.all_gather_object(metas, meta)

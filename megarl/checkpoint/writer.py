@@ -18,9 +18,14 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.files import FORMAT, META, CheckpointError
+from megarl.checkpoint.files import (
+    FORMAT,
+    META,
+    CheckpointError,
+    copy_tokenizer_files,
+    looks_like_checkpoint,
+)
 from megarl.checkpoint.keys import has_value_head, rename_te_keys
-from megarl.convert.hf_io import copy_tokenizer_files, looks_like_checkpoint
 from megarl.distributed.writer_queue import fork_write_results_queue
 from megarl.errors import OutputExistsError
 from megarl.models.builder import unwrap

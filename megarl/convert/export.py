@@ -10,7 +10,7 @@ Every HF directory megarl writes (`megarl convert mcore-to-hf`, `trainer.export_
   config, already a classifier's, keeps its `pad_token_id`, which decides where transformers
   reads the score;
 - the tokenizer files, chat template included, copied from the tokenizer directory kept with the
-  checkpoint (`hf_io.TOKENIZER_FILES`);
+  checkpoint (`megarl.checkpoint.files.TOKENIZER_FILES`);
 - `generation_config.json`: copied with the tokenizer when the source had one, otherwise built
   from the config's (or else the tokenizer's) bos / eos / pad token ids.
 """
@@ -25,12 +25,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from megarl.convert.hf_io import copy_tokenizer_files
+from megarl import dtypes
+from megarl.checkpoint.files import copy_tokenizer_files
 from megarl.convert.mapping import canonical_to_hf
 from megarl.models.hf_config import ARCHITECTURES, ModelArch
 
 log = logging.getLogger(__name__)
-HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _CLASSES = {family: cls for cls, family in ARCHITECTURES.items()}
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -38,9 +38,9 @@ _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def export_config(hf_config: dict, family: str, dtype: str, *, value_head: bool = False) -> dict:
     """The config.json of an export: tensors in `dtype` (fp32 / bf16 / fp16)."""
     cfg = dict(hf_config)
-    cfg["dtype"] = HF_DTYPE_NAMES[dtype]
+    cfg["dtype"] = dtypes.NAMES[dtype]
     if "torch_dtype" in cfg:
-        cfg["torch_dtype"] = HF_DTYPE_NAMES[dtype]
+        cfg["torch_dtype"] = dtypes.NAMES[dtype]
     causal = (cfg.get("architectures") or [_CLASSES[family]])[0]
     cfg["architectures"] = [causal]
     if value_head:

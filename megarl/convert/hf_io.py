@@ -27,11 +27,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from megarl.checkpoint.files import HF_INDEX as INDEX
+from megarl.checkpoint.files import copy_tokenizer_files, looks_like_checkpoint
 from megarl.errors import OutputExistsError, UserError
 
 log = logging.getLogger(__name__)
 
-INDEX = "model.safetensors.index.json"
 # safetensors dtype tags -> torch
 _DTYPES = {
     "F64": torch.float64,
@@ -47,19 +48,6 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 
 class HFCheckpointError(UserError, ValueError):
@@ -227,28 +215,6 @@ class LazyHFTensors:
         return t
 
     __getitem__ = get
-
-
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy the tokenizer (and generation config) files present in `src` to `dst`."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        path = os.path.join(src, name)
-        if os.path.isfile(path):
-            shutil.copy2(path, os.path.join(dst, name))
-            copied.append(name)
-    if not copied:
-        log.warning("no tokenizer files in %s (looked for %s)", src, ", ".join(TOKENIZER_FILES))
-    return copied
-
-
-def looks_like_checkpoint(directory: str) -> bool:
-    """True when `directory` holds an HF or megatron checkpoint (what --overwrite guards)."""
-    if not os.path.isdir(directory):
-        return False
-    names = os.listdir(directory)
-    markers = ("config.json", INDEX, "metadata.json", "megarl_model.json")
-    return any(n in markers or n.endswith(".safetensors") for n in names)
 
 
 class AtomicDir:

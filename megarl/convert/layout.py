@@ -14,7 +14,7 @@ QKV shards hold whole query groups, so plain concatenation is right.
 `gather_full_state` / `load_full_state` are the *naive* path (object collectives, the full model on
 every rank): they serve tests and the reference weight sync only. Production paths move one tensor
 at a time: `megarl.convert.sharded` (initial weights), `megarl.convert.stream` (HF export, the
-separate engines' weights), `megarl.rollout.weight_sync` (the per-step sync).
+separate engines' weights), `megarl.rollout.sync.colocated` (the per-step sync).
 """
 
 from __future__ import annotations

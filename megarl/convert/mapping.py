@@ -23,9 +23,7 @@ MoE names are the ones transformers 5.19 writes *to disk* (it fuses experts only
 Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2` (gate/up/down) and `block_sparse_moe.gate`,
 Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj` and `mlp.gate`.
 
-The pure transforms (`qkv_to_megatron`, `qkv_from_megatron`, `gate_up_to_megatron`,
-`gate_up_from_megatron`) also apply to a TP shard, given that shard's head counts: a `linear_qkv`
-shard holds kv_heads/TP whole query groups, a `linear_fc1` shard is `[gate_r; up_r]`.
+The pure transforms of the fused layouts are `megarl.models.fused`'s.
 """
 
 from __future__ import annotations
@@ -37,50 +35,17 @@ from dataclasses import dataclass
 import torch
 
 from megarl.errors import UserError
+from megarl.models.fused import (
+    gate_up_from_megatron,
+    gate_up_to_megatron,
+    qkv_from_megatron,
+    qkv_to_megatron,
+)
 from megarl.models.hf_config import ModelArch
 
 
 class MappingError(UserError, ValueError):
     """HF <-> megatron names or shapes that do not fit; the message names the key."""
-
-
-# ----------------------------------------------------------------------------- pure transforms
-def qkv_to_megatron(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, head_dim: int
-) -> torch.Tensor:
-    """q [heads*hd, ...], k/v [kv_heads*hd, ...] -> linear_qkv [(heads + 2 kv_heads)*hd, ...]."""
-    rest = q.shape[1:]
-    per = heads // kv_heads
-    qg = q.reshape(kv_heads, per * head_dim, *rest)
-    kg = k.reshape(kv_heads, head_dim, *rest)
-    vg = v.reshape(kv_heads, head_dim, *rest)
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
-
-
-def qkv_from_megatron(
-    qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `qkv_to_megatron`: linear_qkv -> (q, k, v), each contiguous."""
-    rest = qkv.shape[1:]
-    per = heads // kv_heads
-    g = qkv.reshape(kv_heads, (per + 2) * head_dim, *rest)
-    q, k, v = g.split([per * head_dim, head_dim, head_dim], dim=1)
-    return (
-        q.reshape(heads * head_dim, *rest).contiguous(),
-        k.reshape(kv_heads * head_dim, *rest).contiguous(),
-        v.reshape(kv_heads * head_dim, *rest).contiguous(),
-    )
-
-
-def gate_up_to_megatron(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate [ffn, h], up [ffn, h] -> linear_fc1 [2 ffn, h] = [gate; up]."""
-    return torch.cat([gate, up], dim=0)
-
-
-def gate_up_from_megatron(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear_fc1 [2 ffn, h] (or a TP shard [gate_r; up_r]) -> (gate, up), each contiguous."""
-    gate, up = fc1.chunk(2, dim=0)
-    return gate.contiguous(), up.contiguous()
 
 
 # ----------------------------------------------------------------------------- the tables

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from megarl import dtypes
 from megarl.checkpoint.files import CheckpointError
 from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.checkpoint.writer import save_model_checkpoint
@@ -47,7 +48,6 @@ from megarl.models.hf_config import (
 )
 
 log = logging.getLogger(__name__)
-_HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def init_single_process(seed: int = 0):
@@ -194,7 +194,7 @@ def _refuse_existing(out_dir: str, overwrite: bool) -> None:
 def _resolve_dtype(dtype: str | None, hf_cfg: dict) -> str:
     if dtype is None:
         name = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32"
-        inverse = {v: k for k, v in _HF_DTYPE_NAMES.items()}
+        inverse = {v: k for k, v in dtypes.NAMES.items()}
         dtype = inverse.get(str(name).replace("torch.", ""), "fp32")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; accepted: {sorted(DTYPES)}")

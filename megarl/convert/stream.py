@@ -1,7 +1,7 @@
 """A distributed model's tensors, whole, on global rank 0 (or each on one of the ranks holding
 it, spread), one at a time (`CanonicalStream`); with it, the export as an HF directory
 (`save_hf_streaming`) and the weights the separate placement's trainer sends its engines
-(`megarl.rollout.separate`, spread over every rank holding pieces). Collective.
+(`megarl.rollout.placement.separate`, spread over every rank holding pieces). Collective.
 
 Memory beyond the parameters: rank 0 (spread: each collector) holds the pieces of one canonical
 tensor, then the merged tensor and its HF split (at most 2x the largest tensor; measured by

@@ -29,7 +29,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
-_INSTALLED = False
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
 warnings.filterwarnings("ignore", message=".*Falling back to Torch Norm.*")
 
@@ -154,10 +153,10 @@ _TYPE_NAMES = {
 
 
 def install_cpu_emulation() -> None:
-    global _INSTALLED
-    if _INSTALLED:
+    """Once per process (the patched `Tensor.type` carries the mark: the process's torch is the
+    state, not this module)."""
+    if getattr(torch.Tensor.type, "megarl_cpu_emulation", False):
         return
-    _INSTALLED = True
     mode = _CudaToCpu()
     mode.__enter__()  # process-wide for the rest of the process' life
 
@@ -170,6 +169,7 @@ def install_cpu_emulation() -> None:
             dtype = dtype.replace(".cuda.", ".")
         return orig_type(self, dtype, non_blocking, **kw) if dtype is not None else orig_type(self)
 
+    _type.megarl_cpu_emulation = True
     torch.Tensor.type = _type
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.cuda.current_device = lambda: torch.device("cpu")

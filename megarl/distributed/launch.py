@@ -94,9 +94,7 @@ def spawn(
     port = free_port()
     env, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(
-            target=_child, args=(r, world_size, port, backend, fn, args, queue, env, cwd)
-        )
+        ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, queue, env, cwd))
         for r in range(world_size)
     ]
     for p in procs:

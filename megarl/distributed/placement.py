@@ -8,17 +8,17 @@ CP x DP), made from torchrun's rendezvous store under different key prefixes; a 
 the link, joins trainer rank 0 with every engine rank (member 0 = trainer rank 0, member 1 + i =
 engine i). Prompts, samples and weights travel over the link (gloo on CPU; a raw
 `ProcessGroupGloo`, not registered with torch.distributed, because its members are not one
-default world). Each other trainer rank that sends weights (`sender_link`: the first rank of
-each pipeline stage, or of each expert-parallel rank's experts) gets a link of its own to the
-engines, made when it first sends, in the same way.
+default world). Each other trainer rank that sends weights gets a link of its own to the
+engines (`Job.sender_link`), made when it first sends, in the same way.
 
-`JobPlacement.split` is the arithmetic (pure); `init_placement` makes the groups.
+`JobPlacement.split` is the arithmetic (pure); `init_job` makes the groups and returns the
+`Job` that holds them: whoever starts the job owns it (a context manager).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -79,18 +79,58 @@ class JobPlacement:
         return 0 if self.separate and self.rank == 0 else None
 
 
-_PLACEMENT: JobPlacement | None = None
-_LINK = None
-_STORE = None
-_TIMEOUT: timedelta | None = None
-_SENDER_LINKS: dict[int, object] = {}
+@dataclass
+class Job:
+    """This process's place in the job (`placement`) and the links it holds. Made by `init_job`
+    (or `Job.of_world` for a world someone else made); `close()` drops the links."""
+
+    placement: JobPlacement
+    link: object | None = None
+    """The link's process group on its members (trainer rank 0 and the engine ranks), else
+    None."""
+    store: object | None = None
+    timeout: timedelta | None = None
+    _senders: dict = field(default_factory=dict)
+
+    @staticmethod
+    def of_world() -> Job:
+        """The job of the default process group as it is: every rank trains, engines colocated
+        (one process when torch.distributed is not initialised)."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return Job(JobPlacement("train", rank, world, rank, world, 0))
+
+    def sender_link(self, trainer_rank: int):
+        """The link between trainer rank `trainer_rank` (member 0) and every engine rank
+        (member 1 + i); trainer rank 0's is `link`. Made on first use, by that trainer rank and
+        every engine rank (each engine rank asks for the links in the same order: making one
+        waits for all its members)."""
+        if trainer_rank == 0:
+            return self.link
+        if trainer_rank not in self._senders:
+            where = self.placement
+            member = 0 if where.role == "train" else 1 + where.rank
+            store = dist.PrefixStore(f"link-{trainer_rank}", self.store)
+            self._senders[trainer_rank] = dist.ProcessGroupGloo(
+                store, member, where.engines + 1, self.timeout
+            )
+        return self._senders[trainer_rank]
+
+    def close(self) -> None:
+        """Drop the links (gloo closes their sockets when the last reference goes)."""
+        self.link = None
+        self._senders.clear()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def init_placement(backend: str, placement: str, engines: int, store, timeout) -> JobPlacement:
+def init_job(backend: str, placement: str, engines: int, store, timeout) -> Job:
     """This rank's default process group (its role's ranks) and, with `separate`, the link
     (module docstring). `store`: torchrun's rendezvous store, keys of this attempt prefixed;
     collective over the job."""
-    global _PLACEMENT, _LINK, _STORE, _TIMEOUT
     env = os.environ
     where = JobPlacement.split(int(env["RANK"]), int(env["WORLD_SIZE"]), placement, engines)
     if store is None and where.separate:
@@ -101,41 +141,9 @@ def init_placement(backend: str, placement: str, engines: int, store, timeout) -
     timeout = timeout or timedelta(minutes=30)
     kw = {} if store is None else {"store": dist.PrefixStore(where.role, store)}
     dist.init_process_group(backend, timeout=timeout, rank=where.rank, world_size=where.world, **kw)
+    link = None
     if where.link_rank is not None:
-        _LINK = dist.ProcessGroupGloo(
+        link = dist.ProcessGroupGloo(
             dist.PrefixStore("link", store), where.link_rank, engines + 1, timeout
         )
-    _PLACEMENT, _STORE, _TIMEOUT = where, store, timeout
-    _SENDER_LINKS.clear()
-    return where
-
-
-def placement() -> JobPlacement:
-    """This rank's placement (colocated, whole world, before `init_placement` ran)."""
-    if _PLACEMENT is None:
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        return JobPlacement("train", rank, world, rank, world, 0)
-    return _PLACEMENT
-
-
-def link():
-    """The link's process group on its members (trainer rank 0 and the engine ranks), else
-    None."""
-    return _LINK
-
-
-def sender_link(trainer_rank: int):
-    """The link between trainer rank `trainer_rank` (member 0) and every engine rank (member
-    1 + i); trainer rank 0's is `link()`. Made on first use, by that trainer rank and every
-    engine rank (each engine rank asks for the links in the same order: making one waits for
-    all its members)."""
-    if trainer_rank == 0:
-        return _LINK
-    if trainer_rank not in _SENDER_LINKS:
-        where = placement()
-        member = 0 if where.role == "train" else 1 + where.rank
-        store = dist.PrefixStore(f"link-{trainer_rank}", _STORE)
-        _SENDER_LINKS[trainer_rank] = dist.ProcessGroupGloo(
-            store, member, where.engines + 1, _TIMEOUT
-        )
-    return _SENDER_LINKS[trainer_rank]
+    return Job(where, link, store, timeout)

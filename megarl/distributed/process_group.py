@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megarl.distributed import device
 from megarl.distributed.launch import free_port
-from megarl.distributed.placement import init_placement
+from megarl.distributed.placement import Job, init_job
 from megarl.distributed.writer_queue import fork_write_results_queue
 
 
@@ -49,27 +49,28 @@ def attempt_store(timeout: timedelta | None):
 
 def init_distributed(
     timeout: timedelta | None = None, *, placement: str = "colocated", engines: int = 0
-) -> tuple[int, int]:
+) -> Job:
     """torch.distributed from torchrun's environment, or a one-process group when run plainly.
     `timeout`: of every collective on the default group (None: torch's default;
     `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's).
     `placement` / `engines`: `rollout.placement` / `rollout.ranks`; with "separate" the
     default group holds this rank's role only (`megarl.distributed.placement`). Returns the
-    rank and world of the default group."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-            )
-        device.setup()
-        _checkpoint_queue()  # before the group's sockets exist: the forked manager holds none
-        init_placement(device.backend(), placement, engines, attempt_store(timeout), timeout)
-    _checkpoint_queue()  # a group made by the caller (made once: a no-op after the one above)
-    return dist.get_rank(), dist.get_world_size()
+    job, which the caller owns (its links); when the default group exists already, the job of
+    that world as it is (`Job.of_world`: every rank trains)."""
+    if dist.is_initialized():
+        _checkpoint_queue()  # a group made by the caller (made once: a no-op after ours)
+        return Job.of_world()
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
+    device.setup()
+    _checkpoint_queue()  # before the group's sockets exist: the forked manager holds none
+    return init_job(device.backend(), placement, engines, attempt_store(timeout), timeout)
 
 
 def _checkpoint_queue() -> None:

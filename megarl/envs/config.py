@@ -47,9 +47,10 @@ class EnvConfig:
     model as the tool's answer) or end (the trajectory ends, finish reason env_error)."""
     scheduler: str = "waves"
     """How the turns of many trajectories share the engine: waves (one generate call per wave
-    of turns; the same batches whatever the threads' timing, megarl.rollout.waves) or stream
+    of turns; the same batches whatever the threads' timing, megarl.rollout.multi_turn.waves) or
+    stream
     (vLLM's continuous batching: a turn starts as soon as its environment answered, the batches
-    depend on timing; rollout.tensor_parallel=1 only, megarl.rollout.stream)."""
+    depend on timing; rollout.tensor_parallel=1 only, megarl.rollout.multi_turn.stream)."""
     wave_wait_s: float = 0.5
     """How long a generation wave waits for environments still stepping before it starts
     without them (they join a later wave): a slow tool never stalls the others for longer."""

@@ -19,7 +19,6 @@ from megarl.rewards.builtins import last_number
 __all__ = ["RetryEnv", "last_number", "row_answer"]
 
 
-
 def row_answer(row: dict[str, Any], key: str, env: str) -> Fraction:
     """The number in the data row's column `key` (`last_number`). Raises KeyError naming the
     column and the row's columns when it is missing, ValueError when it holds no number; `env`

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.dtypes import NAMES
 from megarl.errors import UserError
 from megarl.models.specs import require_transformer_engine
 
@@ -38,7 +39,7 @@ CLASSIFIER_ARCHITECTURES = {
 """Sequence classifiers of the same families: megarl reads those with `num_labels: 1` (reward
 models; transformers' `GenericForSequenceClassification`)."""
 MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {k: getattr(torch, v) for k, v in NAMES.items()}
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 

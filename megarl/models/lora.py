@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.convert.mapping import qkv_to_megatron
 from megarl.errors import ConfigError
+from megarl.models.fused import qkv_to_megatron
 from megarl.models.hf_config import ModelArch
 
 HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -2,7 +2,7 @@
 metrics.
 
 Routing replay. With `rollout.routing_replay` the rollout carries, per sample, the experts vLLM
-routed every token to (`Rollout.routed_experts`, [tokens, layers, top_k]); `collate_routes`
+routed every token to (`Samples.routed_experts`, [tokens, layers, top_k]); `collate_routes`
 places them on the batch as `routed_experts` [B, S, layers, top_k] aligned with `tokens`
 (position t = the routes of token t), so micro-batching, DP / PP padding and device moves treat
 them like any per-token field. Before each micro-batch's forward (`prepare_forward`, called by

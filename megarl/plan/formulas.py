@@ -26,7 +26,6 @@ import math
 from megarl.models.hf_config import ModelArch
 from megarl.models.vocab import CHUNK_ELEMENTS
 
-ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
 PHASES = ("rollout", "logprobs", "train", "sync")
 """The phases of an RL step whose peaks a plan compares (`megarl.plan.memory`)."""

@@ -25,103 +25,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 
 from megarl.config import ConfigError, RunConfig
 from megarl.distributed import TopologyError
+from megarl.dtypes import BYTES
 from megarl.models.builder import num_params
 from megarl.models.forward import sequence_multiple
 from megarl.models.lora import te_refusal
 from megarl.plan import formulas as fm
-from megarl.plan.formulas import PHASES, gib
-from megarl.plan.render import describe
+from megarl.plan.formulas import gib
+from megarl.plan.records import ALL, HEADROOM, Plan, Row, Shape, StagePlan
 from megarl.trainer.dry_run import dry_run
 from megarl.trainer.model_source import check_shape_source, load_arch
 
-ALL = PHASES
-HEADROOM = 0.95
 RUNTIME_GPU = 2 * fm.GiB
 """CUDA context, NCCL communicators' buffers, cuBLAS / Transformer-Engine workspaces: an
 assumption (H100 context ~0.5 GiB, NCCL ~0.5-1 GiB), not measured on CPU."""
 SYNC_BUCKET = 256 * 2**20
 VLLM_ACTIVATIONS = 1 * fm.GiB
 """vLLM's forward-pass working memory when its KV cache is set in bytes (an assumption)."""
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    nbytes: float
-    formula: str
-    phases: tuple[str, ...] = ALL
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What one GPU of pipeline stage `pp_rank` holds."""
-
-    pp_rank: int
-    rank: int
-    layers: int
-    rows: tuple[Row, ...]
-
-    def peak(self, phase: str) -> float:
-        return sum(r.nbytes for r in self.rows if phase in r.phases)
-
-    @property
-    def worst(self) -> tuple[str, float]:
-        return max(((p, self.peak(p)) for p in PHASES), key=lambda x: x[1])
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Parameters on the first rank of each pipeline stage, from the meta-device build."""
-
-    params: tuple[int, ...]
-    """The model's own parameters (LoRA: the frozen base, without the adapters)."""
-    expert_params: tuple[int, ...]
-    layers: tuple[tuple[int, ...], ...]  # layers per model chunk, per stage
-    critic: tuple[int, ...] | None
-    padded_vocab: int
-    critic_trained: tuple[int, ...] | None = None
-    """The critic's parameters with grads and Adam state (`model.critic_lora`: adapters and
-    value head; None: all of `critic`)."""
-    adapters: tuple[int, ...] = ()
-    """LoRA adapter parameters per stage (empty without LoRA)."""
-    adapted: tuple[int, ...] = ()
-    """LoRA: elements of the adapted base weights per stage (the sync's merged copies)."""
-    largest_adapted: tuple[int, ...] = ()
-    """LoRA: elements of the largest adapted weight per stage."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    config_path: str | None
-    gpus: int
-    gpu_mem: float
-    nodes: int
-    device: str
-    cfg: RunConfig
-    topo: object | None
-    arch: object
-    stages: tuple[StagePlan, ...] = ()
-    problems: tuple[str, ...] = ()
-    """Why this config cannot run on this cluster at all, each prefixed by what it is about
-    ("layout: " errors; "LoRA: " adapters on layers that refuse them)."""
-    warnings: tuple[str, ...] = ()
-    advice: tuple[str, ...] = field(default=())
-
-    @property
-    def usable(self) -> float:
-        return HEADROOM * self.gpu_mem
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems and all(s.worst[1] <= self.usable for s in self.stages)
-
-    def describe(self) -> str:
-        """The text `megarl plan` prints (`megarl.plan.render`)."""
-        return describe(self)
 
 
 def plan(
@@ -236,7 +158,7 @@ def micro_batching(cfg: RunConfig, topo) -> tuple[int, int, int]:
 def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: float):
     """The rows of pipeline stage `r` (see the module docstring)."""
     p, prec, alg = cfg.parallel, cfg.precision, cfg.algorithm
-    e = fm.ELEM[prec.dtype]
+    e = BYTES[prec.dtype]
     rows: list[Row] = []
     total, experts = shape.params[r], shape.expert_params[r]
     dense = total - experts
@@ -422,12 +344,13 @@ def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
                 ("sync",),
             )
         )
-    if device == "gpu":  # allocated once by WeightSync; dense GPU parameters need no staging
+    # allocated once by the colocated sync; dense GPU parameters need no staging
+    if device == "gpu":
         rows.append(
             Row(
                 "weight-sync buffers",
                 2 * SYNC_BUCKET,
-                "send + receive buffers of one 256 MiB bucket (megarl.rollout.weight_sync)",
+                "send + receive buffers of one 256 MiB bucket (megarl.rollout.sync.colocated)",
             )
         )
     return rows
@@ -462,7 +385,7 @@ def _cluster_checks(cfg, gpus: int, nodes: int) -> tuple[list[str], list[str]]:
 
 def _lower_bound(cfg, arch, gpus: int, gpu_mem: float) -> list[str]:
     """What no layout of `gpus` GPUs can avoid: the model states spread over every GPU."""
-    n, e = num_params(arch), fm.ELEM[cfg.precision.dtype]
+    n, e = num_params(arch), BYTES[cfg.precision.dtype]
     per, _ = fm.optimizer_bytes_per_param(cfg.precision.dtype)
     trained = e + 4 + per  # weights, fp32 grads, Adam
     critic = ", critic" if cfg.algorithm.name == "ppo" else ""
@@ -550,7 +473,7 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
 def _smaller_vllm(cfg, arch, worst: StagePlan, result: Plan) -> str:
     """A lower `rollout.gpu_memory_utilization`, if vLLM can still hold its weights, one
     sequence of KV cache and its working memory."""
-    ro, e = cfg.rollout, fm.ELEM[cfg.precision.dtype]
+    ro, e = cfg.rollout, BYTES[cfg.precision.dtype]
     vllm = next(r for r in worst.rows if r.name == "vLLM (awake)").nbytes
     room = result.usable - (worst.peak("rollout") - vllm)
     seq = cfg.data.max_prompt_length + ro.max_tokens

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megarl.plan.formulas import PHASES, gib
+from megarl.plan.records import Plan, StagePlan
 from megarl.plan.timing import StageCosts, layouts, predict
-
-if TYPE_CHECKING:  # annotations only: memory imports this module to print its Plan
-    from megarl.plan.memory import Plan, StagePlan
 
 
 def describe(plan: Plan) -> str:

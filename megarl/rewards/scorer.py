@@ -89,7 +89,8 @@ class Scorer:
         `penalty`: add the reward model's weighted score / subtract the truncation penalty."""
         rc, idx = self.cfg, rollout.prompt_index
         columns = {k: [v[i] for i in idx] for k, v in prompts.columns.items()}
-        records = rollout.trajectories  # multi-turn: functions also get the conversation
+        # multi-turn: reward functions also get the conversation
+        records = rollout.turns.records if rollout.turns is not None else None
         if records is not None:
             columns["conversation"] = [r.messages for r in records]
         total, per_fn, errors = score(

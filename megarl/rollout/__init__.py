@@ -1,38 +1,60 @@
-"""Colocated rollout: a vLLM engine per trainer rank and the Megatron -> vLLM weight sync.
+"""The rollout: prompts in, samples out, the policy's weights in after every update.
 
-- `config`: `RolloutConfig` (the `rollout:` settings) and `RolloutConfigError`; `checks`: what is
-  checked before an engine starts (KV cache, free GPU memory, vLLM installed); `stop_tokens`:
-  the EOS ids a sample stops at.
-- `engine`: `Rollout`, `RolloutEngine` (generation from token ids, sleep / wake, weight loads);
-  `vllm_patches`: every patch of vLLM and reach into its internals.
-- `weight_sync`: `WeightSync` (plan once, bulk collectives each step), `naive_sync` (reference).
-- `plan`, `vllm_layout`, `moe_layout`: the resharding plan and vLLM's parameter layouts (fused
-  MoE experts included); `pieces`: the records they share (`Piece`, `PlanError`, ...).
-- `routes`: the experts vLLM routed each token to, for MoE routing replay.
-- `mismatch`: `logprob_mismatch`, the trainer-vs-sampler metric.
+Its parts, each a folder (`tests/test_architecture.py` keeps their import rules):
+- `engine`: vLLM in this process (start, generate, sleep / wake, its weights' write surface);
+- `sync`: Megatron -> engine weight transfer behind one interface (`WeightSender`);
+- `multi_turn`: trajectories with an environment, over a small generator protocol, and the
+  two schedulers; `agents`: the OpenAI-compatible endpoint and agent trajectories;
+- `placement`: where engines run; colocated and separate drive one `RolloutWorker`.
 
-Imports are lazy so that `import megarl.rollout` does not pull in vLLM.
+This module is the API the trainer uses: `RolloutComponent` (`api`), the `Samples` record,
+`RolloutConfig`, `build_rollout` / `resolve` (`build`), the sample metrics and the engine
+ranks' lifetime. The light names are imported now; the others (they import torch or vLLM) on
+first use, from `_LAZY`.
 """
 
 from __future__ import annotations
 
-_EXPORTS = {
-    "RolloutConfig": "megarl.rollout.config",
-    "Rollout": "megarl.rollout.engine",
-    "RolloutEngine": "megarl.rollout.engine",
-    "WeightSync": "megarl.rollout.weight_sync",
-    "naive_sync": "megarl.rollout.weight_sync",
-    "SyncError": "megarl.rollout.weight_sync",
-    "PlanError": "megarl.rollout.pieces",
-    "logprob_mismatch": "megarl.rollout.mismatch",
-}
+import importlib
 
-__all__ = sorted(_EXPORTS)
+from megarl.rollout.api import RolloutComponent
+from megarl.rollout.config import RolloutConfig, RolloutConfigError
+from megarl.rollout.samples import Samples, Turns, Versions
+from megarl.rollout.sync.stats import SyncError, SyncStats
+
+_LAZY = {
+    "build_rollout": "megarl.rollout.build",
+    "resolve": "megarl.rollout.build",
+    "check_kv_cache": "megarl.rollout.engine.checks",
+    "load_trajectories": "megarl.rollout.placement.worker",
+    "engine_ranks": "megarl.rollout.placement.separate",
+    "serve": "megarl.rollout.placement.engine_rank",
+    "logprob_mismatch": "megarl.rollout.metrics",
+    "trajectory_metrics": "megarl.rollout.metrics",
+}
+"""Name -> the module it is imported from on first use."""
+
+__all__ = [
+    "RolloutComponent",
+    "RolloutConfig",
+    "RolloutConfigError",
+    "Samples",
+    "SyncError",
+    "SyncStats",
+    "Turns",
+    "Versions",
+    "build_rollout",
+    "check_kv_cache",
+    "engine_ranks",
+    "load_trajectories",
+    "logprob_mismatch",
+    "resolve",
+    "serve",
+    "trajectory_metrics",
+]
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'megarl.rollout' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 `RolloutConfig` is the `rollout:` section; `RolloutConfigError` is raised for a setting that
 cannot work, naming the field and the accepted values. Checks that need the model or the device
 (the KV cache fits, the GPU has the memory vLLM asks for, vLLM is installed) are in
-`megarl.rollout.checks`; this module imports neither vLLM nor torch, so that `megarl.config`
+`megarl.rollout.engine.checks`; this module imports neither vLLM nor torch, so that `megarl.config`
 can import it at module level.
 """
 
@@ -35,7 +35,7 @@ class RolloutConfig:
     model's EOS ids (config.json / generation_config.json); [] = none: every sample runs to
     max_tokens."""
     seed: int = 0
-    """Base seed of the sampler (see `megarl.rollout.engine` for how calls derive theirs)."""
+    """Base seed of the sampler (see `megarl.rollout.engine.engine` for how calls derive theirs)."""
     tensor_parallel: int = 1
     """vLLM tensor-parallel size (GPU only; may differ from the trainer's TP). CPU: 1."""
     placement: str = "colocated"
@@ -68,7 +68,7 @@ class RolloutConfig:
     routing_replay: bool = False
     """MoE routing replay (R3): vLLM returns the experts it routed every prompt and response
     token to, and the trainer's forward passes (old logprobs, reference, update) use exactly
-    those (`megarl.rollout.routes`, `megarl.models.routing`). CPU: captured in-process, with
+    those (`megarl.rollout.engine.routes`, `megarl.models.routing`). CPU: captured in-process, with
     vLLM's prefix caching off."""
 
     def __post_init__(self):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.engine import Rollout
+from megarl.rollout import Samples
 
 
 def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
@@ -47,8 +47,8 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
 
 
 def balance_over_dp(
-    rollout: Rollout, rewards: torch.Tensor, group_ids: torch.Tensor, group
-) -> tuple[Rollout, torch.Tensor, torch.Tensor, dict]:
+    rollout: Samples, rewards: torch.Tensor, group_ids: torch.Tensor, group
+) -> tuple[Samples, torch.Tensor, torch.Tensor, dict]:
     """This rank's share of the step's samples after re-dealing them over `group` (the DP group)
     by tokens. `rewards`: [b] or [b, k] (e.g. the total beside each reward function's value).
     Returns (rollout, rewards [b] or [b, k], group_ids [b], metrics): `rollout.prompt_index` is
@@ -61,7 +61,7 @@ def balance_over_dp(
     dist.all_gather_object(gathered, piece, group=group)
     if any(len(g[0]) != n for g in gathered):
         raise RuntimeError(f"balance_over_dp: ranks hold {[len(g[0]) for g in gathered]} samples")
-    every = Rollout.concat([g[0] for g in gathered])
+    every = Samples.concat([g[0] for g in gathered])
     every_rewards = [r for g in gathered for r in g[1]]
     every_ids = [i for g in gathered for i in g[2]]
     lengths = [len(p) + len(r) for p, r in zip(every.prompt_ids, every.response_ids, strict=True)]

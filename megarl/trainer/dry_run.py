@@ -38,7 +38,7 @@ from megarl.models.hf_config import (
     transformer_config,
 )
 from megarl.models.lora import LoraConfig, apply_lora, check_lora, te_refusal
-from megarl.rollout.checks import check_kv_cache
+from megarl.rollout import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
 
 # parameter names -> the part of the model they belong to (GPTModel's attribute names)

@@ -62,13 +62,11 @@ def evaluate_model(cfg: RunConfig, out_dir: str) -> dict:
     """One evaluation of `cfg.model` on the held-out prompts (module docstring); returns the
     figures on global rank 0 (with `step`). Collective."""
     require_held_out(cfg)
-    run = recipe.build_run(cfg, out_dir, EvalStage(cfg.algorithm))
-    step = checkpoint_step(run.cfg)
-    run.logger.truncate_after(step - 1)  # an evaluation written here before is replaced
-    metrics, rows = run.evaluator.evaluate(step)
-    run.logger.log_samples(step, rows, file=EVAL_SAMPLES_FILE)
-    run.logger.log(step, metrics)
-    run.close()
-    run.rollout.close()
+    with recipe.build_run(cfg, out_dir, EvalStage(cfg.algorithm)) as run:
+        step = checkpoint_step(run.cfg)
+        run.logger.truncate_after(step - 1)  # an evaluation written here before is replaced
+        metrics, rows = run.evaluator.evaluate(step)
+        run.logger.log_samples(step, rows, file=EVAL_SAMPLES_FILE)
+        run.logger.log(step, metrics)
     dist.barrier()
     return {"step": step, **metrics}

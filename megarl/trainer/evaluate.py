@@ -46,15 +46,13 @@ from megarl.distributed.topology import Groups
 from megarl.metrics.reduce import LocalMetrics
 from megarl.metrics.sinks import EVAL_SAMPLES_FILE
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.multi_turn import trajectory_metrics
-from megarl.rollout.trajectory import completion_texts, record_fields
+from megarl.rollout import RolloutComponent, trajectory_metrics
 from megarl.trainer.samples import gather_rows
 from megarl.trainer.seeds import eval_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from megarl.rollout.colocated import RolloutComponent
 
 log = logging.getLogger("megarl")
 
@@ -131,7 +129,7 @@ class Evaluator:
         local = LocalMetrics()
         rows = []
         if len(rollout):
-            texts = completion_texts(rollout, self.tokenizer)
+            texts = rollout.completions(self.tokenizer)
             prompts = self.prompts.batch(list(mine))
             scores = self.scorer.score(
                 prompts,
@@ -200,7 +198,7 @@ class Evaluator:
                     "passed": bool(passed[j]),
                     "length": len(rollout.response_ids[j]),
                     "finish_reason": rollout.finish_reason[j],
-                    **record_fields(rollout.trajectories and rollout.trajectories[j]),
+                    **rollout.conversation(j),
                 }
             )
         return rows

@@ -26,15 +26,14 @@ from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
 from megarl.data.dataset import PromptBatch
 from megarl.distributed import device
+from megarl.distributed.placement import Job
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics, from_last_stage
 from megarl.metrics.sinks import SAMPLES_FILE
 from megarl.metrics.throughput import flops_per_token, precision_mfu
 from megarl.metrics.timer import StageTimer
 from megarl.models.routing import moe_metrics
-from megarl.rollout.multi_turn import trajectory_metrics
-from megarl.rollout.staleness import staleness_metrics
-from megarl.rollout.trajectory import completion_texts
+from megarl.rollout import SyncStats, logprob_mismatch
 from megarl.trainer import recipe
 from megarl.trainer.balance import balance_over_dp
 from megarl.trainer.evaluate import evaluate
@@ -57,64 +56,64 @@ from megarl.trainer.update import recompute_old_logprobs, train_policy, train_va
 log = logging.getLogger("megarl")
 
 
-def train(cfg: RunConfig, out_dir: str) -> Run:
+def train(cfg: RunConfig, out_dir: str, job: Job | None = None) -> Run:
     guard = RunGuard.start(cfg.trainer, out_dir)  # stop requests, timed saves, hang watchdog
-    run = recipe.build_run(cfg, out_dir, RLStage(cfg.algorithm))
-    timer = StageTimer()
-    if run.step == 0 and (baseline := evaluate(run)):  # the policy before any update
-        run.logger.log(0, baseline)
-    bar = StepProgress(
-        cfg.trainer.steps, rank=dist.get_rank(), initial=run.step, progress=cfg.logging.progress
-    )
-    while run.step < cfg.trainer.steps:
-        guard.begin_step(run, timer)
-        t0 = time.perf_counter()
-        with timer("rollout"):
-            prompts, rollout = generate(run)
-        with timer("reward"):
-            scored = score(run, prompts, rollout)
-        if cfg.algorithm.balance_dp_tokens and run.groups.dp_size > 1:
-            with timer("balance"):
-                rollout, scored = balance(run, rollout, scored)
-        batch = build_batch(
-            rollout.prompt_ids,
-            rollout.response_ids,
-            rollout.response_logprobs,
-            pad_id=run.pad_id,
-            pad_to=run.pad_to,
-            routed_experts=rollout.routed_experts,  # MoE routing replay; None otherwise
-            response_mask=rollout.response_mask,  # multi-turn: environment tokens are not trained
+    with recipe.build_run(cfg, out_dir, RLStage(cfg.algorithm), job) as run:
+        timer = StageTimer()
+        if run.step == 0 and (baseline := evaluate(run)):  # the policy before any update
+            run.logger.log(0, baseline)
+        bar = StepProgress(
+            cfg.trainer.steps, rank=dist.get_rank(), initial=run.step, progress=cfg.logging.progress
         )
-        with timer("logprobs"):
-            forward_passes(run, batch)
-        with timer("advantage"):
-            advantages(run, batch, scored)
-        with timer("train"):
-            train_metrics = update(run, batch)
-        with timer("sync"):
-            synced = run.rollout.sync_weights()
-        run.step += 1
-        times = {**timer.step_times(), **sync_times(synced)}
-        metrics = collect_metrics(
-            run, rollout, batch, scored, train_metrics, times, time.perf_counter() - t0
-        )
-        timer.reset()
-        metrics.update(evaluate(run))  # every eval.every steps and after the last
-        samples = step_samples(run, rollout, scored, batch)
-        run.logger.log_samples(run.step, samples, file=SAMPLES_FILE)
-        run.logger.log(run.step, metrics)
-        bar.update(run.step, metrics, samples if cfg.logging.show_samples else ())
-        stop_if_diverged(run, metrics)  # before the checkpoint: none from a diverged state
-        guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
-    bar.close()
-    finish(run)
+        while run.step < cfg.trainer.steps:
+            guard.begin_step(run, timer)
+            t0 = time.perf_counter()
+            with timer("rollout"):
+                prompts, rollout = generate(run)
+            with timer("reward"):
+                scored = score(run, prompts, rollout)
+            if cfg.algorithm.balance_dp_tokens and run.groups.dp_size > 1:
+                with timer("balance"):
+                    rollout, scored = balance(run, rollout, scored)
+            batch = build_batch(
+                rollout.prompt_ids,
+                rollout.response_ids,
+                rollout.response_logprobs,
+                pad_id=run.pad_id,
+                pad_to=run.pad_to,
+                routed_experts=rollout.routed_experts,  # MoE routing replay; None otherwise
+                response_mask=rollout.response_mask,  # multi-turn: the environment's tokens
+            )
+            with timer("logprobs"):
+                forward_passes(run, batch)
+            with timer("advantage"):
+                advantages(run, batch, scored)
+            with timer("train"):
+                train_metrics = update(run, batch)
+            with timer("sync"):
+                synced = run.rollout.sync_weights()
+            run.step += 1
+            times = {**timer.step_times(), **sync_times(synced)}
+            metrics = collect_metrics(
+                run, rollout, batch, scored, train_metrics, times, time.perf_counter() - t0
+            )
+            timer.reset()
+            metrics.update(evaluate(run))  # every eval.every steps and after the last
+            samples = step_samples(run, rollout, scored, batch)
+            run.logger.log_samples(run.step, samples, file=SAMPLES_FILE)
+            run.logger.log(run.step, metrics)
+            bar.update(run.step, metrics, samples if cfg.logging.show_samples else ())
+            stop_if_diverged(run, metrics)  # before the checkpoint: none from a diverged state
+            guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
+        bar.close()
+        finish(run)
     return run
 
 
 # ---------------------------------------------------------------------- the named steps
 def generate(run: Run):
     """This DP rank's prompts and their samples (each prompt generated once, by the engines of
-    its model-parallel group: `megarl.rollout.dispatch`); then the engine sleeps (GPU: frees its
+    its model-parallel group); then the engine sleeps (GPU: frees its
     weights and KV cache for the trainer) until the next weight sync wakes it. With
     `algorithm.max_staleness` k > 0 the rollout also learns the next k steps' requests, which
     it may start generating now."""
@@ -154,7 +153,7 @@ def score(run: Run, prompts, rollout) -> Scored:
     samples it applies to (None = not applicable) as metrics, the reward model's as `reward/rm`;
     each function's value per sample ({name: [B]}, NaN where it does not apply, the reward
     model's raw score as "rm": `samples.jsonl`); and each sample's global prompt id."""
-    scores = run.scorer.score(prompts, rollout, completion_texts(rollout, run.tokenizer))
+    scores = run.scorer.score(prompts, rollout, rollout.completions(run.tokenizer))
     group_ids = torch.tensor([prompts.indices[i] for i in rollout.prompt_index])
     return Scored(
         rewards=scores.total,
@@ -289,16 +288,13 @@ def collect_metrics(
     local.add_ratio("response_len", batch.response_len.sum(), len(r))
     local.add_sum("tokens", batch.seq_len.sum())
     local.update(scored.metrics)
-    local.update(trajectory_metrics(rollout))  # multi-turn: turns, tool calls, env errors, ...
-    local.update(staleness_metrics(rollout, run.cfg.algorithm.max_staleness))
+    local.update(run.rollout.metrics(rollout))  # trajectories (turns, tool calls, ...), staleness
     local.update(train_metrics)
     # router load balance, aux loss (MoE only)
     local.update(moe_metrics(run.models.actor.chunks, run.arch))
     if g.is_last_stage:
         old, valid = batch.old_logprobs, mask.bool()
-        diff = (old.double() - batch.sampler_logprobs.double()).abs()[valid]
-        local.add_ratio("logprob_mismatch", diff.sum(), diff.numel())
-        local.add_max("logprob_mismatch_max", diff.max() if diff.numel() else 0.0)
+        local.update(logprob_mismatch(old, batch.sampler_logprobs, mask))
         kl = 0.0
         if batch.ref_logprobs is not None:
             kl = kl_penalty(old, batch.ref_logprobs, "k3")[valid].double().sum()
@@ -317,22 +313,10 @@ def collect_metrics(
     return out
 
 
-def sync_times(stats: dict) -> dict:
+def sync_times(stats: SyncStats) -> dict:
     """`time_s.sync_detail`, this rank's figures of the weight sync (part of `time_s.sync`, so
-    not a stage of its own): `transfer` (colocated: the exchange between trainer ranks;
-    separate: the broadcast after the last bucket is packed) and, separate only, `gather` (the
-    tensors made whole on trainer rank 0, one at a time, from its stage's other ranks' pieces),
-    `checksum` (packing the buckets in the engine dtype, and the sender's checksums) and
-    `floor`: a raw broadcast of the same bytes, timed once at start-up."""
-    keys = {
-        "exchange_seconds": "transfer",
-        "broadcast_seconds": "transfer",
-        "gather_seconds": "gather",
-        "checksum_seconds": "checksum",
-        "verify_seconds": "checksum",  # LoRA adapter-only: the engine's adapters read back
-        "floor_seconds": "floor",
-    }
-    detail = {name: stats[k] for k, name in keys.items() if stats.get(k) is not None}
+    not a stage of its own; `SyncStats.time_detail`)."""
+    detail = stats.time_detail()
     return {"sync_detail": detail} if detail else {}
 
 

@@ -32,10 +32,10 @@ import uuid
 
 import torch.distributed as dist
 
+from megarl.checkpoint.files import copy_tokenizer_files
 from megarl.checkpoint.reader import TRAINER, open_checkpoint
 from megarl.config import ConfigError, RunConfig
 from megarl.convert.gguf import cache_root, cached_hf_dir, gguf_hf_config
-from megarl.convert.hf_io import copy_tokenizer_files
 from megarl.errors import UserError
 from megarl.models.hf_config import ModelArch, arch_from_hf
 

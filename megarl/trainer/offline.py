@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megarl.config import RunConfig
 from megarl.data.batch import pad_share, split_micro_batches
+from megarl.distributed.placement import Job
 from megarl.metrics.progress import StepProgress
 from megarl.metrics.reduce import LocalMetrics, from_last_stage
 from megarl.metrics.timer import StageTimer
@@ -42,40 +43,40 @@ from megarl.trainer.update import optimizer_step, step_metrics
 log = logging.getLogger("megarl")
 
 
-def train(cfg: RunConfig, out_dir: str) -> Run:
+def train(cfg: RunConfig, out_dir: str, job: Job | None = None) -> Run:
     stage = get_stage(cfg.algorithm)
     guard = RunGuard.start(cfg.trainer, out_dir)  # stop requests, timed saves, hang watchdog
-    run = recipe.build_run(cfg, out_dir, stage)
-    cfg = run.cfg  # trainer.steps resolved from trainer.epochs
-    guard.trainer = cfg.trainer  # the same rules, with the resolved number of steps
-    timer = StageTimer()
-    bar = StepProgress(
-        cfg.trainer.steps, rank=dist.get_rank(), initial=run.step, progress=cfg.logging.progress
-    )
-    if run.step == 0 and _eval_due(run):
-        run.logger.log(0, evaluate(run, stage))  # before any update
-    while run.step < cfg.trainer.steps:
-        guard.begin_step(run, timer)
-        t0 = time.perf_counter()
-        with timer("data"):
-            batch = next_batch(run)
-        with timer("reference"):
-            stage.prepare(run, batch)
-        with timer("train"):
-            train_metrics = update(run, stage, batch)
-        run.step += 1
-        metrics = collect_metrics(run, stage, batch, train_metrics)
-        metrics["time_s"] = {**timer.step_times(), "step": time.perf_counter() - t0}
-        metrics["tokens_per_s"] = metrics.pop("tokens") / metrics["time_s"]["step"]
-        timer.reset()
-        if _eval_due(run):
-            metrics.update(evaluate(run, stage))
-        run.logger.log(run.step, metrics)
-        bar.update(run.step, metrics)
-        stop_if_diverged(run, metrics)  # before the checkpoint: none from a diverged state
-        guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
-    bar.close()
-    finish(run, role=stage.role)
+    with recipe.build_run(cfg, out_dir, stage, job) as run:
+        cfg = run.cfg  # trainer.steps resolved from trainer.epochs
+        guard.trainer = cfg.trainer  # the same rules, with the resolved number of steps
+        timer = StageTimer()
+        bar = StepProgress(
+            cfg.trainer.steps, rank=dist.get_rank(), initial=run.step, progress=cfg.logging.progress
+        )
+        if run.step == 0 and _eval_due(run):
+            run.logger.log(0, evaluate(run, stage))  # before any update
+        while run.step < cfg.trainer.steps:
+            guard.begin_step(run, timer)
+            t0 = time.perf_counter()
+            with timer("data"):
+                batch = next_batch(run)
+            with timer("reference"):
+                stage.prepare(run, batch)
+            with timer("train"):
+                train_metrics = update(run, stage, batch)
+            run.step += 1
+            metrics = collect_metrics(run, stage, batch, train_metrics)
+            metrics["time_s"] = {**timer.step_times(), "step": time.perf_counter() - t0}
+            metrics["tokens_per_s"] = metrics.pop("tokens") / metrics["time_s"]["step"]
+            timer.reset()
+            if _eval_due(run):
+                metrics.update(evaluate(run, stage))
+            run.logger.log(run.step, metrics)
+            bar.update(run.step, metrics)
+            stop_if_diverged(run, metrics)  # before the checkpoint: none from a diverged state
+            guard.end_step(run)  # checkpoint when due; RunStopped after it on a stop request
+        bar.close()
+        finish(run, role=stage.role)
     return run
 
 

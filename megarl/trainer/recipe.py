@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from megarl import rollout as rollout_api
 from megarl.checkpoint import vetting
 from megarl.checkpoint.files import CheckpointError
 from megarl.checkpoint.vetting import check_dcp_metadata
@@ -39,18 +40,12 @@ from megarl.data.sampler import PromptSampler
 from megarl.data.tokenizer import load_tokenizer as load_tokenizer_dir
 from megarl.data.toy import toy_tokenizer
 from megarl.distributed import Topology, device
-from megarl.distributed.placement import placement
+from megarl.distributed.placement import Job, JobPlacement
 from megarl.distributed.process_group import init_distributed
 from megarl.distributed.topology import Groups, TopologyError
 from megarl.metrics.sinks import MetricsLogger, set_aside_previous_run, wandb_mode
 from megarl.models.hf_config import ModelArch
 from megarl.rewards.scorer import Scorer, load_functions
-from megarl.rollout.checks import check_kv_cache, require_vllm
-from megarl.rollout.colocated import ColocatedRollout
-from megarl.rollout.multi_turn import MultiTurnRollout, load_multi_turn
-from megarl.rollout.routes import check_routing_replay
-from megarl.rollout.separate import SeparateRollout
-from megarl.rollout.stop_tokens import resolve_stop_tokens
 from megarl.trainer.evaluate import Evaluator
 from megarl.trainer.faults import collective_timeout
 from megarl.trainer.model_source import keep_tokenizer, load_arch, resolve_model
@@ -61,9 +56,12 @@ from megarl.trainer.stages import Stage
 log = logging.getLogger("megarl")
 
 
-def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
-    """The run of `stage` from `cfg`, writing into `out_dir` (module docstring). Collective."""
-    rank, world = init_distributed()
+def build_run(cfg: RunConfig, out_dir: str, stage: Stage, job: Job | None = None) -> Run:
+    """The run of `stage` from `cfg`, writing into `out_dir` (module docstring); `job`: where
+    this process is in the job (None: the default process group's world as it is, every rank
+    training). The caller owns the run (`with build_run(...) as run:`). Collective."""
+    job = job or init_distributed()
+    rank, world = job.placement.rank, job.placement.world
     check_paths(cfg)
     user_model = cfg.model  # config.yaml keeps what the user wrote (e.g. the GGUF file)
     cfg = resolve_model(cfg, stage.sources)
@@ -81,9 +79,9 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
     if stage.engine:
         cfg = resolve_rollout(cfg, arch, tokenizer, device.use_gpu())
     functions = load_functions(cfg.reward) if stage.engine else []
-    multi_turn = None
+    trajectories = None  # loaded (one environment built) before any model, so it fails early
     if stage.engine and cfg.env.multi_turn:
-        multi_turn = load_multi_turn(cfg.env, tokenizer)
+        trajectories = rollout_api.load_trajectories(cfg.env, tokenizer)
     check_model_files(cfg, source_arch)
     resume = None
     if stage.trains:
@@ -92,7 +90,8 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
             set_aside_previous_run(out_dir)
     # a trained run keeps what the user wrote (a rerun continues it); an evaluation records the
     # checkpoint it evaluated
-    write_config(dataclasses.replace(cfg, model=user_model) if stage.trains else cfg, out_dir)
+    job_cfg = dataclasses.replace(cfg, model=user_model) if stage.trains else cfg
+    write_config(job_cfg, out_dir, job.placement)
     models = stage.build_models(cfg, arch, source_arch, sources, gpu=device.use_gpu())
     run = Run(
         cfg=cfg,
@@ -107,33 +106,21 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage) -> Run:
         resume=resume,
     )
     if stage.engine:
-        if placement().separate:  # engines on ranks of their own, waiting in `serve`
-            run.rollout = SeparateRollout.connect(
-                cfg.rollout,
-                arch,
-                models.policy(),
-                groups,
-                cfg.precision.dtype,
-                max_staleness=cfg.algorithm.max_staleness,
-                lora=cfg.model.lora if models.actor is not None else None,
-                env=cfg.env if multi_turn is not None else None,  # run on the engine ranks
-                tokenizer=tokenizer,
-                system_prompt=cfg.data.system_prompt,
-            )
-        else:
-            run.rollout = ColocatedRollout.build(
-                cfg.rollout,
-                arch,
-                models.policy(),
-                groups,
-                out_dir,
-                cfg.precision.dtype,
-                lora=cfg.model.lora if models.actor is not None else None,
-            )
-            if multi_turn is not None:  # trajectories with an environment, on the same engines
-                run.rollout = MultiTurnRollout(
-                    run.rollout, multi_turn, tokenizer, cfg.data.system_prompt
-                )
+        run.rollout = rollout_api.build_rollout(
+            cfg.rollout,
+            job,
+            arch=arch,
+            policy=models.policy(),
+            groups=groups,
+            dtype=cfg.precision.dtype,
+            out_dir=out_dir,
+            max_staleness=cfg.algorithm.max_staleness,
+            lora=cfg.model.lora if models.actor is not None else None,
+            env=cfg.env,
+            trajectories=trajectories,
+            tokenizer=tokenizer,
+            system_prompt=cfg.data.system_prompt,
+        )
         reward_model = build_reward_model(cfg, models, sources, rm_tokenizer, groups, run.pad_to)
         run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer)
         if data.held_out is not None:
@@ -204,13 +191,12 @@ def build_topology(
     return topo, topo.initialize(seed=cfg.model.init_seed, timeout=collective_timeout(cfg.trainer))
 
 
-def write_config(cfg: RunConfig, out_dir: str) -> None:
+def write_config(cfg: RunConfig, out_dir: str, where: JobPlacement) -> None:
     """The resolved config as `out_dir/config.yaml`, and the job it runs in as `job.yaml`
     (rank 0): the ranks of each role, the torch threads per rank and the device, which
     `megarl plan --stage-costs RUN` needs to scale the run's stage times."""
     if dist.get_rank() == 0:
         _write_yaml(os.path.join(out_dir, "config.yaml"), to_dict(cfg))
-        where = placement()
         job = {
             "ranks": where.job_world,
             "trainer_ranks": where.world,
@@ -367,14 +353,9 @@ def _check_resumable(
 
 
 def resolve_rollout(cfg: RunConfig, arch: ModelArch, tokenizer, gpu: bool) -> RunConfig:
-    """`cfg` with the rollout's stop tokens resolved (None = the model's EOS ids), after
-    checking that vLLM is importable and that its KV cache can hold one whole sequence."""
+    """`cfg` with the rollout's settings resolved and checked (`megarl.rollout.resolve`)."""
     dirs = [d for d in (cfg.model.hf, cfg.model.tokenizer, cfg.model.mcore_ckpt) if d]
-    stop = resolve_stop_tokens(cfg.rollout.stop_token_ids, tokenizer, arch.hf_config, dirs)
-    if cfg.rollout.stop_token_ids is None:
-        log.info("rollout.stop_token_ids: %s (the model's EOS ids)", list(stop) or "none found")
-    rollout = dataclasses.replace(cfg.rollout, stop_token_ids=stop)
-    check_kv_cache(arch, rollout, dtype=cfg.precision.dtype, gpu=gpu)
-    check_routing_replay(arch, rollout)
-    require_vllm()
+    rollout = rollout_api.resolve(
+        cfg.rollout, arch, tokenizer, dtype=cfg.precision.dtype, gpu=gpu, model_dirs=dirs
+    )
     return dataclasses.replace(cfg, rollout=rollout)

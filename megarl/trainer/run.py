@@ -1,8 +1,9 @@
 """The parts of one run, built once by `megarl.trainer.recipe.build_run`: topology and process
-groups, models by role (`Models`), the rollout (a `megarl.rollout.colocated.RolloutComponent`:
-the engines and their weight sync), data (`Data`), the scorer, the evaluator, logging; and the
-run's own state (step, checkpoints, resume). The loops read these parts; only their own methods
-change them.
+groups, models by role (`Models`), the rollout (a `megarl.rollout.RolloutComponent`: the engines
+and their weight sync), data (`Data`), the scorer, the evaluator, logging; and the run's own
+state (step, checkpoints, resume). The loops read these parts; only their own methods change
+them. Whoever builds a run owns it: `with build_run(...) as run:` closes its rollout and its
+logs however the block ends.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megarl.errors import ConfigError
 from megarl.models import lora
 from megarl.models.forward import sequence_multiple
 from megarl.models.hf_config import ModelArch
+from megarl.rollout import RolloutComponent
 from megarl.trainer.models import Models
 
 if TYPE_CHECKING:
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
     from megarl.data.sampler import PromptSampler
     from megarl.metrics.sinks import MetricsLogger
     from megarl.rewards.scorer import Scorer
-    from megarl.rollout.colocated import RolloutComponent
     from megarl.trainer.evaluate import Evaluator
 
 log = logging.getLogger("megarl")
@@ -153,7 +154,17 @@ class Run:
         return MicroBatching.of(self.cfg.algorithm, pad_to=self.pad_to)
 
     def close(self) -> None:
+        """Shut the rollout's engines down and close the logs (a second call does nothing)."""
+        rollout, self.rollout = self.rollout, None
+        if rollout is not None:
+            rollout.close()
         self.logger.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def fingerprint_key(role: str) -> str:

@@ -18,7 +18,7 @@ prompt column's value), completion (decoded, special tokens skipped), rewards {f
 reward (weighted total), advantage (mean over the response tokens: GRPO's per-sample value, PPO's
 mean GAE), length (response tokens) and finish_reason (stop / length; multi-turn also max_turns /
 env_error). A multi-turn sample's completion is its last assistant turn, and its row also holds
-the whole conversation, the turns' rewards and the environment's (`record_fields`).
+the whole conversation, the turns' rewards and the environment's (`Samples.conversation`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import math
 
 import torch.distributed as dist
 
-from megarl.rollout.trajectory import completion_texts, record_fields
 from megarl.trainer.experience import Scored, StepBatch
 
 
@@ -104,7 +103,7 @@ def step_samples(run, rollout, scored: Scored, batch: StepBatch) -> list:
         adv = (batch.advantages[chosen].double() * mask).sum(1) / mask.sum(1).clamp(min=1)
         prompts = run.data.dataset.batch([ids[i] for i in chosen])
         responses = [rollout.response_ids[i] for i in chosen]
-        texts = completion_texts(rollout.take(chosen), run.tokenizer)
+        texts = rollout.take(chosen).completions(run.tokenizer)
         rows = []
         for j, i in enumerate(chosen):
             rows.append(
@@ -118,7 +117,7 @@ def step_samples(run, rollout, scored: Scored, batch: StepBatch) -> list:
                     "advantage": float(adv[j]),
                     "length": len(responses[j]),
                     "finish_reason": rollout.finish_reason[i],
-                    **record_fields(rollout.trajectories and rollout.trajectories[i]),
+                    **rollout.conversation(i),
                 }
             )
     return pick(gather_rows(rows), m)

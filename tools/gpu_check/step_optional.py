@@ -64,7 +64,7 @@ def _generated(fig, out) -> None:
 
 def engine(fig, st) -> None:
     from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.engine import RolloutEngine
+    from megarl.rollout.engine.engine import RolloutEngine
 
     a = common.arch("tiny")
     if st.groups is None:

@@ -8,8 +8,8 @@ applies to live modules, and the vLLM parameters are plain device tensors (NaN-f
 weights).
 - plan: a megatron model (the frozen-reference builder, bf16, local spec) of a 7B Llama shape
   with grouped-query attention (Mistral-7B: 32 heads, 8 KV heads), `check_coverage`, the sources
-  published the way `WeightSync.__init__` does (`weight_sync._sources`, one `RankMeta`),
-  `plan.build_plan`, `TensorTarget` over the vLLM tensors, `Reshard`.
+  published the way `ColocatedWeights.__init__` does (`sync.colocated.trainer_sources`, one
+  `RankMeta`), `plan.build_plan`, `TensorTarget` over the vLLM tensors, `Reshard`.
 - writer: `Reshard.exchange()` fills the vLLM tensors in place; they must equal, BITWISE, a naive
   reference built independently: canonical tensors -> `mapping.canonical_to_hf` -> vLLM's fusion
   rule written out by hand (qkv = [q; k; v], gate_up = [gate; up], real vocab rows at the top).
@@ -30,8 +30,8 @@ VLLM_VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 def vllm_description(a, dtype: str):
     """What `describe_model` publishes for a vLLM TP=1 Llama of arch `a` (untied or tied)."""
-    from megarl.rollout.pieces import VllmDescription, VllmParam
-    from megarl.rollout.vllm_layout import pieces_for_module
+    from megarl.rollout.engine.pieces import VllmDescription, VllmParam
+    from megarl.rollout.engine.vllm_layout import pieces_for_module
 
     h, hd = a.hidden_size, a.head_dim
     q, ffn, kv = a.num_attention_heads * hd, a.intermediate_size, a.num_key_value_heads
@@ -131,9 +131,10 @@ def plan(fig, st) -> None:
     import torch.distributed as dist
 
     from megarl.convert.mapping import hf_shapes_for
-    from megarl.rollout.plan import RankMeta, build_plan
-    from megarl.rollout.vllm_layout import check_coverage
-    from megarl.rollout.weight_sync import Reshard, TensorTarget, _sources
+    from megarl.rollout.engine.vllm_layout import check_coverage
+    from megarl.rollout.sync.colocated import trainer_sources
+    from megarl.rollout.sync.plan import RankMeta, build_plan
+    from megarl.rollout.sync.reshard import Reshard, TensorTarget
 
     st.par, st.groups = common.init_megatron(st.a)
     t0 = time.perf_counter()
@@ -144,7 +145,7 @@ def plan(fig, st) -> None:
     st.desc = vllm_description(st.a, str(st.torch_dtype).removeprefix("torch."))
     check_coverage(st.desc, hf_shapes_for(st.a), tied=st.a.tie_word_embeddings)
     t0 = time.perf_counter()
-    sources, params = _sources(st.chunks)
+    sources, params = trainer_sources(st.chunks)
     g = st.groups
     cp_rank = dist.get_rank(g.cp) if g.cp is not None else 0
     meta = RankMeta(

