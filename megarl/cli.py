@@ -289,8 +289,8 @@ def _train(args: argparse.Namespace) -> int:
 
     job = init_distributed(
         faults.collective_timeout(cfg.trainer),
-        placement=cfg.rollout.placement,
-        engines=cfg.rollout.ranks,
+        placement=cfg.rollout.placement.mode,
+        engines=cfg.rollout.placement.ranks,
     )
     with job:
         if job.placement.role == "rollout":  # an engine rank: serves trainer rank 0 until stop

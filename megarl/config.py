@@ -9,6 +9,7 @@ live next to the code they configure (`ParallelConfig` in `megarl.distributed`, 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import types
 import typing
@@ -27,7 +28,15 @@ from megarl.models.hf_config import PrecisionConfig
 from megarl.models.lora import LoraConfig
 from megarl.models.optim import OptimConfig
 from megarl.rewards.config import RewardConfig
-from megarl.rollout import RolloutConfig
+from megarl.rollout import (
+    RolloutConfig,
+    RolloutConfigError,
+    check_rollout_with,
+    migrate_keys,
+    new_key,
+)
+
+log = logging.getLogger("megarl")
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.yaml")
 
@@ -142,9 +151,9 @@ class EvalConfig:
     """Samples per prompt (pass@k for k <= n)."""
     temperature: float = 0.0
     """Sampling temperature of evaluation in [0, 2]; 0 = greedy. Above 0 it samples with
-    rollout.top_p and rollout.top_k."""
+    rollout.sampling.top_p and top_k."""
     max_tokens: int | None = None
-    """Longest evaluation response; null = rollout.max_tokens."""
+    """Longest evaluation response; null = rollout.sampling.max_tokens."""
     pass_reward: str | None = None
     """The reward function that decides a pass (an entry of reward.functions, as written
     there); null = the first one."""
@@ -259,7 +268,7 @@ class RunConfig:
     critic_optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's optimizer and schedule (PPO only)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """The colocated vLLM engine: sampling, stop tokens, its memory and parallelism."""
+    """Generation: what samples are drawn with, the vLLM engines and where they run."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn trajectories: the environment (or agent), turns, token budget, tool calls."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -322,58 +331,10 @@ class RunConfig:
                 f"env.name / env.agent with algorithm.name={self.algorithm.name}: multi-turn "
                 "trajectories are RL rollouts; accepted: grpo or ppo (or env.name: null)"
             )
-        if self.env.multi_turn and self.rollout.routing_replay:
-            raise ConfigError(
-                "rollout.routing_replay with a multi-turn env: routes are captured per single-"
-                "turn call; accepted: rollout.routing_replay=false with env.name / env.agent"
-            )
-        if (
-            self.env.multi_turn
-            and self.env.scheduler == "stream"
-            and self.rollout.tensor_parallel > 1
-        ):
-            raise ConfigError(
-                f"env.scheduler=stream with rollout.tensor_parallel="
-                f"{self.rollout.tensor_parallel}: "
-                "the ranks of a vLLM instance would have to step its scheduler in lockstep; "
-                "accepted: env.scheduler=waves, or rollout.tensor_parallel=1"
-            )
-        if self.rollout.inflight_updates and (
-            self.rollout.placement != "separate" or self.algorithm.max_staleness == 0
-        ):
-            raise ConfigError(
-                f"rollout.inflight_updates with rollout.placement={self.rollout.placement} and "
-                f"algorithm.max_staleness={self.algorithm.max_staleness}: weights change during "
-                "generation only when separate engines generate ahead of training; accepted: "
-                "rollout.placement=separate with algorithm.max_staleness >= 1, or "
-                "rollout.inflight_updates=false"
-            )
-        if self.rollout.placement == "separate":
-            self._check_separate(rl)
-        elif self.algorithm.max_staleness > 0:
-            raise ConfigError(
-                f"algorithm.max_staleness={self.algorithm.max_staleness} with rollout.placement="
-                f"{self.rollout.placement}: colocated engines share the trainer's devices, so "
-                "generation cannot run ahead of training; accepted: rollout.placement=separate, "
-                "or algorithm.max_staleness=0"
-            )
-
-    def _check_separate(self, rl: bool) -> None:
-        """What `rollout.placement=separate` does not do yet, refused before anything starts."""
-        refused = [
-            (not rl, f"algorithm.name={self.algorithm.name} builds no rollout"),
-            (self.rollout.routing_replay, "routing replay is captured in the trainer's process"),
-            (
-                self.rollout.tensor_parallel > 1,
-                f"rollout.tensor_parallel={self.rollout.tensor_parallel}: each engine rank runs "
-                "one vLLM TP=1 engine",
-            ),
-        ]
-        for bad, why in refused:
-            if bad:
-                raise ConfigError(
-                    f"rollout.placement=separate: {why}; accepted: rollout.placement=colocated"
-                )
+        try:
+            check_rollout_with(self.rollout, self.env, rl=rl, algorithm=self.algorithm.name)
+        except RolloutConfigError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -496,6 +457,21 @@ def _reward_model_alone(tree: dict, overrides) -> None:
             reward.pop("weights", None)
 
 
+def _new_override(override: str, moved: list) -> str:
+    """`override` with its key of an earlier release replaced by the new one (recorded in
+    `moved`)."""
+    key, sep, raw = override.partition("=")
+    try:
+        value = yaml.safe_load(raw) if sep else None
+    except yaml.YAMLError:
+        value = None  # (apply_override names the problem)
+    new = new_key(key.strip(), value) if sep else None
+    if new is None:
+        return override
+    moved.append((key.strip(), new))
+    return f"{new}={raw}"
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """One line: what is wrong and where (YAML's own message spans several lines)."""
     mark = getattr(e, "problem_mark", None)
@@ -519,10 +495,17 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             f"{src}: expected a mapping of sections (model:, rollout:, ...), got "
             f"{type(tree).__name__}"
         )
+    moved = migrate_keys(tree)
+    overrides = [_new_override(o, moved) for o in overrides]
     for o in overrides:
         apply_override(tree, o)
     if path is None:
         _reward_model_alone(tree, overrides)
+    if moved and os.environ.get("RANK", "0") == "0":  # (once, not from every rank)
+        for old, new in dict.fromkeys(moved):
+            log.warning(
+                "config key %s is now %s; the old key is read until the next release", old, new
+            )
     try:
         return build(RunConfig, tree)
     except ConfigError as e:

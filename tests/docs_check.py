@@ -4,7 +4,7 @@ Reading (pure, in the test process): fenced code blocks are taken apart into com
 (`bash` / `sh` / `shell` / `console` blocks: one command per line, `\\` continuations joined,
 `#` comments dropped, `&&` / `;` / `|` split into segments), Python blocks and YAML blocks; the
 prose's inline code spans are scanned for dotted config keys (`algorithm.kl_coef`,
-`precision.dtype: bf16`, `--set rollout.n=4`) and its links for relative paths.
+`precision.dtype: bf16`, `--set rollout.sampling.n=4`) and its links for relative paths.
 
 Classifying (pure): every command segment becomes one `Check` whose `kind` says how it is
 checked; a command this module does not know is a `Check("unknown")`, which fails, so a doc

@@ -5,7 +5,7 @@ engine one update behind, the sequential reference of an asynchronous run a step
 Each update reaches the engine one step late: a step generates with the weights the engine
 holds, then the weights of the update before it are written (`ColocatedRollout.generate`
 wrapped here), and the sync at the end of a step does nothing. So step t trains the samples of
-the weights before update t-1, at the weights after it: what `algorithm.max_staleness: 1` on
+the weights before update t-1, at the weights after it: what `rollout.placement.max_staleness: 1` on
 separate engines does, one step after another in one process. The sync at setup is kept (the
 engine starts from the initial weights). Held-out evaluation is not lagged: run it with
 `eval.every=0`. megarl reads none of this.

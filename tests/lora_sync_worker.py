@@ -8,7 +8,7 @@ import torch
 from megarl.convert.peft import whole_adapters
 from megarl.models import lora
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.config import RolloutConfig
+from megarl.rollout.config import EngineConfig, SamplingConfig
 from megarl.rollout.engine.engine import RolloutEngine
 from megarl.rollout.sync.adapters import ColocatedAdapters
 from megarl.rollout.sync.stats import SyncError
@@ -30,8 +30,9 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     adapters each was drawn with (whole, PEFT keys), the two syncs' figures and the error."""
     chunks, groups, _, _, cfg = lw.actor_at(world, hf, out, batch, r, alpha, layout)
     arch = arch_from_hf(hf)
-    rcfg = RolloutConfig(n=1, max_tokens=6, kv_cache_memory_bytes=64 * 2**20, seed=7)
-    engine = RolloutEngine(model_dir(hf), arch, rcfg, lora_rank=r)
+    rcfg = SamplingConfig(n=1, max_tokens=6, seed=7)
+    engine_cfg = EngineConfig(kv_cache_memory_bytes=64 * 2**20)
+    engine = RolloutEngine(model_dir(hf), arch, rcfg, engine_cfg, lora_rank=r)
     sync = ColocatedAdapters(chunks, arch, engine, groups, cfg)
     first = sync.sync()
     before = {"adapters": whole_adapters(chunks), **_sample(engine)}

@@ -267,16 +267,14 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.layout import load_full_state
     from megarl.envs.config import EnvConfig
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import EngineConfig, SamplingConfig
     from megarl.rollout.engine.engine import RolloutEngine
 
     torch.set_num_threads(1)
     tok = tokenizer()
     arch = arch_from_hf(HF)
     state = canonical_state(arch, seed=1)
-    cfg = RolloutConfig(
-        n=N, max_tokens=6, stop_token_ids=STOP, kv_cache_memory_bytes=64 * 2**20, seed=7
-    )
+    cfg = SamplingConfig(n=N, max_tokens=6, stop_token_ids=STOP, seed=7)
     env_cfg = EnvConfig(
         name="tests.envs_for_tests:CopyAgain", max_turns=3, max_tokens=40, wave_wait_s=5.0
     )
@@ -287,7 +285,9 @@ def job(rank: int, world: int) -> dict:
         chunks, groups = _setup(arch, layout, world)
         load_full_state(chunks, state)
         if engine is None:
-            engine = RolloutEngine(model_dir(HF), arch, cfg)
+            engine = RolloutEngine(
+                model_dir(HF), arch, cfg, EngineConfig(kv_cache_memory_bytes=64 * 2**20)
+            )
         mt, setup = _rollout(engine, chunks, arch, groups, env_cfg, tok)
         batch, positions = prompt_batch(tok, groups.dp_rank, groups.dp_size)
         calls = record_calls(engine)

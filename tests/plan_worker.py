@@ -35,7 +35,7 @@ def measure(
     from megarl.models.builder import build_model
     from megarl.models.hf_config import PrecisionConfig, arch_from_hf
     from megarl.models.optim import OptimConfig, build_optimizer, zero_grads
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import SamplingConfig
     from megarl.trainer.update import _policy_loss_fn
 
     arch = arch_from_hf(hf)
@@ -68,7 +68,7 @@ def measure(
     micro["packing"] = PackedRows.of(micro["seq_len"])  # packed, as the trainer runs them
     alg = AlgorithmConfig(entropy_coef=entropy)
     loss_fn = _policy_loss_fn(
-        alg, RolloutConfig(temperature=0.9), arch.vocab_size, groups, float(mbs * seq), float(mbs)
+        alg, SamplingConfig(temperature=0.9), arch.vocab_size, groups, float(mbs * seq), float(mbs)
     )
     micro_batches = [dict(micro) for _ in range(micros)]
     run = dict(forward_only=False, dp_size=1)
@@ -118,7 +118,7 @@ def measure_vllm(rank, world, hf: dict, kv_bytes: int) -> dict:
     import vllm  # noqa: F401 - imported before the measurement: its import is not the engine
 
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import EngineConfig, SamplingConfig
     from megarl.rollout.engine.engine import RolloutEngine
 
     arch = arch_from_hf(hf)
@@ -126,9 +126,9 @@ def measure_vllm(rank, world, hf: dict, kv_bytes: int) -> dict:
     model = tempfile.mkdtemp(prefix="megarl_plan_")
     with open(f"{model}/config.json", "w") as f:
         json.dump(hf, f)
-    cfg = RolloutConfig(kv_cache_memory_bytes=kv_bytes, max_tokens=8)
+    cfg = SamplingConfig(max_tokens=8)
     with PeakRSS() as m:
-        engine = RolloutEngine(model, arch, cfg)
+        engine = RolloutEngine(model, arch, cfg, EngineConfig(kv_cache_memory_bytes=kv_bytes))
     out = {"engine": m.growth, "engine_held": rss() - m.base}
     del engine
     return out

@@ -68,15 +68,14 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.layout import load_full_state
     from megarl.convert.mapping import canonical_to_hf
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import EngineConfig, SamplingConfig
     from megarl.rollout.engine.engine import RolloutEngine
     from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
 
     torch.set_num_threads(1)
     res: dict = {"layouts": {}, "digests": {}, "broken": {}}
-    cfg = RolloutConfig(
-        n=2, max_tokens=8, kv_cache_memory_bytes=64 * 2**20, seed=7, routing_replay=True
-    )
+    cfg = SamplingConfig(n=2, max_tokens=8, seed=7)
+    engine_cfg = EngineConfig(kv_cache_memory_bytes=64 * 2**20, routing_replay=True)
     for name, hf in ARCHS.items():
         arch = arch_from_hf(hf)
         state = w.canonical_state(arch, seed=1)
@@ -88,7 +87,7 @@ def job(rank: int, world: int) -> dict:
             chunks, groups = _setup(arch, layout, world)
             load_full_state(chunks, state)
             if engine is None:
-                engine = RolloutEngine(w.model_dir(hf), arch, cfg)
+                engine = RolloutEngine(w.model_dir(hf), arch, cfg, engine_cfg)
                 engine.call(install_capture)
             reset_to_sentinel(engine, arch)
             t0 = time.perf_counter()

@@ -20,8 +20,9 @@ def test_megarl_config_loads_and_matches_the_workload(tmp_path):
     cfg = load_config(str(path))
     assert cfg.model.hf == "/models/x"
     assert cfg.precision.dtype == "bf16"
-    assert (cfg.rollout.n, cfg.data.prompts_per_step) == (peer.N, peer.PROMPTS)
-    assert cfg.rollout.max_tokens == peer.MAX_TOKENS and cfg.rollout.temperature == 1.0
+    assert (cfg.rollout.sampling.n, cfg.data.prompts_per_step) == (peer.N, peer.PROMPTS)
+    sampling = cfg.rollout.sampling
+    assert sampling.max_tokens == peer.MAX_TOKENS and sampling.temperature == 1.0
     alg = cfg.algorithm
     assert (alg.ppo_epochs, alg.mini_batches, alg.kl_coef) == (1, 1, 0.0)
     assert alg.micro_batch_size == peer.PROMPTS * peer.N
@@ -147,7 +148,8 @@ def test_smollm2_workload_config_and_trl_spec_match(tmp_path):
     cfg = load_config(str(path))
     alg = cfg.algorithm
     assert (alg.kl_coef, alg.kl_kind, alg.kl_in) == (s.BETA, "k3", "loss")
-    assert (cfg.rollout.n, cfg.data.prompts_per_step, cfg.rollout.max_tokens) == (8, 8, 48)
+    sampling = cfg.rollout.sampling
+    assert (sampling.n, cfg.data.prompts_per_step, sampling.max_tokens) == (8, 8, 48)
     assert cfg.eval.every == s.EVAL_EVERY and cfg.eval.path.endswith("eval.jsonl")
     assert cfg.reward.functions == ("math_verify",) and cfg.optim.lr == s.LR
     spec = s.trl_spec(str(tmp_path))

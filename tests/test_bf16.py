@@ -59,7 +59,7 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
     inner = getattr(opt, "chained_optimizers", [opt])  # megatron chains dense / expert ones
     masters = [p for o in inner for grp in o.shard_fp32_from_float16_groups for p in grp]
     metrics = update.train_policy(actor, opt, sched, batch, alg=cfg.algorithm,
-                                  rollout=cfg.rollout, vocab_size=arch.vocab_size,
+                                  sampling=cfg.rollout.sampling, vocab_size=arch.vocab_size,
                                   groups=groups, seed=1).reduce(groups.dp)
     refreshed = dtype == "fp32" or _bf16_copies_equal_masters(inner)
     state_dtypes = {v.dtype for o in inner for s in o.optimizer.state.values()
@@ -232,7 +232,7 @@ def sync_job(rank: int, world: int) -> dict:
     from megarl.models.hf_config import arch_from_hf
     from megarl.models.optim import build_optimizer
     from megarl.models.vocab import token_logprobs
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import EngineConfig, SamplingConfig
     from megarl.rollout.engine.engine import RolloutEngine
     from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
     from megarl.trainer import experience as xp
@@ -255,8 +255,10 @@ def sync_job(rank: int, world: int) -> dict:
     reference = build_model(arch, cfg.parallel, cfg.precision, role="reference")
     copy_weights(actor, reference)
     opt, sched = build_optimizer(actor, cfg.optim, dtype="bf16", total_steps=2)
-    engine = RolloutEngine(model_dir(LLAMA), arch, RolloutConfig(
-        n=4, max_tokens=12, kv_cache_memory_bytes=64 * 2**20, seed=7), dtype="bf16")
+    engine = RolloutEngine(
+        model_dir(LLAMA), arch, SamplingConfig(n=4, max_tokens=12, seed=7),
+        EngineConfig(kv_cache_memory_bytes=64 * 2**20), dtype="bf16",
+    )  # fmt: skip
     engine.call(install_capture)
     ws = ColocatedWeights(actor, arch, engine, groups)
     ws.sync()
@@ -271,7 +273,7 @@ def sync_job(rank: int, world: int) -> dict:
     mask = batch.loss_mask.bool()
     gap_before = (actor_lp - batch.sampler_logprobs).abs()[mask]
     batch.advantages = torch.linspace(-1, 1, len(rollout.response_ids))[:, None] * batch.loss_mask
-    update.train_policy(actor, opt, sched, batch, alg=cfg.algorithm, rollout=cfg.rollout,
+    update.train_policy(actor, opt, sched, batch, alg=cfg.algorithm, sampling=cfg.rollout.sampling,
                         vocab_size=arch.vocab_size, groups=groups, seed=1)
     ws.sync()
     ours = engine.call(dense_state)

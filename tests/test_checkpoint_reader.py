@@ -22,7 +22,7 @@ from tests.test_trainer_e2e import _train
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-SMALL = ["rollout.n=4", "data.prompts_per_step=8", "algorithm.mini_batches=2"]
+SMALL = ["rollout.sampling.n=4", "data.prompts_per_step=8", "algorithm.mini_batches=2"]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from megarl.config import ConfigError, apply_override, load_config, to_dict
 def test_default_config_loads_and_round_trips(tmp_path):
     cfg = load_config()
     assert cfg.algorithm.name == "grpo" and cfg.model.tokenizer == "toy"
-    assert cfg.rollout.n == 16 and cfg.data.prompts_per_step == 32
+    assert cfg.rollout.sampling.n == 16 and cfg.data.prompts_per_step == 32
     import yaml
 
     path = tmp_path / "c.yaml"
@@ -17,9 +17,9 @@ def test_default_config_loads_and_round_trips(tmp_path):
 
 
 def test_overrides_are_typed():
-    cfg = load_config(None, ["algorithm.kl_coef=0.05", "trainer.steps=3", "rollout.n=4",
+    cfg = load_config(None, ["algorithm.kl_coef=0.05", "trainer.steps=3", "rollout.sampling.n=4",
                              "reward.functions=[toy, format]", "algorithm.dual_clip=null"])
-    assert cfg.algorithm.kl_coef == 0.05 and cfg.trainer.steps == 3 and cfg.rollout.n == 4
+    assert cfg.algorithm.kl_coef == 0.05 and cfg.trainer.steps == 3 and cfg.rollout.sampling.n == 4
     assert cfg.reward.functions == ("toy", "format") and cfg.algorithm.dual_clip is None
 
 
@@ -62,3 +62,61 @@ def test_kl_in_reward_only_with_ppo():
         load_config(None, ["algorithm.kl_in=reward", "algorithm.kl_coef=0.01"])
     load_config(None, ["algorithm.name=ppo", "algorithm.kl_in=reward", "algorithm.kl_coef=0.01"])
     load_config(None, ["algorithm.kl_in=reward", "algorithm.kl_coef=0"])  # no KL: nothing lost
+
+
+OLD_KEYS = [
+    "rollout.n=4",
+    "rollout.max_tokens=6",
+    "rollout.kv_cache_memory_bytes=33554432",
+    "rollout.placement=separate",
+    "rollout.ranks=2",
+    "algorithm.max_staleness=1",
+    "rollout.inflight_updates=true",
+]
+NEW_KEYS = [
+    "rollout.sampling.n=4",
+    "rollout.sampling.max_tokens=6",
+    "rollout.engine.kv_cache_memory_bytes=33554432",
+    "rollout.placement.mode=separate",
+    "rollout.placement.ranks=2",
+    "rollout.placement.max_staleness=1",
+    "rollout.placement.inflight_updates=true",
+]
+
+
+def test_the_flat_rollout_keys_of_earlier_releases_still_load_and_name_their_new_key(
+    tmp_path, caplog
+):
+    """Overrides and a config file with the flat keys load to the config the new keys give,
+    with one warning per key naming its new one; a key given both ways keeps the new one."""
+    new = load_config(None, NEW_KEYS)
+    with caplog.at_level("WARNING", logger="megarl"):
+        old = load_config(None, OLD_KEYS)
+    assert to_dict(old) == to_dict(new) and old.rollout.placement.max_staleness == 1
+    warned = [r.getMessage() for r in caplog.records if "config key" in r.getMessage()]
+    assert len(warned) == len(OLD_KEYS)
+    assert "config key rollout.placement is now rollout.placement.mode;" in warned[3]
+    assert "config key algorithm.max_staleness is now rollout.placement.max_staleness;" in "".join(
+        warned
+    )
+    path = tmp_path / "old.yaml"
+    path.write_text(
+        "model: {config: {architectures: [LlamaForCausalLM], model_type: llama, vocab_size: 20,"
+        " hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, num_attention_heads: 2,"
+        " num_key_value_heads: 2, max_position_embeddings: 64}, tokenizer: toy}\n"
+        "rollout:\n  ranks: 2\n  placement: separate\n  n: 4\n  sampling: {n: 3}\n"
+        "algorithm: {max_staleness: 1}\n"
+    )
+    from_file = load_config(str(path))
+    assert from_file.rollout.placement.mode == "separate" and from_file.rollout.placement.ranks == 2
+    assert from_file.rollout.sampling.n == 3  # the new key wins
+    assert from_file.rollout.placement.max_staleness == 1
+
+
+def test_rollout_combinations_are_refused_naming_the_keys():
+    with pytest.raises(ConfigError, match="rollout.placement.max_staleness=1 with mode=colocated"):
+        load_config(None, ["rollout.placement.max_staleness=1"])
+    with pytest.raises(ConfigError, match="inflight_updates with rollout.placement.mode=separate"):
+        load_config(
+            None, ["rollout.placement.mode=separate", "rollout.placement.inflight_updates=true"]
+        )

@@ -36,7 +36,7 @@ def test_every_key_of_the_resolved_config_is_listed():
         for key in keys(name, getattr(cfg, name)):
             assert f"- `{key}` (" in text, key
     assert "- `model.lora.rank` (int, default `0`): " in text
-    assert "- `rollout.n` (int, default `8`): Samples per prompt." in text
+    assert "- `rollout.sampling.n` (int, default `8`): Samples per prompt." in text
     assert "- `optim.decay_steps` (int | null, default `null`): " in text
     assert "- `reward.functions` (list[str] | null, default `null`): " in text
     assert "## `rollout`: `RolloutConfig` in `megarl/rollout/config.py`" in text

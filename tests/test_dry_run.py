@@ -306,12 +306,12 @@ def test_tiny_dry_run_matches_a_real_four_process_gloo_run():
         ),
         (["--dry-run", "--world-size=4", "--rank=4"], "--rank 4: accepted: 0 to 3"),
         (
-            ["--dry-run", "--world-size=3", "--rank=2", "--set", "rollout.placement=separate"],
-            "--rank 2 hosts a vLLM engine only (rollout.placement=separate: ranks 2-2 of 3)",
+            ["--dry-run", "--world-size=3", "--rank=2", "--set", "rollout.placement.mode=separate"],
+            "--rank 2 hosts a vLLM engine only (rollout.placement.mode=separate: ranks 2-2 of 3)",
         ),
         (
-            ["--dry-run", "--world-size=1", "--set", "rollout.placement=separate"],
-            "rollout.ranks=1 of a 1-rank job leaves 0 trainer ranks",
+            ["--dry-run", "--world-size=1", "--set", "rollout.placement.mode=separate"],
+            "rollout.placement.ranks=1 of a 1-rank job leaves 0 trainer ranks",
         ),
         (["--world-size=4"], "--world-size / --rank go with --dry-run only"),
         (["--dry-run"], "--dry-run needs --world-size N"),
@@ -345,18 +345,18 @@ def test_a_kv_cache_smaller_than_one_sequence_fails_the_dry_run():
     """The run's own KV-cache check (`check_kv_cache`) runs in the dry run too: a set budget
     below one sequence of max_model_len is the same one-line error before anything is built."""
     proc, _ = _cli("--dry-run", "--world-size", "1",
-                   "--set", "rollout.kv_cache_memory_bytes=1048576",
-                   "--set", "rollout.max_model_len=2048")  # fmt: skip
+                   "--set", "rollout.engine.kv_cache_memory_bytes=1048576",
+                   "--set", "rollout.engine.max_model_len=2048")  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "rollout.kv_cache_memory_bytes=1048576" in proc.stderr
+    assert "rollout.engine.kv_cache_memory_bytes=1048576" in proc.stderr
     assert "fewer than one sequence of max_model_len" in proc.stderr
 
 
 def test_separate_placement_dry_runs_the_trainers_layout():
-    """With rollout.placement=separate the layout is the trainer ranks': 3 ranks with one engine
-    rank are TP 2 x DP 1 for the trainers, and the report names the engine rank."""
+    """With rollout.placement.mode=separate the layout is the trainer ranks': 3 ranks with one
+    engine rank are TP 2 x DP 1 for the trainers, and the report names the engine rank."""
     proc, _ = _cli("--dry-run", "--world-size=3", "--rank=1", "--set",
-                   "rollout.placement=separate", "--set", "parallel.tensor_parallel=2")
+                   "rollout.placement.mode=separate", "--set", "parallel.tensor_parallel=2")
     text = proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TP 2 x PP 1 x CP 1 x DP 1 = 2 ranks" in text, text

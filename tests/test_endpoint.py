@@ -28,7 +28,7 @@ from megarl.models.hf_config import arch_from_hf
 from megarl.rollout.agents.agent import AgentTrajectory
 from megarl.rollout.agents.endpoint import ChatEndpoint
 from megarl.rollout.agents.session import NOT_EXTENDING
-from megarl.rollout.config import RolloutConfig
+from megarl.rollout.config import EngineConfig, SamplingConfig
 from megarl.rollout.engine.engine import RolloutEngine
 from megarl.rollout.multi_turn.batcher import TurnResult
 from megarl.rollout.multi_turn.trajectory import TurnLimits
@@ -109,10 +109,10 @@ def engine():
             "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
     register_digits_parser()
-    cfg = RolloutConfig(
-        n=1, max_tokens=6, stop_token_ids=STOP, kv_cache_memory_bytes=64 * 2**20, seed=7
+    cfg = SamplingConfig(n=1, max_tokens=6, stop_token_ids=STOP, seed=7)
+    eng = RolloutEngine(
+        model_dir(HF), arch_from_hf(HF), cfg, EngineConfig(kv_cache_memory_bytes=64 * 2**20)
     )
-    eng = RolloutEngine(model_dir(HF), arch_from_hf(HF), cfg)
     try:
         yield eng
     finally:
@@ -146,7 +146,7 @@ def run_agents(engine, agents: list, cfg, *, hold=None) -> dict:
         return [TurnResult(i, lp, f) for i, lp, f in rows]
 
     endpoint = ChatEndpoint(tokenizer(), cfg)
-    limits = TurnLimits(engine.cfg.max_tokens, engine.max_model_len)
+    limits = TurnLimits(engine.sampling.max_tokens, engine.max_model_len)
     with endpoint:
         runs = [
             AgentTrajectory(cfg, fn, endpoint, {"prompt": f"copy 3{i}"}, SEED, i, limits)

@@ -485,7 +485,7 @@ def test_env_scheduler_is_checked():
     "rollout, env, message",
     [
         ({"tensor_parallel": 2}, {"scheduler": "stream"}, "accepted: env.scheduler=waves, or"),
-        ({"routing_replay": True}, {}, "accepted: rollout.routing_replay=false with env.name"),
+        ({"routing_replay": True}, {}, "accepted: routing_replay=false with env.name"),
     ],
 )
 def test_multi_turn_refuses_what_its_schedulers_cannot_serve(rollout, env, message):

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["logging.wandb=false", "logging.progress=false"]
-SMALL = ["data.prompts_per_step=8", "rollout.n=4"]
+SMALL = ["data.prompts_per_step=8", "rollout.sampling.n=4"]
 # every run of the chain is this same command; save_every=5 gives the chain a periodic save
 CHAIN = ["trainer.steps=6", "trainer.save_every=5", *SMALL]
 TIMINGS = {"time_s", "tokens_per_s"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megarl.models.hf_config import ModelConfigError, PrecisionConfig, arch_from_hf
-from megarl.rollout.config import RolloutConfig, RolloutConfigError
+from megarl.rollout.config import EngineConfig, RolloutConfigError, SamplingConfig
 from megarl.rollout.engine.checks import CPU_KV_CACHE_BYTES, check_kv_cache
 from megarl.rollout.engine.stop_tokens import resolve_stop_tokens
 from tests.tiny import TINY_LLAMA
@@ -33,20 +33,20 @@ def test_backend_on_gpu_maps_cpu_tensors_to_gloo(monkeypatch):
 
 # ------------------------------------------------------------------ KV cache sizing
 def test_kv_cache_defaults_to_gpu_memory_utilization_and_a_cpu_size():
-    cfg = RolloutConfig()
+    cfg = EngineConfig()
     assert cfg.kv_cache_memory_bytes is None
     assert check_kv_cache(ARCH, cfg, dtype="fp32", gpu=False) == CPU_KV_CACHE_BYTES
 
 
 def test_kv_cache_too_small_for_one_sequence_is_refused_with_the_arithmetic():
     # 2 x 4 layers x 2 KV heads x 16 x 4 B = 1024 B per token; max_model_len 256 -> 256 KiB
-    cfg = RolloutConfig(kv_cache_memory_bytes=2**20, max_model_len=2048)
+    cfg = EngineConfig(kv_cache_memory_bytes=2**20, max_model_len=2048)
     with pytest.raises(RolloutConfigError) as e:
         check_kv_cache(ARCH, cfg, dtype="fp32", gpu=False)
     msg = str(e.value)
     assert "kv_cache_memory_bytes=1048576" in msg and "1024 tokens" in msg
     assert "max_model_len=2048" in msg and "2 x 4 layers x 2 KV heads" in msg
-    ok = RolloutConfig(kv_cache_memory_bytes=2**20, max_model_len=1024)
+    ok = EngineConfig(kv_cache_memory_bytes=2**20, max_model_len=1024)
     assert check_kv_cache(ARCH, ok, dtype="fp32", gpu=False) == 2**20
 
 
@@ -69,8 +69,8 @@ def test_kv_cache_on_gpu_is_checked_against_the_memory_budget(monkeypatch):
     )
     # 70B in bf16 at vLLM TP 2 is ~65 GiB per GPU: 0.5 x 80 GiB cannot hold it
     with pytest.raises(RolloutConfigError, match="gpu_memory_utilization=0.5"):
-        check_kv_cache(big, RolloutConfig(tensor_parallel=2), dtype="bf16", gpu=True)
-    fits = RolloutConfig(tensor_parallel=8, gpu_memory_utilization=0.6)
+        check_kv_cache(big, EngineConfig(tensor_parallel=2), dtype="bf16", gpu=True)
+    fits = EngineConfig(tensor_parallel=8, gpu_memory_utilization=0.6)
     assert check_kv_cache(big, fits, dtype="bf16", gpu=True) is None
 
 
@@ -85,15 +85,15 @@ def test_vllm_start_is_refused_early_when_the_trainer_left_too_little_free(monke
     free = {"bytes": 40 * 2**30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free["bytes"], 80 * 2**30))
     with pytest.raises(RolloutConfigError) as e:
-        check_free_memory(RolloutConfig(gpu_memory_utilization=0.8))
+        check_free_memory(EngineConfig(gpu_memory_utilization=0.8))
     msg = str(e.value)
     assert "gpu_memory_utilization=0.8 asks vLLM for 64.0 GiB of this GPU's 80.0 GiB" in msg
     assert "only 40.0 GiB are free" in msg and "at most 0.49" in msg and "megarl plan" in msg
     assert calls == ["empty_cache"]  # before reading the free memory
-    check_free_memory(RolloutConfig(gpu_memory_utilization=0.5))  # 40 of 80 GiB: fits
+    check_free_memory(EngineConfig(gpu_memory_utilization=0.5))  # 40 of 80 GiB: fits
     free["bytes"] = 2**29
     with pytest.raises(RolloutConfigError, match="the trainer alone leaves no room"):
-        check_free_memory(RolloutConfig(gpu_memory_utilization=0.5))
+        check_free_memory(EngineConfig(gpu_memory_utilization=0.5))
 
 
 def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path):
@@ -126,10 +126,11 @@ def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path)
 
     monkeypatch.setattr(vllm, "LLM", fake_llm)
     for inflight in (False, True):
-        cfg = RolloutConfig(kv_cache_memory_bytes=2**30, stop_token_ids=(2,))
+        cfg = EngineConfig(kv_cache_memory_bytes=2**30)
         with pytest.raises(Stop):
             engine.RolloutEngine(
-                str(tmp_path), arch_from_hf(TINY_LLAMA), cfg, dtype="bf16",
+                str(tmp_path), arch_from_hf(TINY_LLAMA), SamplingConfig(stop_token_ids=(2,)), cfg,
+                dtype="bf16",
                 updates_between_steps=inflight,
             )  # fmt: skip
     # in-flight updates: vLLM's async scheduling (a forward still queued between steps) is off
@@ -271,5 +272,5 @@ def test_every_prompt_is_generated_exactly_once(world, tp, pp, vtp):
 def test_dispatch_refuses_a_vllm_tp_that_does_not_divide_the_world():
     from megarl.rollout.placement.dispatch import DispatchPlan
 
-    with pytest.raises(ValueError, match="rollout.tensor_parallel=3 must divide"):
+    with pytest.raises(ValueError, match="rollout.engine.tensor_parallel=3 must divide"):
         DispatchPlan.create([0] * 8, 3)

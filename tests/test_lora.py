@@ -144,7 +144,7 @@ def test_settings_that_cannot_run_are_refused_naming_the_key():
     load_config(overrides=["model.lora.rank=1024", "model.lora.merge=true"])
     load_config("examples/sft_copy_cpu.yaml", ["model.lora.rank=1024"])  # no engine to serve it
     load_config(overrides=["algorithm.name=ppo", "model.critic_lora.rank=1024"])  # nor a critic's
-    load_config(overrides=["model.lora.rank=8", "rollout.placement=separate"])
+    load_config(overrides=["model.lora.rank=8", "rollout.placement.mode=separate"])
     on = LoraConfig(rank=8)
     with pytest.raises(ConfigError, match="Transformer-Engine"):
         check_lora(on, arch_from_hf(TINY_LLAMA), tp=1, use_te=True)

@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
         "reward.weights=[0.0]",
         "parallel.tensor_parallel=2",
         "data.prompts_per_step=4",
-        "rollout.n=4",
+        "rollout.sampling.n=4",
         nproc=2,
     )
     return rm, ppo

@@ -96,7 +96,7 @@ def _r3_off_and_on(tmp_path, *overrides: str) -> dict[str, list[dict]]:
             "trainer.steps=6",
             "parallel.expert_parallel=1",
             *overrides,
-            f"rollout.routing_replay={r3}",
+            f"rollout.engine.routing_replay={r3}",
             config=CONFIG,
         )
         runs[r3] = _metrics(out)

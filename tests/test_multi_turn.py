@@ -339,9 +339,9 @@ def test_one_turn_is_the_single_turn_rollout(results):
 
 
 def test_an_inflight_update_reaches_the_trajectories_at_their_next_wave(results):
-    """`rollout.inflight_updates` with an environment, `env.scheduler: waves`: weights change
-    before the second wave; each trajectory's first turn is stamped with the old version, every
-    later turn with the new, and every sampled token's logprob is the Megatron one under the
+    """`rollout.placement.inflight_updates` with an environment, `env.scheduler: waves`: weights
+    change before the second wave; each trajectory's first turn is stamped with the old version,
+    every later turn with the new, and every sampled token's logprob is the Megatron one under the
     weights of its stamp."""
     for r in results:
         f = r["layouts"]["te1"]["inflight_waves"]

@@ -1,7 +1,7 @@
 """Multi-turn training end to end through `megarl train` (the embedded copy task with the
 `CopyAgain` environment of tests/envs_for_tests.py): PPO (GAE over sampled tokens only) runs,
 logs the trajectory metrics and whole conversations; a run on separate engines
-(`rollout.placement: separate`: the environments run on the engine rank), stopped after its
+(`rollout.placement.mode: separate`: the environments run on the engine rank), stopped after its
 first step and resumed, equals the straight colocated run bit for bit (the environments' seeds
 come from the step seed and the sample's place, nothing to save). Those two run with one thread
 per process, so that both add in the same order."""
@@ -20,8 +20,8 @@ ENV = [
     "env.kwargs={again: ' copy {answer}='}",
     "env.max_turns=3",
     "env.max_tokens=24",
-    "rollout.max_tokens=6",
-    "rollout.n=4",
+    "rollout.sampling.max_tokens=6",
+    "rollout.sampling.n=4",
     "data.prompts_per_step=8",
     "algorithm.micro_batch_size=32",
     "optim.decay_steps=64",
@@ -34,7 +34,7 @@ def test_multi_turn_ppo_on_separate_engines_resumes_exactly_and_logs_conversatio
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     ppo, one = "examples/ppo_tiny_cpu.yaml", {"OMP_NUM_THREADS": "1"}
     _train(straight, *ENV, "trainer.steps=2", config=ppo, env=one)
-    separate = [*ENV, "rollout.placement=separate", "rollout.ranks=1"]
+    separate = [*ENV, "rollout.placement.mode=separate", "rollout.placement.ranks=1"]
     _train(halves, *separate, "trainer.steps=1", config=ppo, env=one, nproc=2)
     _train(halves, *separate, "trainer.steps=2", config=ppo, env=one, nproc=2)
     rows = _metrics(straight)
@@ -59,11 +59,12 @@ def test_an_agent_trains_through_the_endpoint(tmp_path):
     """`env.agent`: an OpenAI client per trajectory drives the policy through megarl's endpoint;
     the run trains on its token-exact trajectories and logs them like an environment's. Here
     the agents and the endpoint run on a separate engine rank that generates a step ahead
-    (`algorithm.max_staleness=1`) and takes the update between two waves of turns when it
-    arrives during one (`rollout.inflight_updates`; whether it does depends on timing)."""
-    agent = ["env.agent=tests.envs_for_tests:copy_agent", *ENV[2:], "rollout.placement=separate",
-             "rollout.ranks=1", "algorithm.max_staleness=1",
-             "algorithm.off_policy_correction=decoupled", "rollout.inflight_updates=true"]
+    (`rollout.placement.max_staleness=1`) and takes the update between two waves of turns when it
+    arrives during one (`rollout.placement.inflight_updates`; whether it does depends on timing)."""
+    agent = ["env.agent=tests.envs_for_tests:copy_agent", *ENV[2:],
+             "rollout.placement.mode=separate", "rollout.placement.ranks=1",
+             "rollout.placement.max_staleness=1",
+             "algorithm.off_policy_correction=decoupled", "rollout.placement.inflight_updates=true"]
     _train(tmp_path, *agent, "trainer.steps=2", nproc=2)
     rows = _metrics(tmp_path)
     assert rows[0]["rollout/staleness_max"] == 0 and rows[1]["rollout/staleness_max"] <= 1

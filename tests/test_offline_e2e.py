@@ -113,7 +113,7 @@ def test_grpo_starts_from_an_offline_export(sft, tmp_path):
         "model.config=null",
         f"model.hf={sft / 'hf'}",
         "trainer.steps=2",
-        "rollout.max_tokens=8",
+        "rollout.sampling.max_tokens=8",
     )
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2]

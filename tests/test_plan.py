@@ -96,8 +96,9 @@ def test_a_layout_that_runs_but_does_not_fit_says_what_to_change(llama70b):
     out = proc.stdout
     assert "DOES NOT FIT: peak 64.0 GiB (rollout, stage 3) of 60.8 GiB usable" in out
     # vLLM's budget is the peak, yet less of it would not hold the weights and one sequence
-    assert "a smaller rollout.gpu_memory_utilization cannot help: vLLM needs at least 17.5 GiB" in (
-        out
+    assert (
+        "a smaller rollout.engine.gpu_memory_utilization cannot help: vLLM needs at least 17.5 GiB"
+        in out
     )
     assert "model states take 42.3 GiB of stage 3's GPU" in out
     # activations as the peak: each suggestion is re-planned and says whether it then fits
@@ -126,7 +127,7 @@ def test_a_layout_that_runs_but_does_not_fit_says_what_to_change(llama70b):
 def test_vllm_tp_must_live_inside_a_node(llama70b):
     proc = _cli(*_example(llama70b), "--gpus", "32", "--gpu-mem", "80", "--nodes", "8")
     assert proc.returncode == 1
-    assert "rollout.tensor_parallel=8 must divide the 4 GPUs of a node" in proc.stdout
+    assert "rollout.engine.tensor_parallel=8 must divide the 4 GPUs of a node" in proc.stdout
     assert "parallel.tensor_parallel=8 spans nodes" in proc.stdout
 
 
@@ -166,9 +167,9 @@ def test_moe_example_fits_8_h200_and_not_its_old_vllm_budget(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "experts / expert-DP 1" in proc.stdout  # the experts' Adam is not sharded at EP8
     assert "FITS: peak 130.4 GiB (rollout, stage 0)" in proc.stdout
-    proc = _cli(*args, "--gpu-mem", "141", "--set", "rollout.gpu_memory_utilization=0.8")
+    proc = _cli(*args, "--gpu-mem", "141", "--set", "rollout.engine.gpu_memory_utilization=0.8")
     assert proc.returncode == 1
-    assert "--set rollout.gpu_memory_utilization=0.42" in proc.stdout
+    assert "--set rollout.engine.gpu_memory_utilization=0.42" in proc.stdout
 
 
 # ------------------------------------------------------------------ (b) rows = formulas

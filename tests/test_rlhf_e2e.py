@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
         "reward.weights=[0.0]",
         "parallel.tensor_parallel=2",
         "data.prompts_per_step=4",
-        "rollout.n=4",
+        "rollout.sampling.n=4",
         "logging.samples_per_step=8",
         "critic_optim.lr=1e-12",  # the critic stays the reward model (Adam moves it by ~lr)
         nproc=2,

@@ -16,7 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.rollout.config import RolloutConfig, RolloutConfigError
+from megarl.rollout.config import (
+    SECTIONS,
+    EngineConfig,
+    RolloutConfig,
+    RolloutConfigError,
+    SamplingConfig,
+)
 from megarl.rollout.metrics import logprob_mismatch
 from tests import test_sync_workers as w
 
@@ -42,15 +48,19 @@ SCORED = [f"{a}/{w.layout_name(lay)}" for a, lays in w.LAYOUTS.items() for lay i
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(field, value):
-    with pytest.raises(RolloutConfigError, match=f"rollout.{field}="):
-        RolloutConfig(**{field: value})
+    section = next(s for s, keys in SECTIONS.items() if field in keys)
+    kind = {"sampling": SamplingConfig, "engine": EngineConfig}[section]
+    with pytest.raises(RolloutConfigError, match=f"rollout.{section}.{field}="):
+        kind(**{field: value})
 
 
 def test_config_defaults():
     cfg = RolloutConfig()
     # KV cache: sized by gpu_memory_utilization on GPU, 256 MiB on CPU (check_kv_cache);
     # stop tokens: the model's EOS ids (resolve_stop_tokens)
-    assert (cfg.n, cfg.top_k, cfg.kv_cache_memory_bytes, cfg.stop_token_ids) == (8, -1, None, None)
+    s, e = cfg.sampling, cfg.engine
+    assert (s.n, s.top_k, e.kv_cache_memory_bytes, s.stop_token_ids) == (8, -1, None, None)
+    assert (cfg.placement.mode, cfg.placement.max_staleness) == ("colocated", 0)
 
 
 def test_logprob_mismatch_mean_max_over_mask():

@@ -78,13 +78,13 @@ def test_rows_with_a_repeated_expert_become_distinct():
 
 def test_routing_replay_needs_a_moe_model():
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.config import RolloutConfig, RolloutConfigError
+    from megarl.rollout.config import EngineConfig, RolloutConfigError
     from megarl.rollout.engine.routes import check_routing_replay
     from tests.tiny import TINY_LLAMA, TINY_QWEN3_MOE
 
-    with pytest.raises(RolloutConfigError, match="rollout.routing_replay=true needs a MoE model"):
-        check_routing_replay(arch_from_hf(TINY_LLAMA), RolloutConfig(routing_replay=True))
-    check_routing_replay(arch_from_hf(TINY_QWEN3_MOE), RolloutConfig(routing_replay=True))
+    with pytest.raises(RolloutConfigError, match="routing_replay=true needs a MoE model"):
+        check_routing_replay(arch_from_hf(TINY_LLAMA), EngineConfig(routing_replay=True))
+    check_routing_replay(arch_from_hf(TINY_QWEN3_MOE), EngineConfig(routing_replay=True))
 
 
 def test_cpu_capture_finds_routes_by_tokens_and_refuses_gaps():

@@ -1,4 +1,4 @@
-"""`rollout.placement: separate`, the parts that need no engine: which rank does what, how a
+"""`rollout.placement.mode: separate`, the parts that need no engine: which rank does what, how a
 step's prompts are split across the engines and put back, the sync's checksums, the config's
 refusals, and the link's messages between two real gloo processes. The runs themselves:
 tests/test_separate_e2e.py."""
@@ -42,13 +42,13 @@ def test_split_gives_the_last_ranks_to_the_engines():
 
 
 def test_colocated_is_the_whole_job_training():
-    p = JobPlacement.split(3, 4, "colocated", 2)  # rollout.ranks is not read
+    p = JobPlacement.split(3, 4, "colocated", 2)  # rollout.placement.ranks is not read
     assert (p.role, p.rank, p.world, p.separate, p.link_rank) == ("train", 3, 4, False, None)
 
 
 @pytest.mark.parametrize("world,engines", [(2, 2), (1, 1), (3, 0)])
 def test_split_refuses_a_job_without_trainers_or_engines(world, engines):
-    with pytest.raises(PlacementError, match=f"rollout.ranks={engines} of a {world}-rank job"):
+    with pytest.raises(PlacementError, match=f"ranks={engines} of a {world}-rank job"):
         JobPlacement.split(0, world, "separate", engines)
 
 
@@ -158,19 +158,19 @@ def test_a_value_moved_to_another_row_or_column_changes_the_weighted_sum():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["rollout.tensor_parallel=2"], "rollout.tensor_parallel=2: each engine rank runs one"),
-        (["rollout.routing_replay=true"], "routing replay is captured in the trainer's process"),
+        (["rollout.engine.tensor_parallel=2"], "tensor_parallel=2: each engine rank runs one"),
+        (["rollout.engine.routing_replay=true"], "routing replay is captured in the trainer's"),
         (["algorithm.name=sft"], "algorithm.name=sft builds no rollout"),
     ],
 )
 def test_config_refuses_what_separate_does_not_do(overrides, message):
     with pytest.raises(Exception, match=message):
-        load_config(None, ["rollout.placement=separate", *overrides])
+        load_config(None, ["rollout.placement.mode=separate", *overrides])
 
 
 def test_config_refuses_an_unknown_placement():
-    with pytest.raises(Exception, match="rollout.placement='remote'; accepted: colocated or sep"):
-        load_config(None, ["rollout.placement=remote"])
+    with pytest.raises(Exception, match="placement.mode='remote'; accepted: colocated or sep"):
+        load_config(None, ["rollout.placement.mode=remote"])
 
 
 # ----------------------------------------------------------------------------- the link
@@ -418,24 +418,27 @@ def test_staleness_metrics_take_a_sample_as_old_as_its_oldest_token():
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["rollout.placement=separate"], ["algorithm.max_staleness=1"]],
+    [[], ["rollout.placement.mode=separate"], ["rollout.placement.max_staleness=1"]],
 )
 def test_config_refuses_inflight_updates_where_no_update_meets_a_generation(overrides):
-    with pytest.raises(Exception, match="rollout.inflight_updates with rollout.placement="):
-        load_config(None, ["rollout.inflight_updates=true", *overrides])
-    if overrides == ["rollout.placement=separate"]:  # what it asks for loads
+    with pytest.raises(Exception, match="inflight_updates with rollout.placement.mode="):
+        load_config(None, ["rollout.placement.inflight_updates=true", *overrides])
+    if overrides == ["rollout.placement.mode=separate"]:  # what it asks for loads
         load_config(
-            None, ["rollout.inflight_updates=true", *overrides, "algorithm.max_staleness=1"]
+            None,
+            ["rollout.placement.inflight_updates=true", *overrides,
+             "rollout.placement.max_staleness=1"],
         )
 
 
 @pytest.mark.parametrize("scheduler", ["waves", "stream"])
 def test_config_takes_an_environment_with_separate_engines_and_inflight_updates(scheduler):
-    env = ["rollout.placement=separate", "env.name=tests.envs_for_tests:CopyAgain",
+    env = ["rollout.placement.mode=separate", "env.name=tests.envs_for_tests:CopyAgain",
            f"env.scheduler={scheduler}"]
-    assert load_config(None, [*env, "algorithm.max_staleness=2"]).env.multi_turn
-    inflight = [*env, "algorithm.max_staleness=1", "rollout.inflight_updates=true"]
-    assert load_config(None, inflight).rollout.inflight_updates
+    assert load_config(None, [*env, "rollout.placement.max_staleness=2"]).env.multi_turn
+    inflight = [*env, "rollout.placement.max_staleness=1",
+                "rollout.placement.inflight_updates=true"]
+    assert load_config(None, inflight).rollout.placement.inflight_updates
 
 
 def test_samples_wait_for_the_syncs_before_them_and_those_their_tokens_carry():

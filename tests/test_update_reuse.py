@@ -93,7 +93,7 @@ def job(rank: int, world: int, layout: dict) -> dict:
             sched,
             batch,
             alg=alg,
-            rollout=cfg.rollout,
+            sampling=cfg.rollout.sampling,
             vocab_size=arch.vocab_size,
             groups=groups,
             seed=5,

@@ -61,7 +61,7 @@ class AlgorithmConfig:
     kl_in: str = "loss"
     """Where the KL goes: loss (a loss term) or reward (a per-token reward penalty)."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient (the entropy of softmax(logits / rollout.temperature))."""
+    """Entropy bonus coefficient (the entropy of softmax(logits / rollout.sampling.temperature))."""
     off_policy_correction: str = "none"
     """Importance weights against the sampler's (vLLM's) logprobs: none, tis (truncated),
     icepop (two-sided token mask), mis (sequence-level masked) or decoupled (decoupled PPO's
@@ -71,12 +71,6 @@ class AlgorithmConfig:
     is_high: float = 2.0
     """The importance-weight cap (> 1): tis truncates at it, icepop / mis / decoupled drop
     tokens (mis: sequences) above it."""
-    max_staleness: int = 0
-    """How many policy updates the weights that generated a trained sample may be behind the
-    policy it trains (0: on-policy; generation and training alternate). k > 0 needs
-    rollout.placement=separate: the engines generate the next k steps' samples while the
-    trainer trains; pair it with an off_policy_correction (mis, tis or decoupled, measured in
-    docs/placement.md)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
@@ -162,11 +156,6 @@ class AlgorithmConfig:
             raise ConfigError(
                 f"algorithm.is_low={self.is_low}, algorithm.is_high={self.is_high}; accepted: "
                 "0 <= is_low < 1 < is_high"
-            )
-        if self.max_staleness < 0:
-            raise ConfigError(
-                f"algorithm.max_staleness={self.max_staleness}; accepted: 0 (on-policy) or a "
-                "number of policy updates >= 1"
             )
         if self.kl_kind not in ("k1", "k2", "k3", "abs"):
             raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")

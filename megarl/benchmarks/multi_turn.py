@@ -40,7 +40,7 @@ from megarl.data.dataset import PromptBatch
 from megarl.distributed.launch import spawn
 from megarl.envs.config import EnvConfig
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.config import RolloutConfig
+from megarl.rollout.config import EngineConfig, SamplingConfig
 from megarl.rollout.engine.engine import RolloutEngine
 from megarl.rollout.engine.stop_tokens import resolve_stop_tokens
 from megarl.rollout.placement.colocated import ColocatedRollout
@@ -69,11 +69,9 @@ def _worker(rank: int, world: int, model_dir: str, train: str, prompts: int, rep
         hf = json.load(f)
     arch = arch_from_hf(hf)
     stop = resolve_stop_tokens(None, tok, hf, [model_dir])
-    cfg = RolloutConfig(
-        n=N, max_tokens=MAX_TOKENS, max_model_len=256, stop_token_ids=stop,
-        kv_cache_memory_bytes=768 * 2**20, temperature=1.0,
-    )  # fmt: skip
-    engine = RolloutEngine(model_dir, arch, cfg)
+    cfg = SamplingConfig(n=N, max_tokens=MAX_TOKENS, stop_token_ids=stop, temperature=1.0)
+    engine_cfg = EngineConfig(max_model_len=256, kv_cache_memory_bytes=768 * 2**20)
+    engine = RolloutEngine(model_dir, arch, cfg, engine_cfg)
     engine.weights.load_hf(_hf_tensors(model_dir))  # the engine starts from dummy weights
     env = EnvConfig(name="retry", max_turns=MAX_TURNS, max_tokens=192)
     setup = load_trajectories(env, tok)

@@ -26,7 +26,7 @@ import torch
 from megarl.benchmarks import record, register_suite
 from megarl.distributed.launch import spawn
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.config import RolloutConfig
+from megarl.rollout.config import EngineConfig, SamplingConfig
 from megarl.rollout.engine.engine import RolloutEngine
 
 MODEL = dict(
@@ -56,8 +56,8 @@ def _worker(rank: int, world: int, num_prompts: int, n: int, max_tokens: int, re
     mdir = tempfile.mkdtemp(prefix="megarl_bench_rollout_")
     with open(os.path.join(mdir, "config.json"), "w") as f:
         json.dump(MODEL, f)
-    cfg = RolloutConfig(n=n, max_tokens=max_tokens, kv_cache_memory_bytes=256 * 2**20)
-    engine = RolloutEngine(mdir, arch, cfg)
+    cfg = SamplingConfig(n=n, max_tokens=max_tokens)
+    engine = RolloutEngine(mdir, arch, cfg, EngineConfig(kv_cache_memory_bytes=256 * 2**20))
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, arch.vocab_size, (32 + i % 32,), generator=g).tolist()

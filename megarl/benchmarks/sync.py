@@ -36,7 +36,7 @@ from megarl.distributed import ParallelConfig, Topology
 from megarl.distributed.launch import spawn
 from megarl.models.builder import build_model, num_params
 from megarl.models.hf_config import PrecisionConfig, arch_from_hf
-from megarl.rollout.config import RolloutConfig
+from megarl.rollout.config import EngineConfig, SamplingConfig
 from megarl.rollout.engine.engine import RolloutEngine
 from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
 
@@ -86,9 +86,8 @@ def _worker(rank: int, world: int, hf: dict, layout: dict, repeats: int) -> dict
     mdir = tempfile.mkdtemp(prefix="megarl_bench_sync_")
     with open(os.path.join(mdir, "config.json"), "w") as f:
         json.dump(hf, f)
-    engine = RolloutEngine(
-        mdir, arch, RolloutConfig(kv_cache_memory_bytes=64 * 2**20, max_model_len=256)
-    )
+    engine_cfg = EngineConfig(kv_cache_memory_bytes=64 * 2**20, max_model_len=256)
+    engine = RolloutEngine(mdir, arch, SamplingConfig(), engine_cfg)
     floor = [memcpy_gbps(repeats=7)]
     out = _megarl(chunks, arch, engine, groups, repeats)
     gc.collect()

@@ -1,15 +1,15 @@
 """Which ranks of a torchrun job train and which only host vLLM engines.
 
-`rollout.placement: colocated` (the default): every rank trains and holds an engine; the
-default process group is the whole job. `separate`: the last `rollout.ranks` ranks of the job
-host engines only. Megatron-core builds its groups over the default process group's world, so
-the two roles get default groups of their own (the trainers' world is then exactly TP x PP x
-CP x DP), made from torchrun's rendezvous store under different key prefixes; a third group,
-the link, joins trainer rank 0 with every engine rank (member 0 = trainer rank 0, member 1 + i =
-engine i). Prompts, samples and weights travel over the link (gloo on CPU; a raw
-`ProcessGroupGloo`, not registered with torch.distributed, because its members are not one
-default world). Each other trainer rank that sends weights gets a link of its own to the
-engines (`Job.sender_link`), made when it first sends, in the same way.
+`rollout.placement.mode: colocated` (the default): every rank trains and holds an engine; the
+default process group is the whole job. `separate`: the last `rollout.placement.ranks` ranks of the
+job host engines only. Megatron-core builds its groups over the default process group's world, so
+the two roles get default groups of their own (the trainers' world is then exactly TP x PP x CP x
+DP), made from torchrun's rendezvous store under different key prefixes; a third group, the link,
+joins trainer rank 0 with every engine rank (member 0 = trainer rank 0, member 1 + i = engine i).
+Prompts, samples and weights travel over the link (gloo on CPU; a raw `ProcessGroupGloo`, not
+registered with torch.distributed, because its members are not one default world). Each other
+trainer rank that sends weights gets a link of its own to the engines (`Job.sender_link`), made when
+it first sends, in the same way.
 
 `JobPlacement.split` is the arithmetic (pure); `init_job` makes the groups and returns the
 `Job` that holds them: whoever starts the job owns it (a context manager).
@@ -49,17 +49,17 @@ class JobPlacement:
 
     @staticmethod
     def split(job_rank: int, job_world: int, placement: str, engines: int) -> JobPlacement:
-        """The role of `job_rank` of `job_world` ranks; `engines`: `rollout.ranks` (read with
-        `separate` only)."""
+        """The role of `job_rank` of `job_world` ranks; `engines`: `rollout.placement.ranks`
+        (read with `separate` only)."""
         if placement not in PLACEMENTS:
-            raise PlacementError(f"rollout.placement={placement!r}; accepted: {PLACEMENTS}")
+            raise PlacementError(f"rollout.placement.mode={placement!r}; accepted: {PLACEMENTS}")
         if placement == "colocated":
             return JobPlacement("train", job_rank, job_world, job_rank, job_world, 0)
         if engines < 1 or job_world - engines < 1:
             raise PlacementError(
-                f"rollout.placement=separate with rollout.ranks={engines} of a {job_world}-rank "
-                f"job leaves {job_world - engines} trainer ranks; accepted: 1 <= rollout.ranks "
-                f"< the job's ranks (launch with torchrun --nproc-per-node <trainers + "
+                f"rollout.placement.mode=separate with rollout.placement.ranks={engines} of a "
+                f"{job_world}-rank job leaves {job_world - engines} trainer ranks; accepted: "
+                f"1 <= ranks < the job's ranks (launch with torchrun --nproc-per-node <trainers + "
                 f"{max(engines, 1)}>)"
             )
         trainers = job_world - engines
@@ -135,7 +135,7 @@ def init_job(backend: str, placement: str, engines: int, store, timeout) -> Job:
     where = JobPlacement.split(int(env["RANK"]), int(env["WORLD_SIZE"]), placement, engines)
     if store is None and where.separate:
         raise PlacementError(
-            "rollout.placement=separate needs the job's ranks from torchrun (or Slurm through "
+            "rollout.placement.mode=separate needs the job's ranks from torchrun (or Slurm through "
             f"torchrun): launch with torchrun --nproc-per-node <trainers + {engines}>"
         )
     timeout = timeout or timedelta(minutes=30)

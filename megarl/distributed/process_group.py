@@ -53,7 +53,7 @@ def init_distributed(
     """torch.distributed from torchrun's environment, or a one-process group when run plainly.
     `timeout`: of every collective on the default group (None: torch's default;
     `megarl.trainer.faults.collective_timeout` keeps it above the hang watchdog's).
-    `placement` / `engines`: `rollout.placement` / `rollout.ranks`; with "separate" the
+    `placement` / `engines`: `rollout.placement.mode` / `.ranks`; with "separate" the
     default group holds this rank's role only (`megarl.distributed.placement`). Returns the
     job, which the caller owns (its links); when the default group exists already, the job of
     that world as it is (`Job.of_world`: every rank trains)."""

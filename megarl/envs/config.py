@@ -33,7 +33,7 @@ class EnvConfig:
     not done by then)."""
     max_tokens: int = 1024
     """Token budget per trajectory: response tokens (sampled and observation) after the
-    prompt; a turn samples at most min(rollout.max_tokens, what is left)."""
+    prompt; a turn samples at most min(rollout.sampling.max_tokens, what is left)."""
     timeout_s: float = 60.0
     """Longest an environment call (reset, step) or an agent run may take; past it the
     trajectory ends with finish reason env_error and environment reward 0."""
@@ -50,7 +50,7 @@ class EnvConfig:
     of turns; the same batches whatever the threads' timing, megarl.rollout.multi_turn.waves) or
     stream
     (vLLM's continuous batching: a turn starts as soon as its environment answered, the batches
-    depend on timing; rollout.tensor_parallel=1 only, megarl.rollout.multi_turn.stream)."""
+    depend on timing; rollout.engine.tensor_parallel=1 only, megarl.rollout.multi_turn.stream)."""
     wave_wait_s: float = 0.5
     """How long a generation wave waits for environments still stepping before it starts
     without them (they join a later wave): a slow tool never stalls the others for longer."""

@@ -1,16 +1,16 @@
 """MoE routing in the trainer: routing replay (R3) and the router statistics behind the MoE
 metrics.
 
-Routing replay. With `rollout.routing_replay` the rollout carries, per sample, the experts vLLM
-routed every token to (`Samples.routed_experts`, [tokens, layers, top_k]); `collate_routes`
-places them on the batch as `routed_experts` [B, S, layers, top_k] aligned with `tokens`
-(position t = the routes of token t), so micro-batching, DP / PP padding and device moves treat
-them like any per-token field. Before each micro-batch's forward (`prepare_forward`, called by
+Routing replay. With `rollout.engine.routing_replay` the rollout carries, per sample, the experts
+vLLM routed every token to (`Samples.routed_experts`, [tokens, layers, top_k]); `collate_routes`
+places them on the batch as `routed_experts` [B, S, layers, top_k] aligned with `tokens` (position t
+= the routes of token t), so micro-batching, DP / PP padding and device moves treat them like any
+per-token field. Before each micro-batch's forward (`prepare_forward`, called by
 `megarl.models.forward`) every router of the chunk gets its layer's routes through megatron-core's
-`RouterReplay` (REPLAY_FORWARD): the router's top-k indices are replaced, its weights are still
-the softmax over the replayed experts' logits, so gradients flow through the router as usual.
-Megatron's router sees its tokens as [s, b] flattened (sequence-major) and, with sequence
-parallelism, only its rank's contiguous 1/TP of the sequence; routes are laid out the same way.
+`RouterReplay` (REPLAY_FORWARD): the router's top-k indices are replaced, its weights are still the
+softmax over the replayed experts' logits, so gradients flow through the router as usual. Megatron's
+router sees its tokens as [s, b] flattened (sequence-major) and, with sequence parallelism, only its
+rank's contiguous 1/TP of the sequence; routes are laid out the same way.
 
 Which tokens have routes: vLLM computes every prompt token and every response token but the
 last (generation stops before it is fed back). Positions without routes (that last token,
@@ -174,7 +174,7 @@ def check_micro_batches(chunks, micro_batches: list[dict]) -> None:
         replaying = any(getattr(r, "router_replay", None) is not None for _, r in routers)
         if not replaying and _role(chunk) in ("actor", "reference"):
             raise RoutingReplayError(
-                "the batch carries routed experts (rollout.routing_replay) but the "
+                "the batch carries routed experts (rollout.engine.routing_replay) but the "
                 f"{_role(chunk)} was built without megatron's moe_enable_routing_replay"
             )
         if replaying:

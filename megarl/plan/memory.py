@@ -141,11 +141,11 @@ def micro_batching(cfg: RunConfig, topo) -> tuple[int, int, int]:
     multiple = sequence_multiple(
         topo.tp, p.sequence_parallel, cfg.precision.fp8_recipe if cfg.precision.fp8 else None
     )
-    seq = fm.round_up(cfg.data.max_prompt_length + cfg.rollout.max_tokens, multiple)
+    seq = fm.round_up(cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens, multiple)
     mbs = cfg.algorithm.micro_batch_size
     if cfg.algorithm.max_tokens_per_micro_batch is not None:
         mbs = max(1, min(mbs, cfg.algorithm.max_tokens_per_micro_batch // seq))
-    sequences = cfg.data.prompts_per_step * cfg.rollout.n
+    sequences = cfg.data.prompts_per_step * cfg.rollout.sampling.n
     per_rank = math.ceil(sequences / (cfg.algorithm.mini_batches * topo.dp))
     mbs = max(1, min(mbs, per_rank))  # a mini-batch smaller than a micro-batch
     micro = max(1, math.ceil(per_rank / mbs))
@@ -304,7 +304,7 @@ def _lora_rows(
 
 
 def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
-    ro = cfg.rollout
+    ro = cfg.rollout.engine
     weights = num_params(arch) * e / ro.tensor_parallel
     kv_tok = fm.kv_bytes_per_token(arch, elem=e, vllm_tp=ro.tensor_parallel)
     sleeps = device == "gpu" and ro.sleep_between_steps
@@ -370,11 +370,13 @@ def _cluster_checks(cfg, gpus: int, nodes: int) -> tuple[list[str], list[str]]:
     problems, warnings = [], []
     if ro.tensor_parallel > per_node or per_node % ro.tensor_parallel:
         problems.append(
-            f"rollout.tensor_parallel={ro.tensor_parallel} must divide the {per_node} GPUs of a "
-            "node (each vLLM engine's TP group lives inside one node)"
+            f"rollout.engine.tensor_parallel={ro.tensor_parallel} must divide the {per_node} GPUs "
+            "of a node (each vLLM engine's TP group lives inside one node)"
         )
     elif gpus % ro.tensor_parallel:
-        problems.append(f"rollout.tensor_parallel={ro.tensor_parallel} must divide {gpus} GPUs")
+        problems.append(
+            f"rollout.engine.tensor_parallel={ro.tensor_parallel} must divide {gpus} GPUs"
+        )
     if p.tensor_parallel > per_node:
         warnings.append(
             f"parallel.tensor_parallel={p.tensor_parallel} spans nodes ({per_node} GPUs each): "
@@ -471,12 +473,12 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
 
 
 def _smaller_vllm(cfg, arch, worst: StagePlan, result: Plan) -> str:
-    """A lower `rollout.gpu_memory_utilization`, if vLLM can still hold its weights, one
+    """A lower `rollout.engine.gpu_memory_utilization`, if vLLM can still hold its weights, one
     sequence of KV cache and its working memory."""
-    ro, e = cfg.rollout, BYTES[cfg.precision.dtype]
+    ro, e = cfg.rollout.engine, BYTES[cfg.precision.dtype]
     vllm = next(r for r in worst.rows if r.name == "vLLM (awake)").nbytes
     room = result.usable - (worst.peak("rollout") - vllm)
-    seq = cfg.data.max_prompt_length + ro.max_tokens
+    seq = cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens
     need = (
         num_params(arch) * e / ro.tensor_parallel
         + VLLM_ACTIVATIONS
@@ -485,12 +487,12 @@ def _smaller_vllm(cfg, arch, worst: StagePlan, result: Plan) -> str:
     if room >= need:
         util = math.floor(room / result.gpu_mem * 100) / 100
         return (
-            f"--set rollout.gpu_memory_utilization={util:.2f}: vLLM gets {gib(room)}, "
+            f"--set rollout.engine.gpu_memory_utilization={util:.2f}: vLLM gets {gib(room)}, "
             f"{gib(room - need)} more than its weights, "
             f"one {seq}-token sequence of KV cache and 1 GiB working memory"
         )
     return (
-        f"a smaller rollout.gpu_memory_utilization cannot help: vLLM needs at least "
+        f"a smaller rollout.engine.gpu_memory_utilization cannot help: vLLM needs at least "
         f"{gib(need)} (weights, one {seq}-token sequence of KV cache, 1 GiB working "
         f"memory) and only {gib(max(room, 0))} is left beside the trainer"
     )

@@ -23,7 +23,7 @@ def describe(plan: Plan) -> str:
         f"layout: TP {t.tp} x PP {t.pp} x DP {t.dp}{f' (VPP {t.vpp})' if t.vpp else ''}"
         f"{f', EP {t.ep}' if t.ep > 1 else ''}, sequence parallel "
         f"{'on' if plan.cfg.parallel.sequence_parallel else 'off'}, recompute "
-        f"{plan.cfg.parallel.recompute}; vLLM TP {plan.cfg.rollout.tensor_parallel}"
+        f"{plan.cfg.parallel.recompute}; vLLM TP {plan.cfg.rollout.engine.tensor_parallel}"
         + (f"; LoRA rank {lora.rank}, base frozen" if (lora := plan.cfg.model.lora).enabled else "")
     )
     worst = max(plan.stages, key=lambda s: s.worst[1])

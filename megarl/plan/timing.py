@@ -12,8 +12,8 @@ Colocated on N devices each stage gets all N in turn:
 
     step = generate(N) + trainer(N) + other + sync_colocated
 
-Separate, E devices host engines and N - E train. On-policy (`algorithm.max_staleness: 0`) the
-two sides take turns:
+Separate, E devices host engines and N - E train. On-policy (`rollout.placement.max_staleness: 0`)
+the two sides take turns:
 
     step = generate(E) + trainer'(N - E) + other + sync_separate
 

@@ -2,13 +2,12 @@
 
 A sample's reward is `sum_f w_f r_f + reward.model_weight x rm` (`rm`: the reward model's score,
 normalised when `reward.model_normalize: running`), plus `reward.env_weight x env` for a multi-turn
-trajectory (`env`: its environment's reward), minus `reward.truncated_penalty` for a response cut
-at `rollout.max_tokens` without EOS; a trajectory whose environment failed scores 0. Without
+trajectory (`env`: its environment's reward), minus `reward.truncated_penalty` for a response cut at
+`rollout.sampling.max_tokens` without EOS; a trajectory whose environment failed scores 0. Without
 `reward.functions` in the config the functions are `[toy]` (the embedded task's reward) when no
-reward model is set, and none with one: a reward model is never mixed with the toy reward unless
-the config names it. Checked here: the shapes of the section; the paths and the model behind
-`reward.model` are checked when a run starts (`megarl.rewards.model`).
-"""
+reward model is set, and none with one: a reward model is never mixed with the toy reward unless the
+config names it. Checked here: the shapes of the section; the paths and the model behind
+`reward.model` are checked when a run starts (`megarl.rewards.model`)."""
 
 from __future__ import annotations
 
@@ -47,8 +46,8 @@ class RewardConfig:
     """Multi-turn (env.name): weight of the environment's reward (the sum of its turns'
     rewards) in the total."""
     truncated_penalty: float | None = None
-    """Subtracted from the total reward of each response cut at rollout.max_tokens without EOS
-    (finish reason length); null = none."""
+    """Subtracted from the total reward of each response cut at rollout.sampling.max_tokens
+    without EOS (finish reason length); null = none."""
 
     def __post_init__(self):
         if self.functions is None:  # frozen: resolve the default once, here

@@ -243,7 +243,7 @@ class RewardModel:
             raise RuntimeError(
                 f"reward.model: a sample of {longest} tokens exceeds the reward model's "
                 f"max_position_embeddings ({self.arch.max_position_embeddings}); lower "
-                "rollout.max_tokens or data.max_prompt_length"
+                "rollout.sampling.max_tokens or data.max_prompt_length"
             )
         g, alg = self.groups, self.cfg.algorithm
         batch = collate_sequences(

@@ -18,7 +18,16 @@ from __future__ import annotations
 import importlib
 
 from megarl.rollout.api import RolloutComponent
-from megarl.rollout.config import RolloutConfig, RolloutConfigError
+from megarl.rollout.config import (
+    EngineConfig,
+    PlacementConfig,
+    RolloutConfig,
+    RolloutConfigError,
+    SamplingConfig,
+    check_rollout_with,
+    migrate_keys,
+    new_key,
+)
 from megarl.rollout.samples import Samples, Turns, Versions
 from megarl.rollout.sync.stats import SyncError, SyncStats
 
@@ -35,19 +44,25 @@ _LAZY = {
 """Name -> the module it is imported from on first use."""
 
 __all__ = [
+    "EngineConfig",
+    "PlacementConfig",
     "RolloutComponent",
     "RolloutConfig",
     "RolloutConfigError",
     "Samples",
+    "SamplingConfig",
     "SyncError",
     "SyncStats",
     "Turns",
     "Versions",
     "build_rollout",
     "check_kv_cache",
+    "check_rollout_with",
     "engine_ranks",
     "load_trajectories",
     "logprob_mismatch",
+    "migrate_keys",
+    "new_key",
     "resolve",
     "serve",
     "trajectory_metrics",

@@ -1,5 +1,5 @@
 """The rollout a run builds: its settings resolved and checked before any model exists
-(`resolve`), then the component of `rollout.placement` (`build_rollout`)."""
+(`resolve`), then the component of `rollout.placement.mode` (`build_rollout`)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,15 @@ def resolve(
     config and any generation_config.json in `model_dirs`), after checking that vLLM is
     importable, that the KV cache holds one whole sequence and that routing replay has experts
     to replay."""
-    stop = resolve_stop_tokens(cfg.stop_token_ids, tokenizer, arch.hf_config, list(model_dirs))
-    if cfg.stop_token_ids is None:
-        log.info("rollout.stop_token_ids: %s (the model's EOS ids)", list(stop) or "none found")
-    cfg = dataclasses.replace(cfg, stop_token_ids=stop)
-    check_kv_cache(arch, cfg, dtype=dtype, gpu=gpu)
-    check_routing_replay(arch, cfg)
+    given = cfg.sampling.stop_token_ids
+    stop = resolve_stop_tokens(given, tokenizer, arch.hf_config, list(model_dirs))
+    if given is None:
+        log.info(
+            "rollout.sampling.stop_token_ids: %s (the model's EOS ids)", list(stop) or "none found"
+        )
+    cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, stop_token_ids=stop))
+    check_kv_cache(arch, cfg.engine, dtype=dtype, gpu=gpu)
+    check_routing_replay(arch, cfg.engine)
     require_vllm()
     return cfg
 
@@ -47,14 +50,13 @@ def build_rollout(
     groups: Groups,
     dtype: str,
     out_dir: str,
-    max_staleness: int = 0,
     lora: LoraConfig | None = None,
     env: EnvConfig | None = None,
     trajectories: Trajectories | None = None,
     tokenizer=None,
     system_prompt: str | None = None,
 ) -> RolloutComponent:
-    """The rollout of `cfg.placement` for the policy whose chunks on this rank are `policy`:
+    """The rollout of `cfg.placement.mode` for the policy whose chunks on this rank are `policy`:
     colocated engines, or the separate engine ranks of `job` (waiting in `serve`). `lora`: the
     policy's adapters; `env` with `trajectories` (`load_trajectories`): every sample a
     trajectory (on separate engines the engine ranks load them from `env` and `tokenizer`).
@@ -63,7 +65,7 @@ def build_rollout(
         from megarl.rollout.placement.separate import SeparateRollout  # deferred: imports vLLM
 
         return SeparateRollout.connect(
-            cfg, arch, policy, groups, dtype, job, max_staleness=max_staleness, lora=lora,
+            cfg, arch, policy, groups, dtype, job, lora=lora,
             env=env if trajectories is not None else None, tokenizer=tokenizer,
             system_prompt=system_prompt,
         )  # fmt: skip

@@ -184,11 +184,13 @@ def dry_run(
         raise ConfigError(f"--world-size {world_size}: accepted: a number of ranks >= 1")
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank {rank}: accepted: 0 to {world_size - 1} (--world-size)")
-    where = JobPlacement.split(rank, world_size, cfg.rollout.placement, cfg.rollout.ranks)
+    where = JobPlacement.split(
+        rank, world_size, cfg.rollout.placement.mode, cfg.rollout.placement.ranks
+    )
     job_world = world_size
     if where.role == "rollout":
         raise ConfigError(
-            f"--rank {rank} hosts a vLLM engine only (rollout.placement=separate: ranks "
+            f"--rank {rank} hosts a vLLM engine only (rollout.placement.mode=separate: ranks "
             f"{world_size - where.world}-{world_size - 1} of {world_size}); accepted: a trainer "
             f"rank, 0 to {world_size - where.world - 1}"
         )
@@ -205,9 +207,9 @@ def dry_run(
     # the real run's check (megarl.models.builder) for local layers: the ones built here
     check_lora(cfg.model.lora, arch, tp=topo.tp, use_te=False)
     check_lora(cfg.model.critic_lora, arch, tp=topo.tp, use_te=False)
-    if not cfg.algorithm.offline and cfg.rollout.kv_cache_memory_bytes is not None:
+    if not cfg.algorithm.offline and cfg.rollout.engine.kv_cache_memory_bytes is not None:
         # the run's own check of a set KV budget (a null one is sized from the GPU at start)
-        check_kv_cache(arch, cfg.rollout, dtype=cfg.precision.dtype, gpu=True)
+        check_kv_cache(arch, cfg.rollout.engine, dtype=cfg.precision.dtype, gpu=True)
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without torch.distributed initialised")
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -349,11 +351,12 @@ def _count(chunks: list[torch.nn.Module], arch: ModelArch) -> list[Chunk]:
 def _notes(cfg: RunConfig, job_world: int) -> list[str]:
     p = cfg.precision
     notes = []
-    if cfg.rollout.placement == "separate":
-        first = job_world - cfg.rollout.ranks
+    if cfg.rollout.placement.separate:
+        first = job_world - cfg.rollout.placement.ranks
         notes.append(
             f"placement: separate; ranks {first}-{job_world - 1} of {job_world} host vLLM "
-            f"engines only (rollout.ranks={cfg.rollout.ranks}), the layout above is the trainers'"
+            f"engines only (rollout.placement.ranks={cfg.rollout.placement.ranks}), the layout "
+            "above is the trainers'"
         )
     adapters = cfg.model.lora
     models = [

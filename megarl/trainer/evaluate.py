@@ -72,13 +72,13 @@ def check_eval(cfg: RunConfig, arch) -> None:
     ev = cfg.eval
     if not (ev.every or ev.path or ev.fraction):
         return
-    tokens = ev.max_tokens or cfg.rollout.max_tokens
+    tokens = ev.max_tokens or cfg.rollout.sampling.max_tokens
     longest = cfg.data.max_prompt_length + tokens
-    limit = cfg.rollout.max_model_len or arch.max_position_embeddings
+    limit = cfg.rollout.engine.max_model_len or arch.max_position_embeddings
     if longest > limit:
         what = (
-            "rollout.max_model_len"
-            if cfg.rollout.max_model_len
+            "rollout.engine.max_model_len"
+            if cfg.rollout.engine.max_model_len
             else "the model's max_position_embeddings"
         )
         raise ConfigError(
@@ -123,7 +123,7 @@ class Evaluator:
             n=ev.n,
             greedy=greedy,
             temperature=None if greedy else ev.temperature,
-            max_tokens=ev.max_tokens or self.cfg.rollout.max_tokens,
+            max_tokens=ev.max_tokens or self.cfg.rollout.sampling.max_tokens,
         )
         index = [mine.start + i for i in rollout.prompt_index]  # held-out prompt of each sample
         local = LocalMetrics()

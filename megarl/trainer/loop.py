@@ -112,11 +112,10 @@ def train(cfg: RunConfig, out_dir: str, job: Job | None = None) -> Run:
 
 # ---------------------------------------------------------------------- the named steps
 def generate(run: Run):
-    """This DP rank's prompts and their samples (each prompt generated once, by the engines of
-    its model-parallel group); then the engine sleeps (GPU: frees its
-    weights and KV cache for the trainer) until the next weight sync wakes it. With
-    `algorithm.max_staleness` k > 0 the rollout also learns the next k steps' requests, which
-    it may start generating now."""
+    """This DP rank's prompts and their samples (each prompt generated once, by the engines of its
+    model-parallel group); then the engine sleeps (GPU: frees its weights and KV cache for the
+    trainer) until the next weight sync wakes it. With `rollout.placement.max_staleness` k > 0 the
+    rollout also learns the next k steps' requests, which it may start generating now."""
     prompts = run.data.dataset.batch(run.data.sampler.next_step())
     request = step_request(run, prompts, run.step)
     rollout = run.rollout.generate(*request, upcoming=upcoming_requests(run))
@@ -133,13 +132,13 @@ def step_request(run: Run, prompts: PromptBatch, step: int) -> tuple[PromptBatch
 
 
 def upcoming_requests(run: Run) -> list[tuple[PromptBatch, list[int], int]]:
-    """The requests of the next `algorithm.max_staleness` steps (none past the last), drawn
+    """The requests of the next `rollout.placement.max_staleness` steps (none past the last), drawn
     from a copy of the prompt sampler: the run's own advances one step per trained step, so a
     checkpoint holds the trained position and a resumed run asks for the same prompts."""
-    if run.cfg.algorithm.max_staleness == 0:
+    if run.cfg.rollout.placement.max_staleness == 0:
         return []
     ahead = copy.deepcopy(run.data.sampler)
-    last = min(run.step + run.cfg.algorithm.max_staleness, run.cfg.trainer.steps - 1)
+    last = min(run.step + run.cfg.rollout.placement.max_staleness, run.cfg.trainer.steps - 1)
     return [
         step_request(run, run.data.dataset.batch(ahead.next_step()), step)
         for step in range(run.step + 1, last + 1)
@@ -168,7 +167,9 @@ def forward_passes(run: Run, batch: StepBatch) -> None:
     logprobs, and critic values, into `batch`'s fields (last PP stage; None elsewhere)."""
     g, m = run.groups, run.models
     split = dict(micro=run.micro_batching, groups=g)
-    kw = dict(split, vocab_size=run.arch.vocab_size, temperature=run.cfg.rollout.temperature)
+    kw = dict(
+        split, vocab_size=run.arch.vocab_size, temperature=run.cfg.rollout.sampling.temperature
+    )
     # without the pass, the update's own forward provides the old logprobs (one epoch, one mb)
     if recompute_old_logprobs(run.cfg.algorithm) or not _trains_policy(run):
         batch.old_logprobs = forward_logprobs(m.actor.chunks, batch.fields(), **kw)
@@ -223,7 +224,7 @@ def advantages(run: Run, batch: StepBatch, scored: Scored) -> None:
         scored.rewards,
         scored.group_ids,
         estimator=alg.advantage,
-        num_generations=run.cfg.rollout.n,
+        num_generations=run.cfg.rollout.sampling.n,
         scale=alg.scale,
         group=g.dp,
     )
@@ -255,7 +256,7 @@ def update(run: Run, batch: StepBatch) -> LocalMetrics:
                 actor.sched,
                 batch,
                 alg=alg,
-                rollout=run.cfg.rollout,
+                sampling=run.cfg.rollout.sampling,
                 vocab_size=run.arch.vocab_size,
                 groups=g,
                 seed=seed,

@@ -170,7 +170,7 @@ def build_frozen_policy(cfg: RunConfig, arch: ModelArch, *, gpu: bool) -> Models
 def _maker(cfg: RunConfig, gpu: bool):
     build = BuildConfig(
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        routing_replay=cfg.rollout.routing_replay,
+        routing_replay=cfg.rollout.engine.routing_replay,
         lora=cfg.model.lora,
         critic_lora=cfg.model.critic_lora,
         lora_seed=cfg.trainer.seed,
@@ -322,10 +322,10 @@ def check_scalar_tokenizers(cfg: RunConfig, tokenizer, sources: ScalarSources):
     rm_tokenizer = same = None
     if rm is not None:
         rm_tokenizer, same = reward_tokenizer(rm, tokenizer)
-        longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+        longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens
         if same and longest > rm.arch.max_position_embeddings:
             raise ConfigError(
-                f"data.max_prompt_length + rollout.max_tokens = {longest} exceeds the "
+                f"data.max_prompt_length + rollout.sampling.max_tokens = {longest} exceeds the "
                 f"max_position_embeddings of reward.model ({rm.arch.max_position_embeddings})"
             )
         if dist.get_rank() == 0:

@@ -114,7 +114,6 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage, job: Job | None = None
             groups=groups,
             dtype=cfg.precision.dtype,
             out_dir=out_dir,
-            max_staleness=cfg.algorithm.max_staleness,
             lora=cfg.model.lora if models.actor is not None else None,
             env=cfg.env,
             trajectories=trajectories,

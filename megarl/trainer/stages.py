@@ -140,11 +140,11 @@ class OfflineStage(Stage, Protocol):
 
 def check_rollout_length(cfg: RunConfig, arch: ModelArch) -> None:
     """The longest sampled sequence (prompt + response) fits the model."""
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+    longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens
     if longest > arch.max_position_embeddings:
         raise ConfigError(
-            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_tokens "
-            f"({cfg.rollout.max_tokens}) = {longest} exceeds the model's "
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.sampling.max_tokens "
+            f"({cfg.rollout.sampling.max_tokens}) = {longest} exceeds the model's "
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
 

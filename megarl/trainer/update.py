@@ -145,14 +145,14 @@ def _has_loss_scaler(optimizer) -> bool:
     return any(getattr(o, "grad_scaler", None) is not None for o in inner)
 
 
-def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: float):
+def _policy_loss_fn(alg, sampling, vocab_size: int, groups, tokens: float, seqs: float):
     """loss_fn(micro_batch, logits) -> (share of the mini-batch policy loss, metrics): the loss
     `alg.policy_loss` with `alg.policy_loss_options`."""
     opts = alg.policy_loss_options
     loss_of = get_policy_loss(alg.policy_loss)  # the registry: a name it lacks raises here
 
     def loss_fn(micro, logits):
-        kw = dict(vocab_size=vocab_size, tp_group=groups.tp, temperature=rollout.temperature)
+        kw = dict(vocab_size=vocab_size, tp_group=groups.tp, temperature=sampling.temperature)
         ent = None
         if opts.entropy_coef > 0:
             lp, ent = forward.token_logprobs_and_entropy(micro, logits, **kw)
@@ -167,7 +167,7 @@ def _policy_loss_fn(alg, rollout, vocab_size: int, groups, tokens: float, seqs: 
             opts,
             global_tokens=tokens,
             global_seqs=seqs,
-            max_len=rollout.max_tokens,
+            max_len=sampling.max_tokens,
             sampler_logprobs=micro["sampler_logprobs"] if opts.off_policy.active else None,
             entropy=ent,
             ref_logprobs=micro["ref_logprobs"] if opts.kl_coef > 0 else None,
@@ -211,7 +211,7 @@ def train_policy(
     batch: StepBatch,
     *,
     alg,
-    rollout,
+    sampling,
     vocab_size: int,
     groups,
     seed: int,
@@ -220,7 +220,8 @@ def train_policy(
     """PPO/GRPO-family policy update on this rank's batch; returns this rank's metrics (shares
     on the last stage; optimizer figures on every rank). Without `batch.old_logprobs`
     (`recompute_old_logprobs` false: one epoch, one mini-batch) the update's own detached
-    logprobs serve as the old ones, and are stored into `batch.old_logprobs` (last stage)."""
+    logprobs serve as the old ones, and are stored into `batch.old_logprobs` (last stage).
+    `sampling`: what the samples were drawn with (`rollout.sampling`: its temperature)."""
     reuse = batch.old_logprobs is None and groups.is_last_stage
     if reuse and (alg.ppo_epochs > 1 or alg.mini_batches > 1):
         raise ValueError("train_policy: old_logprobs are required with several epochs/mini-batches")
@@ -230,7 +231,7 @@ def train_policy(
             batch.old_logprobs = _assemble_rows(out, rows, batch.tokens.shape)
 
     objective = Objective(
-        lambda tokens, seqs: _policy_loss_fn(alg, rollout, vocab_size, groups, tokens, seqs),
+        lambda tokens, seqs: _policy_loss_fn(alg, sampling, vocab_size, groups, tokens, seqs),
         loss_key="loss",
         prefix="",
     )

@@ -53,10 +53,10 @@ def optimizer(chunks, dtype: str):
     return build_optimizer(chunks, OptimConfig(lr=LR, clip_grad=1.0), dtype=dtype, total_steps=4)
 
 
-def rollout_cfg(n: int, max_tokens: int):
-    from megarl.rollout.config import RolloutConfig
+def sampling_cfg(n: int, max_tokens: int):
+    from megarl.rollout.config import SamplingConfig
 
-    return RolloutConfig(n=n, max_tokens=max_tokens, temperature=1.0)
+    return SamplingConfig(n=n, max_tokens=max_tokens, temperature=1.0)
 
 
 def grpo_advantages(groups, batch):

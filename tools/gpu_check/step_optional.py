@@ -63,7 +63,7 @@ def _generated(fig, out) -> None:
 
 
 def engine(fig, st) -> None:
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import EngineConfig, SamplingConfig
     from megarl.rollout.engine.engine import RolloutEngine
 
     a = common.arch("tiny")
@@ -73,8 +73,10 @@ def engine(fig, st) -> None:
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(dict(common.ARCHS["tiny"], torch_dtype="bfloat16"), f)
-    cfg = RolloutConfig(n=2, max_tokens=8, stop_token_ids=(), gpu_memory_utilization=0.2)
-    st.engine = RolloutEngine(model_dir, a, cfg, dtype="bf16")
+    cfg = SamplingConfig(n=2, max_tokens=8, stop_token_ids=())
+    st.engine = RolloutEngine(
+        model_dir, a, cfg, EngineConfig(gpu_memory_utilization=0.2), dtype="bf16"
+    )
     _generated(fig, st.engine.generate([[1, 2, 3, 4]], seed=0))
 
 

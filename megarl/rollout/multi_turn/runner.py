@@ -7,7 +7,7 @@ batching, one scheduler step at a time).
 The runner generates through a small protocol (`TurnGenerator`), which the worker that owns the
 engine implements (`megarl.rollout.placement.worker`): it stamps each turn's tokens with the
 policy version that sampled them and lands weight updates between waves or steps. With an
-instance of several ranks (GPU, rollout.tensor_parallel > 1, waves only), its first rank runs
+instance of several ranks (GPU, rollout.engine.tensor_parallel > 1, waves only), its first rank runs
 the trajectories and sends every wave's requests to the others, which generate the same
 requests (vLLM's SPMD executor needs every rank to submit them).
 

@@ -95,7 +95,7 @@ class EnvironmentFailed(Exception):
 @dataclass
 class TurnLimits:
     max_tokens: int
-    """Per turn (rollout.max_tokens or the call's override)."""
+    """Per turn (rollout.sampling.max_tokens or the call's override)."""
     max_model_len: int
 
 

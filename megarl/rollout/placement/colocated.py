@@ -1,4 +1,4 @@
-"""`rollout.placement: colocated`: a vLLM engine in every trainer rank, in the trainer's process.
+"""`rollout.placement.mode: colocated`: a vLLM engine in every trainer rank, in its process.
 
 Each rank's engine is driven by a `RolloutWorker`; the dispatcher has each prompt generated
 once by the engines of its model-parallel group (`megarl.rollout.placement.dispatch`); the
@@ -77,14 +77,15 @@ class ColocatedRollout:
         dist.barrier()
         adapters = lora is not None and lora.enabled and not lora.merge
         engine = RolloutEngine(
-            model_dir, arch, cfg, dtype=dtype, lora_rank=lora.rank if adapters else 0
-        )
+            model_dir, arch, cfg.sampling, cfg.engine, dtype=dtype,
+            lora_rank=lora.rank if adapters else 0,
+        )  # fmt: skip
         if adapters:
             sender = ColocatedAdapters(policy, arch, engine, groups, lora)
         else:
             sender = ColocatedWeights(policy, arch, engine, groups)
         worker = RolloutWorker(engine, trajectories, env)
-        dispatcher = RolloutDispatcher(cfg.tensor_parallel, groups.dp_rank)
+        dispatcher = RolloutDispatcher(cfg.engine.tensor_parallel, groups.dp_rank)
         return ColocatedRollout(worker, sender, dispatcher, system_prompt)
 
     # ------------------------------------------------------------------ RolloutComponent

@@ -40,8 +40,8 @@ class DispatchPlan:
         world = len(dp_of)
         if vllm_tp < 1 or world % vllm_tp:
             raise ValueError(
-                f"rollout.tensor_parallel={vllm_tp} must divide the world size {world}: vLLM "
-                "instances are blocks of that many consecutive ranks"
+                f"rollout.engine.tensor_parallel={vllm_tp} must divide the world size {world}: "
+                "vLLM instances are blocks of that many consecutive ranks"
             )
         blocks = tuple(tuple(range(s, s + vllm_tp)) for s in range(0, world, vllm_tp))
         return DispatchPlan(blocks, tuple(dp_of))

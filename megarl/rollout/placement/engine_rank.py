@@ -1,4 +1,4 @@
-"""An engine rank of `rollout.placement: separate`: a `RolloutWorker` driven over the link by
+"""An engine rank of `rollout.placement.mode: separate`: a `RolloutWorker` driven over the link by
 trainer rank 0 (the protocol: `megarl.rollout.placement.separate`).
 
 Every answer names the request it answers (`op`). Generate requests are answered in the order
@@ -8,8 +8,8 @@ takes a sample with a token of its version). Two ways to generate:
 
 - Whole requests (the default): a generate request runs to its end before the next message is
   read, so an update sent meanwhile waits for it.
-- In-flight updates (`rollout.inflight_updates`): every sample is its own continuous request
-  (`RolloutWorker.submit`; a request sent while another still decodes joins it), and the loop
+- In-flight updates (`rollout.placement.inflight_updates`): every sample is its own continuous
+  request (`RolloutWorker.submit`; a request sent while another still decodes joins it), the loop
   reads the next message between scheduler steps, where a weight update lands
   (`RolloutWorker.update`). With trajectories the worker polls for updates between two waves
   of turns or two scheduler steps (`poll`); a message other than a weight update waits for the
@@ -114,9 +114,9 @@ class EngineRank:
     def _start(self, msg: dict) -> RolloutWorker:
         write_model_dir(self.model_dir, msg["arch"])
         cfg = msg["cfg"]
-        self.inflight = cfg.inflight_updates
+        self.inflight = cfg.placement.inflight_updates
         engine = RolloutEngine(
-            self.model_dir, msg["arch"], cfg, dtype=msg["dtype"],
+            self.model_dir, msg["arch"], cfg.sampling, cfg.engine, dtype=msg["dtype"],
             lora_rank=msg.get("lora_rank", 0), updates_between_steps=self.inflight,
         )  # fmt: skip
         trajectories = None

@@ -1,4 +1,5 @@
-"""`rollout.placement: separate`: vLLM engines on ranks of their own, the trainer on the rest.
+"""`rollout.placement.mode: separate`: vLLM engines on ranks of their own, the trainer on the
+rest.
 
 The trainer sees a `RolloutComponent` (`SeparateRollout`); each engine rank runs a worker
 driven over the link (`megarl.rollout.placement.engine_rank`), which answers trainer rank 0 in
@@ -109,7 +110,6 @@ class SeparateRollout:
         dtype: str,
         job: Job,
         *,
-        max_staleness: int = 0,
         lora: LoraConfig | None = None,
         env: EnvConfig | None = None,
         tokenizer=None,
@@ -122,7 +122,7 @@ class SeparateRollout:
         trajectories from."""
         multi_turn = env is not None and env.multi_turn
         rollout = SeparateRollout(
-            job, groups, max_staleness=max_staleness, system_prompt=system_prompt,
+            job, groups, max_staleness=cfg.placement.max_staleness, system_prompt=system_prompt,
             multi_turn=multi_turn,
         )  # fmt: skip
         adapters = lora if lora is not None and lora.enabled and not lora.merge else None
@@ -253,7 +253,7 @@ class SeparateRollout:
                 raise StaleRolloutError(
                     f"engine {e} generated with policy version {self.version - behind}, the "
                     f"trainer's is {self.version}: {behind} updates behind, "
-                    f"algorithm.max_staleness={self.max_staleness}"
+                    f"rollout.placement.max_staleness={self.max_staleness}"
                 )
         self._generated = sum(len(r["rollout"]) for r in replies)
         return merge_samples(request.shares, request.chunks, [r["rollout"] for r in replies])

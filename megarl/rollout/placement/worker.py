@@ -165,11 +165,11 @@ class RolloutWorker:
     # ------------------------------------------------------------------ TurnGenerator
     @property
     def n(self) -> int:
-        return self.engine.cfg.n
+        return self.engine.sampling.n
 
     @property
     def max_tokens(self) -> int:
-        return self.engine.cfg.max_tokens
+        return self.engine.sampling.max_tokens
 
     @property
     def max_model_len(self) -> int:
