@@ -20,12 +20,16 @@ is collective.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megarl.distributed.consensus import failed_ranks
 from megarl.models.builder import unwrap
 from megarl.models.optim import master_pairs
-from megarl.trainer.models import Models
+
+if TYPE_CHECKING:
+    from megarl.trainer.models import Models
 
 FP8_TOLERANCE = 0.25
 """Largest relative L2 distance, per tensor, between an FP8 weight (dequantized) and its fp32
