@@ -411,7 +411,7 @@ FP8_RECIPE_CAPABILITY = {
 def check_fp8_recipe_device(recipe: str, capability: tuple[int, int]) -> None:
     """Raise `ModelConfigError` when a GPU of compute `capability` (major, minor) cannot run FP8
     `recipe`. Why before the models are built: megatron-core 0.16.1 builds any recipe without
-    asking the device (`fp8_utils.py:565-568`; its docstring calls mxfp8 "for Blackwell
+    asking the device (`fp8_utils.py:569-572`; its docstring calls mxfp8 "for Blackwell
     architecture only", `transformer/transformer_config.py:441`), and TE refuses it only at the
     first forward (`check_recipe_support`, an assertion inside `fp8_autocast`), after the
     models, the optimizer and the vLLM engine are up."""
