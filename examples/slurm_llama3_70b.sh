@@ -16,6 +16,22 @@
 # the lead time from the "checkpoint written in ... s (longest step so far ... s)" log lines:
 # it must cover one step plus one save. A requeued job keeps its SLURM_JOB_ID, so the run
 # directory below stays the same; a new sbatch names it with RUN_NAME.
+#
+# Network: megarl sends object collectives, barriers, metrics and the separate placement's
+# weights over gloo, which finds each rank's address by resolving the host's own name; on hosts
+# whose name resolves to 127.0.1.1 (Debian / Ubuntu's /etc/hosts) the first cross-node gloo
+# collective times out. The script therefore names an interface for gloo and for NCCL's
+# bootstrap: the one that carries this node's default route, unless you export
+# GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME yourself (e.g. ib0, or the interface `ip -o route get
+# <another node's address>` names). srun passes the values to every node: the interface name
+# must be the same on all of them (docs/troubleshooting.md).
+#
+# The same script on one CPU node (tests/test_slurm.py runs it under a real Slurm controller):
+# options given to sbatch on its command line override the #SBATCH lines (--nodes=1
+# --gpus-per-node=0 --cpus-per-task=2, and --time / --signal for a short lead), and three
+# variables, whose defaults are the 70B run, choose what runs: MEGARL_CONFIG (the config file;
+# empty: megarl's embedded default, the tiny CPU task), NPROC_PER_NODE (ranks per node, 8) and
+# RUN_ROOT (runs). Nothing else differs.
 #SBATCH --job-name=megarl-70b
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1          # one torchrun per node; it starts the 8 ranks of the node
@@ -28,6 +44,8 @@
 #SBATCH --open-mode=append           # a requeued job appends to its log instead of truncating it
 set -euo pipefail
 
+CONFIG=${MEGARL_CONFIG-examples/grpo_llama3_70b_fp8.yaml}
+NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 RUN_NAME=${RUN_NAME:-llama3-70b-${SLURM_JOB_ID}}
 RUN_DIR=${RUN_ROOT:-runs}/$RUN_NAME
 mkdir -p "$RUN_DIR"
@@ -39,6 +57,14 @@ echo "megarl run directory $RUN_DIR (job $SLURM_JOB_ID, restart ${SLURM_RESTART_
 # head would close the pipe early, and with pipefail scontrol's SIGPIPE would end the script)
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export MASTER_ADDR=$head_node MASTER_PORT=${MASTER_PORT:-29500}
+# gloo and NCCL's bootstrap on a named interface (see "Network" above)
+default_if=$(ip -o route show default 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p' || true)
+default_if=${default_if%%$'\n'*}  # the first default route's
+if [[ -n ${GLOO_SOCKET_IFNAME:-$default_if} ]]; then
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$default_if}
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$GLOO_SOCKET_IFNAME}
+  echo "gloo sockets on $GLOO_SOCKET_IFNAME, NCCL's bootstrap on $NCCL_SOCKET_IFNAME"
+fi
 
 # megatron-core overlaps TP communication with compute only with a single CUDA work queue
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -60,10 +86,10 @@ trap 'echo "USR1: asking megarl to stop after the current step"; touch "$RUN_DIR
 # saves at the next step boundary, so give it a step plus a save when Slurm's KillWait allows.
 # Run in the background: bash runs a trap only between commands, and `wait` is one.
 srun --kill-on-bad-exit=1 torchrun \
-  --nnodes "$SLURM_NNODES" --nproc_per_node 8 \
+  --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" \
   --max-restarts 2 --shutdown-timeout 120 \
-  -m megarl train examples/grpo_llama3_70b_fp8.yaml --out "$RUN_DIR" "$@" &
+  -m megarl train ${CONFIG:+"$CONFIG"} --out "$RUN_DIR" "$@" &
 step=$!
 status=0
 while :; do

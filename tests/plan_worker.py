@@ -5,7 +5,8 @@ mmap threshold pinned by the caller, see tests/test_memory_bounds.py): the refer
 the actor (weights + megatron DDP's fp32 grad buffer), the policy loss over `micros`
 micro-batches through megatron's schedule (activations + the loss over the vocabulary: the
 peak), a forward pass without grad (the logprob pass), then the optimizer's construction and
-first step (Adam's state: fp32 master copies of 16-bit weights, then m and v).
+first step (Adam's state: fp32 master copies of 16-bit weights, m and v, all made when
+`build_optimizer` builds it).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def measure(
             )
     out["logprobs"] = m.growth
     out["logprobs_held"] = rss() - m.base
-    with PeakRSS() as m:  # Adam's state: fp32 master copies at construction, m and v at step 1
+    with PeakRSS() as m:  # Adam's state: masters, m and v, made by build_optimizer
         optimizer, _ = build_optimizer(actor, OptimConfig(lr=1e-5), dtype=dtype)
         optimizer.step()
     out["optimizer"] = m.growth
@@ -155,7 +156,7 @@ def measure_lora(rank, world, hf: dict, dtype: str, lora_rank: int, role: str = 
     params = [p for c in chunks for p in c.parameters()]
     buffers = [b for c in chunks for b in c.buffers]
     optimizer, _ = build_optimizer(chunks, OptimConfig(lr=1e-5), dtype=dtype)
-    optimizer.step()  # Adam's m and v are made at the first step
+    optimizer.step()  # the state after a real step (m and v exist from the build on)
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     masters = [p for o in inner for g in o.param_groups for p in g["params"]]
     fp32_params = {p.data_ptr() for p in params if p.dtype == torch.float32}

@@ -72,7 +72,8 @@ def test_without_gpu_every_gpu_check_skips(tmp_path):
         ("train", "build"), ("train", "forward"), ("train", "grpo_update"),
         ("train", "ppo_update"), ("train", "cpu_parity"), ("sync", "plan"), ("sync", "writer"),
         ("throughput", "llama_1b"), ("throughput", "llama_7b"),
-        ("optional", "transformer_engine"), ("optional", "fp8"), ("optional", "vllm_engine"),
+        ("train", "optimizer_state"), ("optional", "transformer_engine"), ("optional", "fp8"),
+        ("optional", "fp8_param_masters"), ("optional", "vllm_engine"),
     ]  # fmt: skip
     for key in gpu_checks:
         assert by[key]["status"] == "SKIP", (key, by[key])
@@ -87,8 +88,11 @@ def test_cpu_mode_runs_trainer_and_sync_steps(tmp_path):
                                 GPU_CHECK_PYTHON=sys.executable)  # fmt: skip
     assert rc == 0, console
     by = _by_check(records)
-    for check in ("build", "forward", "grpo_update", "ppo_update", "cpu_parity"):
+    for check in ("build", "forward", "grpo_update", "ppo_update", "optimizer_state", "cpu_parity"):
         assert by[("train", check)]["status"] == "PASS", (check, by[("train", check)], console)
+    state = by[("train", "optimizer_state")]["figures"]  # Adam's moments before any step
+    assert state["with_state"] == state["optimizer_params"] > 0 and state["steps"] == [0.0]
+    assert state["moment_bytes"] == 2 * 4 * state["params"]  # fp32: the masters are views
     parity = by[("train", "cpu_parity")]["figures"]
     assert parity["logprob_abs_diff_mean"] <= 1e-4 and parity["loss_abs_diff"] <= parity["loss_tol"]
     for check in ("plan", "writer"):

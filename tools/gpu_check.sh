@@ -5,10 +5,12 @@
 #
 # Steps (tools/gpu_check/*.py, each in its own process under `timeout`, in priority order):
 #   env         versions, GPU, megarl's process-group init + CPU/CUDA collectives, matmul, d2d copy
-#   train       actor/reference/critic, logprobs, GRPO + PPO updates, bf16 GPU vs fp32 CPU parity
+#   train       actor/reference/critic, logprobs, GRPO + PPO updates, Adam state before the
+#               free-memory check, bf16 GPU vs fp32 CPU parity
 #   sync        weight-sync writer into vLLM-layout device tensors at 7B shapes, bitwise
 #   throughput  tokens/s and MFU of a training step (1B, then 7B if it fits)
-#   optional    Transformer-Engine, FP8, vLLM engine, sleep/wake, prefix cache (SKIP if absent)
+#   optional    Transformer-Engine, FP8, FP8-parameter masters, vLLM engine, sleep/wake,
+#               prefix cache (SKIP, naming the package, where one is absent)
 # Results: ${OUT:-gpu_check_out}/gpu_check.jsonl (one JSON object per check), gpu_check.log
 # (every step's output), gpu_check_table.txt. Never stops at a failure; exit 1 if a check FAILed.
 # Without a GPU every GPU check is a SKIP (exit 0); --cpu runs the steps on CPU, fp32, tiny.
@@ -31,7 +33,7 @@ while [ $# -gt 0 ]; do
     --cpu) MODE=cpu ;;
     --only) ONLY=${2:-}; shift ;;
     --budget) BUDGET=${2:-450}; shift ;;
-    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (accepted: --cpu, --only STEPS, --budget S)" >&2
        exit 2 ;;
   esac

@@ -301,6 +301,11 @@ class PrecisionConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def active_fp8_recipe(self) -> str | None:
+        """`fp8_recipe` when FP8 is on, else None (what megatron's optimizer is given)."""
+        return self.fp8_recipe if self.fp8 is not None else None
+
 
 def transformer_config(
     arch: ModelArch, parallel, precision: PrecisionConfig, *, gpu: bool, routing_replay=False
@@ -317,6 +322,7 @@ def transformer_config(
                 "this process runs on CPU. Set precision.fp8=null."
             )
         require_transformer_engine("precision.fp8")
+        check_fp8_recipe_device(precision.fp8_recipe, torch.cuda.get_device_capability())
         check_fp8_shapes(arch, parallel, precision)
     dtype = precision.torch_dtype
     kw = dict(
@@ -390,6 +396,43 @@ def transformer_config(
     if precision.fp8 is not None:
         kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)
     return TransformerConfig(**kw)
+
+
+FP8_RECIPE_CAPABILITY = {
+    "delayed": ((8, 9), None),
+    "tensorwise": ((8, 9), None),
+    "blockwise": ((9, 0), None),
+    "mxfp8": ((10, 0), (12, 0)),
+}
+"""{recipe: (lowest compute capability, first one refused or None)} of Transformer-Engine 2.9's
+`check_fp8_support`, `check_fp8_block_scaling_support` and `check_mxfp8_support`
+(`transformer_engine/pytorch/quantization.py:46-87`)."""
+
+
+def check_fp8_recipe_device(recipe: str, capability: tuple[int, int]) -> None:
+    """Raise `ModelConfigError` when a GPU of compute `capability` (major, minor) cannot run FP8
+    `recipe`. Why before the models are built: megatron-core 0.16.1 builds any recipe without
+    asking the device (`fp8_utils.py:569-572`; its docstring calls mxfp8 "for Blackwell
+    architecture only", `transformer/transformer_config.py:441`), and TE refuses it only at the
+    first forward (`check_recipe_support`, an assertion inside `fp8_autocast`), after the
+    models, the optimizer and the vLLM engine are up."""
+    cap = tuple(capability)
+
+    def runs(r: str) -> bool:
+        low, high = FP8_RECIPE_CAPABILITY[r]
+        return low <= cap and (high is None or cap < high)
+
+    if runs(recipe):
+        return
+    low, high = FP8_RECIPE_CAPABILITY[recipe]
+    need = f"{low[0]}.{low[1]} or higher" if high is None else f"{low[0]}.x to {high[0] - 1}.x"
+    fits = [r for r in FP8_RECIPE_CAPABILITY if runs(r)]
+    raise ModelConfigError(
+        f"precision.fp8_recipe={recipe} needs a GPU of compute capability {need} "
+        f"(Transformer-Engine's check); this GPU has {cap[0]}.{cap[1]}"
+        + (" (Hopper)" if cap[0] == 9 else "")
+        + (f"; accepted on it: {', '.join(fits)}" if fits else "; use precision.fp8: null")
+    )
 
 
 def check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> None:

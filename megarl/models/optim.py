@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
+
+from megarl.models.builder import drop_preserved_init
 
 LR_STYLES = ("constant", "linear", "cosine")
 
@@ -42,33 +45,28 @@ class OptimConfig:
 
 
 def build_optimizer(
-    chunks: list[torch.nn.Module], cfg: OptimConfig, *, dtype: str, total_steps: int = 1
+    chunks: list[torch.nn.Module],
+    cfg: OptimConfig,
+    *,
+    dtype: str,
+    total_steps: int = 1,
+    fp8_recipe: str | None = None,
 ):
-    """(optimizer, lr scheduler) for DDP-wrapped `chunks`. Also wires megatron's grad finalisation
-    (DP reduce, TP reduce of sequence-parallel/qk-norm grads, tied-embedding sync) into the
-    chunks' config, which the schedule calls after the last backward."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """(optimizer, lr scheduler) for DDP-wrapped `chunks` that hold their starting weights. The
+    optimizer's fp32 masters are read from the parameters as they are now (`reload_masters`) and
+    its Adam state is allocated (`allocate_state`). Also wires megatron's grad finalisation (DP
+    reduce, TP reduce of sequence-parallel/qk-norm grads, tied-embedding sync) into the chunks'
+    config, which the schedule calls after the last backward. `fp8_recipe`:
+    `precision.fp8_recipe` when FP8 is on (megatron's DistributedOptimizer shards FP8
+    parameters by it), else None."""
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    oc = OptimizerConfig(
-        optimizer="adam",
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2,
-        adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad,
-        bf16=dtype == "bf16",
-        fp16=dtype == "fp16",
-        # fp16's dynamic loss scale starts at 2**16 (torch's GradScaler default), not megatron's
-        # 2**32: with one optimizer step per RL step, each overflow back-off costs a rollout
-        initial_loss_scale=2.0**16,
-        params_dtype=torch.float32,
-        use_distributed_optimizer=cfg.distributed,
-    )
+    oc = megatron_config(cfg, dtype=dtype, fp8_recipe=fp8_recipe)
     wire_grad_finalization(chunks)
     opt = get_megatron_optimizer(oc, chunks)
+    reload_masters(opt, chunks)
+    allocate_state(opt)
     if dtype == "fp16":
         # megatron's fp16 optimizer unscales the grads by its dynamic loss scale before the
         # step; the schedule scales the loss by it only through `config.grad_scale_func`
@@ -90,6 +88,93 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return opt, sched
+
+
+def megatron_config(cfg: OptimConfig, *, dtype: str, fp8_recipe: str | None = None):
+    """megatron-core's `OptimizerConfig` for `cfg` at parameter dtype `dtype` (fp32, bf16,
+    fp16). `fp8_recipe` goes to it as Megatron-LM passes `--fp8-recipe`: the
+    DistributedOptimizer shards an FP8 parameter as a flat view only under "delayed"
+    (megatron-core 0.16.1 `optimizer/distrib_optimizer.py:364`)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        # fp16's dynamic loss scale starts at 2**16 (torch's GradScaler default), not megatron's
+        # 2**32: with one optimizer step per RL step, each overflow back-off costs a rollout
+        initial_loss_scale=2.0**16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=cfg.distributed,
+        fp8_recipe=fp8_recipe,
+    )
+
+
+def reload_masters(optimizer, chunks: list[torch.nn.Module]) -> None:
+    """Set the optimizer's fp32 masters from the parameters as they are now, then drop the
+    high-precision init values Transformer-Engine kept on the parameters (`drop_preserved_init`).
+
+    Why: with `precision.fp8_param` megatron builds the layers under TE's
+    `fp8_model_init(preserve_high_precision_init_val=torch.is_grad_enabled())`
+    (megatron-core 0.16.1 `fp8_utils.py:640-645`), so each FP8 weight keeps a host copy of its
+    random initial value, and the DistributedOptimizer takes its masters from that copy
+    (`optimizer/distrib_optimizer.py:384-393`), not from the weights loaded into the model
+    afterwards: the first step would write random init + update into every weight. Megatron-LM
+    calls `reload_model_params()` after loading weights without the optimizer's state for the
+    same reason (`megatron/training/checkpointing.py`, `load_checkpoint`). For 16-bit and fp32
+    parameters it sets the masters to the values they already hold."""
+    optimizer.reload_model_params()
+    drop_preserved_init(chunks)
+
+
+def allocate_state(optimizer) -> None:
+    """Allocate Adam's state now, as the inner optimizer's first `step()` would (zero moments;
+    torch's per-parameter step count at 0, TE FusedAdam's per-group count untouched), without
+    taking a step: the first real step is then the same, bit for bit.
+
+    Why: neither torch's Adam nor TE's FusedAdam allocates its moments before the first step, so
+    the memory in use after the models are built (what the free-memory check before vLLM starts
+    reads: `megarl.rollout.engine.checks.check_free_memory`) would be 8 bytes per parameter of this
+    rank's shard short of the steady state."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:  # a stub: this rank holds no trainable parameter of the model
+            continue
+        if isinstance(inner, torch.optim.Adam) or hasattr(inner, "initialize_state"):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if len(inner.state[p]) == 0:
+                        _init_state(inner, group, p)
+        elif getattr(o, "init_state_fn", None) is not None:  # what megatron loads state into
+            o.init_state_fn(inner, o.config)
+
+
+def _init_state(inner, group: dict, p: torch.Tensor) -> None:
+    if isinstance(inner, torch.optim.Adam):  # also AdamW: as torch's `Adam._init_group`
+        if group.get("fused") or group.get("capturable"):
+            step = torch.zeros((), dtype=torch.float32, device=p.device)
+        else:  # torch keeps it on the CPU then, in the default float dtype
+            f64 = torch.get_default_dtype() == torch.float64
+            step = torch.tensor(0.0, dtype=torch.float64 if f64 else torch.float32)
+        state = inner.state[p]
+        state["step"] = step
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group.get("amsgrad"):
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    else:  # TE FusedAdam: what its step() calls for a parameter without state
+        remainders = getattr(inner, "store_param_remainders", False) and p.dtype == torch.bfloat16
+        if "store_param_remainders" in inspect.signature(inner.initialize_state).parameters:
+            inner.initialize_state(p, store_param_remainders=remainders)
+        else:
+            inner.initialize_state(p)
 
 
 def wire_grad_finalization(chunks: list[torch.nn.Module]) -> None:
@@ -120,22 +205,8 @@ def main_param_writer(optimizer):
     several such updates add up. Masters read from the fp32 source instead keep the source's
     offsets from the bf16 grid, so each update moves the compute weights in expectation, as
     autocast over fp32 weights does."""
-    from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params
-
-    targets: dict = {}  # id(param) -> (master, start, end): tensors compare by value
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer):
-            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
-            for model_group, main_group in groups:
-                for p, main in zip(model_group, main_group, strict=True):
-                    # megatron's own map of the slice of `p` this DP rank's master holds
-                    r = opt._get_model_param_range_map(p)["param"]
-                    targets[id(p)] = (main, r.start, r.end)
-        elif isinstance(opt, Float16OptimizerWithFloat16Params):
-            groups = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
-            for model_group, main_group in groups:
-                for p, main in zip(model_group, main_group, strict=True):
-                    targets[id(p)] = (main, 0, p.numel())
+    # tensors compare by value: key by identity
+    targets = {id(p): (main, start, end) for p, main, start, end in master_pairs(optimizer)}
     if not targets:
         return None
 
@@ -150,3 +221,28 @@ def main_param_writer(optimizer):
         main.copy_(flat.view(main.shape))
 
     return write
+
+
+def master_pairs(optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:
+    """(parameter, its fp32 master, start, end) for every parameter whose master is a tensor of
+    its own: the 16-bit and FP8 parameters, under the DistributedOptimizer (the master holds the
+    elements start:end of the flattened parameter, this DP rank's slice) or the Float16Optimizer
+    (the whole parameter). fp32 parameters have none: the DistributedOptimizer's masters of them
+    are views of the parameters, the FP32Optimizer steps the parameters themselves."""
+    from megatron.core.optimizer import DistributedOptimizer, Float16OptimizerWithFloat16Params
+
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.is_stub_optimizer:
+            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
+            for model_group, main_group in groups:
+                for p, main in zip(model_group, main_group, strict=True):
+                    # megatron's own map of the slice of `p` this DP rank's master holds
+                    r = opt._get_model_param_range_map(p)["param"]
+                    out.append((p, main, r.start, r.end))
+        elif isinstance(opt, Float16OptimizerWithFloat16Params):
+            groups = zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True)
+            for model_group, main_group in groups:
+                for p, main in zip(model_group, main_group, strict=True):
+                    out.append((p, main, 0, p.numel()))
+    return out

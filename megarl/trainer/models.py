@@ -11,8 +11,9 @@
   and a new head drawn as transformers initialises one, normal(0, initializer_range)).
 
 Every model is sharded by the run's one topology (the same TP / PP / DP); each rank reads only
-its own shards. Starting weights load before a model's optimizer is built (a
-DistributedOptimizer copies the parameters when it is made).
+its own shards. Starting weights load before a model's optimizer is built, which takes its fp32
+masters from them (`megarl.models.optim.build_optimizer`); `megarl.trainer.invariants` checks
+that they agree before the first step.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def build_trained_reward(
     load_initial_weights(cfg, source_arch, chunks, roles=("reward", "actor"))
     if not source_arch.score_head:
         init_score_head(chunks, arch, cfg.model.init_seed)
-    opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
+    opt, sched = _optimizer(cfg, chunks, cfg.optim, updates)
     full_precision_masters(cfg, source_arch, chunks, opt, roles=("reward", "actor"))
     return Models(reward=Trained(chunks, opt, sched), archs={"reward": arch})
 
@@ -189,9 +190,17 @@ def build_actor(cfg: RunConfig, arch: ModelArch, make, updates: int) -> Trained:
     load_initial_weights(cfg, arch, chunks)
     if cfg.model.lora.init_from:
         load_peft(chunks, cfg.model.lora, cfg.model.lora.init_from)
-    opt, sched = build_optimizer(chunks, cfg.optim, dtype=cfg.precision.dtype, total_steps=updates)
+    opt, sched = _optimizer(cfg, chunks, cfg.optim, updates)
     full_precision_masters(cfg, arch, chunks, opt)
     return Trained(chunks, opt, sched)
+
+
+def _optimizer(cfg: RunConfig, chunks: list, optim, updates: int):
+    """`build_optimizer` for chunks that hold their starting weights, at the run's precision."""
+    prec = cfg.precision
+    return build_optimizer(
+        chunks, optim, dtype=prec.dtype, total_steps=updates, fp8_recipe=prec.active_fp8_recipe
+    )
 
 
 def build_reference(make, arch: ModelArch, actor: Trained) -> list:
@@ -220,9 +229,7 @@ def build_critic(
             copy_weights(reward, chunks)  # the same model at the same layout: no read
         else:
             source.load_into(chunks)
-    opt, sched = build_optimizer(
-        chunks, cfg.critic_optim, dtype=cfg.precision.dtype, total_steps=updates
-    )
+    opt, sched = _optimizer(cfg, chunks, cfg.critic_optim, updates)
     return Trained(chunks, opt, sched)
 
 
@@ -273,12 +280,13 @@ def full_precision_masters(
     """16-bit training: the optimizer's fp32 master weights read again from the starting
     weights' source in its own precision (fp32 HF files, the fp32 random init), not copied from
     the 16-bit parameters (`megarl.models.optim.main_param_writer` says why). The parameters are
-    unchanged: they stay the masters rounded to 16 bits. Nothing to do with LoRA (the frozen
-    base has no masters), `model.mcore_ckpt`, or HF files already in the parameters' dtype (the
-    usual bf16 checkpoint). Not collective."""
+    unchanged: they stay the masters rounded to 16 bits (or quantized to FP8 with
+    `precision.fp8_param`). Nothing to do with LoRA (the frozen base has no masters),
+    `model.mcore_ckpt`, or HF files already in the parameters' dtype (the usual bf16 checkpoint,
+    unless the parameters are FP8). Not collective."""
     if cfg.model.lora.enabled or cfg.model.mcore_ckpt is not None:
         return
-    if cfg.model.hf is not None:
+    if cfg.model.hf is not None and not cfg.precision.fp8_param:
         files = LazyHFTensors(cfg.model.hf)
         if all(files.dtype(n) == cfg.precision.torch_dtype for n in files.names):
             return  # the parameters already hold the files' values exactly: no second read

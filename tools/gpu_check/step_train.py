@@ -20,6 +20,10 @@ micro-batches).
   adapter `B` and no base parameter, the adapters switched off give the base logprobs back
   bitwise (a LoRA run's reference), and the merged weights W + scale B A (the weight sync's
   `lora.merged`) give the adapted logprobs within bf16 tolerance.
+- optimizer_state: a fresh ~56M actor's `build_optimizer` allocates Adam's state (zero moments,
+  step count 0) before any step; on the GPU the allocated memory grows by at least the masters
+  and moments, and `check_free_memory` (the check before vLLM starts) then passes just below the
+  device's free share and refuses just above it: it reads the memory with the state in use.
 - cpu_parity: a ~56M model, the same weights and batch, one GRPO step here (bf16) and in a CPU
   process (fp32, `MEGARL_DEVICE=cpu`, GPU hidden): logprobs and the pre-update loss agree within
   bf16 tolerance. This is the check that the CUDA path computes what the tested CPU path does.
@@ -37,7 +41,15 @@ import common
 import parity
 import rl
 
-CHECKS = ["build", "forward", "grpo_update", "ppo_update", "lora_update", "cpu_parity"]
+CHECKS = [
+    "build",
+    "forward",
+    "grpo_update",
+    "ppo_update",
+    "lora_update",
+    "optimizer_state",
+    "cpu_parity",
+]
 SHAPES = {
     False: dict(
         arch="llama_0.5b",
@@ -366,6 +378,58 @@ def lora_update(fig, st) -> None:
         raise common.Fail(f"merged weights' logprobs differ by {merge_err:.3g} (> {tol})")
 
 
+def optimizer_state(fig, st) -> None:
+    import torch
+
+    a = common.arch(st.shape["parity_arch"])
+    chunks = common.build(a, st.par, st.dtype, "actor", st.device)
+    cuda = st.device == "cuda"
+    before = torch.cuda.memory_allocated() if cuda else 0
+    opt, _ = rl.optimizer(chunks, st.dtype)
+    grown = (torch.cuda.memory_allocated() - before) if cuda else None
+    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    mains = [p for o in inner for g in o.param_groups for p in g["params"]]
+    states = [o.state[p] for o in inner for g in o.param_groups for p in g["params"]]
+    moments = [t for s in states for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    steps = sorted({float(s["step"]) for s in states if "step" in s})
+    state_bytes = sum(t.numel() * t.element_size() for t in moments)
+    master_bytes = 0 if st.dtype == "fp32" else sum(p.numel() * p.element_size() for p in mains)
+    fig.update(
+        params=common.param_count(chunks),
+        with_state=sum(bool(s) for s in states),
+        optimizer_params=len(mains),
+        moment_bytes=state_bytes,
+        master_bytes=master_bytes,
+        steps=steps,
+        allocated_growth_gib=None if grown is None else grown / 2**30,
+    )
+    if not mains or len(moments) != 2 * len(mains) or any(t.any() for t in moments):
+        raise common.Fail("Adam's moments are missing or not zero after build_optimizer")
+    if steps not in ([], [0.0]):
+        raise common.Fail(f"Adam's step count is {steps} before any step")
+    if not cuda:
+        return
+    if grown < state_bytes + master_bytes:
+        raise common.Fail(
+            f"allocated memory grew by {grown / 2**30:.3f} GiB with the optimizer, less than its "
+            f"masters and moments ({(state_bytes + master_bytes) / 2**30:.3f} GiB)"
+        )
+    from megarl.rollout.config import EngineConfig, RolloutConfigError
+    from megarl.rollout.engine.checks import check_free_memory
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = free / total
+    fig["free_share"] = share
+    check_free_memory(EngineConfig(gpu_memory_utilization=max(round(share - 0.02, 2), 0.01)))
+    try:
+        check_free_memory(EngineConfig(gpu_memory_utilization=min(round(share + 0.02, 2), 1.0)))
+    except RolloutConfigError as e:
+        fig["refusal"] = str(e)[:200]
+    else:
+        raise common.Fail(f"check_free_memory let vLLM ask for more than the free {share:.2f}")
+
+
 def body(rec: common.Recorder, args, device: str) -> None:
     sh = SHAPES[args.tiny]
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
@@ -383,6 +447,7 @@ def body(rec: common.Recorder, args, device: str) -> None:
     rec.run("grpo_update", grpo_update, st, needs=["forward"])
     rec.run("ppo_update", ppo_update, st, needs=["forward"])
     rec.run("lora_update", lora_update, st, needs=["forward"])
+    rec.run("optimizer_state", optimizer_state, st, needs=["build"])
     rec.run(
         "cpu_parity", parity.cpu_parity, st, args.scratch, needs=["build"], min_s=40 if big else 10
     )

@@ -2,7 +2,8 @@
 
 - `check_kv_cache`: the KV cache holds at least one sequence of `max_model_len` (with the
   arithmetic); on GPU, `gpu_memory_utilization` leaves room for it beside vLLM's weights.
-- `check_free_memory`: GPU, right before vLLM starts, the device has the memory vLLM will ask for.
+- `check_free_memory`: GPU, right before vLLM starts, the device has the memory vLLM will ask for
+  (one verdict for all ranks).
 - `require_vllm`: vLLM is importable (without importing it).
 - `check_model_dir`: the config.json vLLM reads describes the trainer's model.
 
@@ -17,6 +18,7 @@ import math
 
 import torch
 
+from megarl.distributed.consensus import per_rank
 from megarl.dtypes import BYTES
 from megarl.models.builder import num_params
 from megarl.models.hf_config import ModelArch, arch_from_hf
@@ -67,22 +69,44 @@ def check_kv_cache(arch: ModelArch, cfg: EngineConfig, *, dtype: str, gpu: bool)
     return None
 
 
-def check_free_memory(cfg: EngineConfig) -> None:
+def check_free_memory(cfg: EngineConfig, group=None) -> None:
     """GPU, right before vLLM starts: vLLM V1 refuses to start unless the device has
     `gpu_memory_utilization` x its memory free (`vllm/v1/worker/utils.py`, `request_memory`,
     even with `kv_cache_memory_bytes` set), and the engine is built after the trainer's models
-    and optimizer. Free the allocator's cached blocks, then fail with the value that fits."""
+    and optimizer (with its Adam state, `megarl.models.optim.allocate_state`). Free the
+    allocator's cached blocks, then fail with the value that fits.
+
+    Every rank of `group` (default: the default group, the ranks whose engines start together)
+    gets the same verdict: a rank that went on into vLLM's collective start-up while another
+    had failed here would wait there until the collective timeout. Collective."""
     torch.cuda.empty_cache()  # blocks torch caches count as used for the device
     free, total = torch.cuda.mem_get_info()
-    asked = cfg.gpu_memory_utilization * total
-    if free >= asked:
-        return
+    problem = free_memory_verdict(cfg.gpu_memory_utilization, per_rank([free, total], group))
+    if problem is not None:
+        raise RolloutConfigError(problem)
+
+
+def free_memory_verdict(utilization: float, per_rank_bytes: list[list[float]]) -> str | None:
+    """The error for the rank with the least free share of its GPU among those with less free
+    than `utilization` x their memory, or None when every rank has room. `per_rank_bytes`:
+    [free, total] per rank, by rank."""
+    short = [(f / t, r, f, t) for r, (f, t) in enumerate(per_rank_bytes) if f < utilization * t]
+    if not short:
+        return None
+    _, rank, free, total = min(short)
+    asked = utilization * total
     fits = math.floor(100 * free / total) / 100 - 0.01  # a margin for vLLM's own start-up
-    raise RolloutConfigError(
-        f"rollout.engine.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
+    where = "" if len(per_rank_bytes) == 1 else f" on rank {rank}"
+    others = (
+        f" (short on {len(short)} of {len(per_rank_bytes)} ranks; every rank stops here)"
+        if len(per_rank_bytes) > 1
+        else ""
+    )
+    return (
+        f"rollout.engine.gpu_memory_utilization={utilization} asks vLLM for "
         f"{asked / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, but only "
-        f"{free / 2**30:.1f} GiB are free once the trainer's models and optimizer are built "
-        "(vLLM refuses to start with less free than its share of the whole GPU); "
+        f"{free / 2**30:.1f} GiB are free{where} once the trainer's models and optimizer are "
+        f"built{others} (vLLM refuses to start with less free than its share of the whole GPU); "
         + (
             f"set it to at most {fits:.2f}, "
             if fits > 0
