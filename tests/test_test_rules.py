@@ -77,8 +77,7 @@ class _Module:
     def is_clock(self, node: ast.AST, scope) -> bool:
         names = self.clock_names[id(scope)]
         return any(
-            _is_clock_call(n) or (isinstance(n, ast.Name) and n.id in names)
-            for n in ast.walk(node)
+            _is_clock_call(n) or (isinstance(n, ast.Name) and n.id in names) for n in ast.walk(node)
         )
 
     def is_duration(self, node: ast.AST, scope) -> bool:
@@ -207,7 +206,7 @@ def test_no_test_bounds_the_wall_clock():
     assert found == [], "\n".join(found)
 
 
-MADE_UP = '''
+MADE_UP = """
 import time
 from time import perf_counter
 
@@ -264,7 +263,7 @@ def test_stored_then_iterated():
 def test_unrelated():
     proc = _cli("y")[0]
     assert proc.returncode == 2 and len(proc.stdout) > 0
-'''
+"""
 
 
 def test_the_rule_catches_a_made_up_example():
