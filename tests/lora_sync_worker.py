@@ -13,7 +13,7 @@ from megarl.rollout.config import RolloutConfig
 from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.weight_sync import SyncError
 from tests import lora_worker as lw
-from tests.test_sync_workers import model_dir
+from tests.sync_workers import model_dir
 
 PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7], [200, 11, 64, 31]]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_sync_workers import LLAMA, canonical_state, model_dir
+from tests.sync_workers import LLAMA, canonical_state, model_dir
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}<eos> "

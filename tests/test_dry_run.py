@@ -18,7 +18,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -60,8 +59,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _in_fresh_process(fn, *args):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result(timeout=120)
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        return pool.apply_async(fn, args).get(timeout=120)
+    finally:  # a child still running (hung, or past the timeout) is killed, not left behind
+        pool.terminate()
+        pool.join()
 
 
 def _expected_chunks(hf: dict, *, tp: int, pp: int, vpp: int, pp_rank: int) -> list[tuple]:

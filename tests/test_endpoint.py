@@ -31,7 +31,7 @@ from megarl.rollout.endpoint import ChatEndpoint
 from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.trajectory import TurnLimits, turn_seed
 from megarl.rollout.waves import TurnResult, WaveBatcher
-from tests.test_sync_workers import LLAMA, model_dir
+from tests.sync_workers import LLAMA, model_dir
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from megarl.rollout import cpu_repack
 from megarl.rollout.pieces import PlanError
 from megarl.rollout.plan import RankMeta, SourceParam, build_plan, hf_index_maps
 from megarl.rollout.vllm_layout import check_coverage, pieces_for_module
-from tests import test_sync_workers as w
+from tests import sync_workers as w
 from tests.vllm_targets import fake_vllm
 
 LLAMA = arch_from_hf(w.LLAMA)
