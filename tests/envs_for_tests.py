@@ -20,7 +20,8 @@ SLOW_RELEASED: list[bool] = []
 
 class CopyAgain(Environment):
     """The toy copy task with retries: a wrong copy is answered with the prompt again
-    (`again`, formatted with the row's answer)."""
+    (`again`, formatted with the row's answer). Each step's info counts one tool call, and one
+    tool error for a wrong copy (so the trajectory metrics have values to check)."""
 
     def __init__(self, again: str = " copy {answer}"):
         self.again = again
@@ -31,11 +32,14 @@ class CopyAgain(Environment):
         return messages
 
     def step(self, turn):
+        # counts to log (the trajectory's sums are rollout/tool_calls, rollout/tool_errors): one
+        # "call" per step, an "error" per wrong copy
         if turn.content.strip() == self.answer:
-            return Observation(reward=1.0, done=True)
+            return Observation(reward=1.0, done=True, info={"tool_calls": 1, "tool_errors": 0})
         return Observation(
             messages=[{"role": "user", "content": self.again.format(answer=self.answer)}],
             reward=0.0,
+            info={"tool_calls": 1, "tool_errors": 1},
         )
 
 

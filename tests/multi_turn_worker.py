@@ -351,6 +351,20 @@ def failures(engine, chunks, arch, groups, tok) -> dict:
             "response_len": [len(ro.response_ids[j]) for j in range(0, len(ro), N)],
         }
     }
+    # env.on_tool_error=end: CopyAgain counts a tool error for each wrong copy
+    end_cfg = EnvConfig(
+        name="tests.envs_for_tests:CopyAgain", max_turns=3, max_tokens=40, on_tool_error="end"
+    )
+    mt, _ = _rollout(engine, chunks, arch, groups, end_cfg, tok)
+    batch, positions = prompt_batch(tok, 0, 1)
+    ro = mt.generate(batch, positions, SEED)
+    out["tool_error_end"] = {
+        "finish": list(ro.finish_reason),
+        "errors": [r.error for r in ro.trajectories],
+        "turns": [r.turns for r in ro.trajectories],
+        "tool_errors": [r.info.get("tool_errors", 0) for r in ro.trajectories],
+        "env_reward": [r.env_reward for r in ro.trajectories],
+    }
     slow_cfg = EnvConfig(
         name="tests.envs_for_tests:SlowFirst",
         kwargs={"delay": 120.0},  # a bound on a hang only: the second wave releases it

@@ -365,6 +365,21 @@ def test_failing_environments_end_their_trajectory_and_the_rest_go_on(results):
     assert f["sleeper_woke"] is False  # the sleeping one (30 s) was abandoned at its 2 s limit
 
 
+def test_a_failed_tool_call_ends_the_trajectory_with_on_tool_error_end(results):
+    """`env.on_tool_error: end`: the first step that reports a tool error (CopyAgain: a wrong
+    copy) ends its trajectory with env_error, scored 0; a right copy still stops."""
+    e = results[0]["layouts"]["te1"]["tool_error_end"]
+    failed = [i for i, f in enumerate(e["finish"]) if f == "env_error"]
+    assert failed  # random weights copy wrong
+    assert set(e["finish"]) <= {"env_error", "stop", "length"}  # never a second try
+    for i in failed:
+        assert e["errors"][i] == "a tool call failed (env.on_tool_error=end)"
+        assert e["turns"][i] == 1 and e["tool_errors"][i] == 1 and e["env_reward"][i] == 0.0
+    for i, f in enumerate(e["finish"]):
+        if f == "stop":
+            assert e["tool_errors"][i] == 0 and e["env_reward"][i] == 1.0
+
+
 def test_a_slow_environment_does_not_hold_the_others(results):
     s = results[0]["layouts"]["te1"]["slow"]
     assert s["waves"][0] == 8 * 2  # every trajectory's first turn
