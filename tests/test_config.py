@@ -96,3 +96,14 @@ def test_an_environment_or_agent_reward_alone_is_accepted(env):
 def test_no_reward_at_all_is_refused():
     with pytest.raises(ConfigError, match="no reward.functions, no reward.model and no environ"):
         load_config(None, ENV_ONLY)
+
+
+def test_generating_ahead_needs_separate_engines():
+    """docs/placement.md: max_staleness > 0 with colocated engines is refused by name (they share
+    the trainer's devices); separate engines take it."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.max_staleness=1"])
+    assert "algorithm.max_staleness=1 with rollout.placement=colocated" in str(e.value)
+    assert "accepted: rollout.placement=separate, or algorithm.max_staleness=0" in str(e.value)
+    cfg = load_config(None, ["algorithm.max_staleness=1", "rollout.placement=separate"])
+    assert cfg.algorithm.max_staleness == 1
