@@ -277,3 +277,27 @@ def test_the_rule_catches_a_made_up_example():
     ]
     assert len(marked) == 6
     assert wall_clock_bounds(MADE_UP) == marked
+
+
+def test_every_test_a_page_names_exists():
+    """docs/contributing.md: each user-page claim names its test (`tests/x.py::test_name`); the
+    file and the test function must exist."""
+    import re
+
+    root = TESTS.parent
+    named = []
+    pages = [root / "README.md", *(root / "docs").glob("*.md")]
+    for page in sorted(p for p in pages if p.name != "contributing.md"):  # (it shows the form)
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", page.read_text()):
+            named.append((page.name, path, name))
+    assert len(named) > 40  # the tables of placement.md, multi-turn.md and lora.md
+    missing = []
+    for page, path, name in named:
+        file = root / path
+        defined = set()
+        if file.exists():
+            tree = ast.parse(file.read_text())
+            defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if name not in defined:
+            missing.append(f"{page}: {path}::{name}")
+    assert missing == [], "\n".join(missing)
