@@ -36,11 +36,23 @@ EVAL = ["eval.every=2", "eval.fraction=0.05", "eval.max_prompts=4"]  # steps 0 a
 TRAJECTORIES = 8 * 4  # data.prompts_per_step x rollout.n
 
 
+PPO, ONE = "examples/ppo_tiny_cpu.yaml", {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The colocated PPO run at one rank, 2 steps, evaluated at steps 0 and 2."""
+    out = tmp_path_factory.mktemp("multi_turn") / "straight"
+    _train(out, *ENV, *EVAL, "trainer.steps=2", config=PPO, env=ONE)
+    return out
+
+
 @pytest.mark.slow
-def test_multi_turn_ppo_on_separate_engines_resumes_exactly_and_logs_conversations(tmp_path):
-    straight, halves = tmp_path / "straight", tmp_path / "halves"
-    ppo, one = "examples/ppo_tiny_cpu.yaml", {"OMP_NUM_THREADS": "1"}
-    _train(straight, *ENV, *EVAL, "trainer.steps=2", config=ppo, env=one)
+def test_multi_turn_ppo_on_separate_engines_resumes_exactly_and_logs_conversations(
+    straight, tmp_path
+):
+    halves = tmp_path / "halves"
+    ppo, one = PPO, ONE
     separate = [*ENV, *EVAL, "rollout.placement=separate", "rollout.ranks=1"]
     _train(halves, *separate, "trainer.steps=1", config=ppo, env=one, nproc=2)
     _train(halves, *separate, "trainer.steps=2", config=ppo, env=one, nproc=2)
@@ -90,6 +102,41 @@ def test_multi_turn_ppo_on_separate_engines_resumes_exactly_and_logs_conversatio
     for s in samples:  # a step's reward after every turn but one cut at rollout.max_tokens
         cut = s["finish_reason"] == "length"
         assert s["turns"] - cut <= len(s["turn_rewards"]) <= s["turns"], s
+
+
+# what step 1 draws and scores, before any update: the same at every trainer layout
+ROLLOUT_FIGURES = ("reward_mean", "response_len", "rollout/", "reward/")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(
+            ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], id="tp2-sp"
+        ),
+        pytest.param(["parallel.pipeline_parallel=2"], id="pp2", marks=pytest.mark.extended),
+    ],
+)
+def test_multi_turn_ppo_at_tp2_and_pp2_starts_as_the_one_rank_run(straight, tmp_path, layout):
+    """Two trainer ranks at TP2 with sequence parallelism (extended: PP2), colocated: the
+    held-out evaluation at step 0 and step 1's
+    trajectories and rewards are the one-rank run's exactly (the same weights and seeds at any
+    layout), its losses and values within fp32 reordering; GAE, the trainer's logprobs of the
+    trajectories and a second step run at that layout."""
+    out = tmp_path / "run"
+    _train(out, *ENV, *EVAL, "trainer.steps=2", *layout, config=PPO, env=ONE, nproc=2)
+    ref, rows = _metrics(straight), _metrics(out)
+    assert _evals(rows)[0] == _evals(ref)[0]
+    one, two = _training(ref)[0], _training(rows)[0]
+    drawn = {k for k in one if k.startswith(ROLLOUT_FIGURES) and "time_s" not in k}
+    assert {k: two[k] for k in drawn} == {k: one[k] for k in drawn}
+    assert one["rollout/turns"] > 1  # trajectories went on after a wrong copy
+    for key in ("loss", "pg_loss", "value_loss", "value_mean", "entropy"):
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key
+    for r in _training(rows):
+        _check_trajectory_metrics(r, "rollout")
+        assert r["logprob_mismatch_max"] <= 1e-4  # the engine samples the trainer's weights
 
 
 def _training(rows: list[dict]) -> list[dict]:
