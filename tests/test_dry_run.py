@@ -279,6 +279,7 @@ def _dry_run_cases(cases: dict, world: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # four ranks; CI: the same cases against the trainer's build (above)
 def test_tiny_dry_run_matches_a_real_four_process_gloo_run():
     """The fake process group's groups and the meta build against 4 real gloo ranks (4
     interpreters: the one slow test here, ~70 s on 2 busy cores)."""
