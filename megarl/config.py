@@ -258,7 +258,8 @@ class LoggingConfig:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig
-    """The policy model: where its architecture, weights and tokenizer come from."""
+    """The policy model: where its architecture, weights and tokenizer come from (one of
+    model.hf, model.mcore_ckpt, model.config; `--set` of one replaces the file's)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How the trainer's models are split across ranks (TP, PP, CP, EP; DP is what is left)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -286,10 +287,12 @@ class RunConfig:
 
     def __post_init__(self):
         fns, rl = self.reward.functions, not self.algorithm.offline
-        if rl and not fns and self.reward.model is None:
+        env_reward = self.env.multi_turn and self.reward.env_weight != 0
+        if rl and not fns and self.reward.model is None and not env_reward:
             raise ConfigError(
-                "reward: no reward.functions and no reward.model; accepted: at least one "
-                "function or a reward model"
+                "reward: no reward.functions, no reward.model and no environment reward; "
+                "accepted: at least one function, a reward model, or env.name / env.agent "
+                f"with reward.env_weight != 0 (got {self.reward.env_weight:g})"
             )
         init = self.model.critic_init
         if init != "actor" and self.algorithm.name != "ppo":
@@ -445,6 +448,25 @@ def apply_override(tree: dict, override: str) -> None:
         ) from None
 
 
+MODEL_SOURCES = ("hf", "mcore_ckpt", "config")
+
+
+def _one_model_source(tree: dict, overrides) -> None:
+    """`--set model.hf=DIR` (or model.mcore_ckpt, model.config) replaces the model source the
+    file sets (the embedded default's inline `model.config`, an example's `model.mcore_ckpt`)
+    unless an override sets that one too. The rest of the model section stays (the default's
+    toy tokenizer: the task's reward reads its ids)."""
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return
+    if not any(f"model.{k}" in keys and model.get(k) for k in MODEL_SOURCES):
+        return
+    for k in MODEL_SOURCES:  # several set by overrides: the model section's check names them
+        if f"model.{k}" not in keys and model.get(k):
+            model.pop(k)
+
+
 def _reward_model_alone(tree: dict, overrides) -> None:
     """The embedded default with `--set reward.model=...`: its toy reward functions go unless an
     override names reward.functions (a reward model is never mixed with the toy reward
@@ -499,6 +521,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     overrides = [_new_override(o, moved) for o in overrides]
     for o in overrides:
         apply_override(tree, o)
+    _one_model_source(tree, overrides)
     if path is None:
         _reward_model_alone(tree, overrides)
     if moved and os.environ.get("RANK", "0") == "0":  # (once, not from every rank)

@@ -5,14 +5,23 @@ encodes every message they send."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 from megarl.envs import Environment, Observation
+
+SLEPT = threading.Event()
+"""Set when a `Faulty` "sleep" step ends (after 30 s): still unset when the rollout returned,
+the rollout did not wait for it."""
+SLOW_GO = threading.Event()
+"""`SlowFirst`'s slow rows stay in their first step until this is set (or `delay` passes)."""
+SLOW_RELEASED: list[bool] = []
+"""Per slow first step: True if `SLOW_GO` ended it (not its `delay`)."""
 
 
 class CopyAgain(Environment):
     """The toy copy task with retries: a wrong copy is answered with the prompt again
-    (`again`, formatted with the row's answer)."""
+    (`again`, formatted with the row's answer). Each step's info counts one tool call, and one
+    tool error for a wrong copy (so the trajectory metrics have values to check)."""
 
     def __init__(self, again: str = " copy {answer}"):
         self.again = again
@@ -23,11 +32,14 @@ class CopyAgain(Environment):
         return messages
 
     def step(self, turn):
+        # counts to log (the trajectory's sums are rollout/tool_calls, rollout/tool_errors): one
+        # "call" per step, an "error" per wrong copy
         if turn.content.strip() == self.answer:
-            return Observation(reward=1.0, done=True)
+            return Observation(reward=1.0, done=True, info={"tool_calls": 1, "tool_errors": 0})
         return Observation(
             messages=[{"role": "user", "content": self.again.format(answer=self.answer)}],
             reward=0.0,
+            info={"tool_calls": 1, "tool_errors": 1},
         )
 
 
@@ -45,15 +57,16 @@ class Faulty(CopyAgain):
         if self.fault == "raise":
             raise ValueError("the environment broke")
         if self.fault == "sleep":
-            time.sleep(30)
+            threading.Event().wait(30)
+            SLEPT.set()
         if self.fault == "garbage":
             return {"messages": []}
         return super().step(turn)
 
 
 class SlowFirst(CopyAgain):
-    """CopyAgain whose first step sleeps `delay` seconds on rows with `slow` set (a slow tool):
-    the other trajectories must not wait for it."""
+    """CopyAgain whose first step, on rows with `slow` set (a slow tool), waits until the test
+    sets `SLOW_GO` or `delay` seconds pass: the other trajectories must not wait for it."""
 
     def __init__(self, delay: float = 2.0):
         super().__init__()
@@ -61,7 +74,7 @@ class SlowFirst(CopyAgain):
 
     def step(self, turn):
         if self.row_slow and turn.index == 0:
-            time.sleep(self.delay)
+            SLOW_RELEASED.append(SLOW_GO.wait(self.delay))
         return super().step(turn)
 
     def reset(self, messages, row, seed):

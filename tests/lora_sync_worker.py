@@ -13,7 +13,7 @@ from megarl.rollout.engine.engine import RolloutEngine
 from megarl.rollout.sync.adapters import ColocatedAdapters
 from megarl.rollout.sync.stats import SyncError
 from tests import lora_worker as lw
-from tests.test_sync_workers import model_dir
+from tests.sync_workers import model_dir
 
 PROMPTS = [[3, 17, 42, 9, 100], [5, 6, 7], [200, 11, 64, 31]]
 
@@ -47,6 +47,7 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
         stale = str(e)
     second = sync.sync()
     after = {"adapters": whole_adapters(chunks), **_sample(engine)}
+    misplaced = {name: _misplaced(sync, engine, move) for name, move in MISPLACE.items()}
     # an adapter load that fails: the engine refuses to generate until a sync succeeds again
     bad = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(1)}  # not an adapter key
     failed = []
@@ -79,4 +80,44 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
         "again": again,
         "merged": merged,
         "pp2": at_pp2,
+        "misplaced": misplaced,
     }
+
+
+def _swap_q_k_a(tensors: dict) -> None:
+    """Layer 0's q_proj and k_proj A (both [r, hidden]) trade places."""
+    q = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_A" in k)
+    k = q.replace("q_proj", "k_proj")
+    tensors[q], tensors[k] = tensors[k], tensors[q]
+
+
+def _reverse_q_b_rows(tensors: dict) -> None:
+    """Layer 0's q_proj B with its output rows in reverse order (as shards put back in the wrong
+    order would be): the same values, so the same sums of squares."""
+    q = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_B" in k)
+    tensors[q] = tensors[q].flip(0)
+
+
+MISPLACE = {"swapped": _swap_q_k_a, "permuted": _reverse_q_b_rows}
+
+
+def _misplaced(sync, engine, move) -> str | None:
+    """One sync whose adapters `move` puts in the wrong place on their way into the engine: the
+    error it raises (None: the check passed), then a sync that puts things right."""
+    real = engine.load_adapter
+
+    def load(tensors, config):
+        tensors = dict(tensors)
+        move(tensors)
+        return real(tensors, config)
+
+    engine.load_adapter = load
+    try:
+        sync.sync()
+        error = None
+    except SyncError as e:
+        error = str(e)
+    finally:
+        del engine.load_adapter  # the instance attribute over the method
+    sync.sync()
+    return error

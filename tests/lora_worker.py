@@ -1,5 +1,7 @@
 """Workers of the LoRA tests (module-level so spawn can import them): PEFT on transformers as
-the reference, megarl's adapters on megatron at a given layout."""
+the reference, megarl's adapters on megatron at a given layout: the policy (a causal LM), the
+critic and the trained reward model (a one-label sequence classifier, its score head trained in
+full), and fresh adapters (no PEFT directory) at each layout."""
 
 from __future__ import annotations
 
@@ -127,14 +129,125 @@ def megarl_side(
     }
 
 
+def scalar_batch(hf: dict) -> dict:
+    """Tokens without the pad id (0) and a weight per position: the loss sum(values x weights)
+    reaches every position's value."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "tokens": torch.randint(3, hf["vocab_size"], (4, 10), generator=g),
+        "weights": torch.randn(4, 10, generator=g),
+    }
+
+
+def scalar_peft_reference(hf: dict, out: str, r: int, alpha: float) -> dict:
+    """A one-label `LlamaForSequenceClassification` (out/cls, its score head perturbed off its
+    init) and a PEFT SEQ_CLS adapter on it with non-zero B (out/cls-adapter; PEFT trains the
+    `score` head in full, as megarl does a critic's or reward model's): the values (the score
+    head at every position), transformers' own pooled score, and the gradients of
+    sum(values x weights): the adapters' by PEFT key and the head's."""
+    import peft
+    import transformers
+
+    batch = scalar_batch(hf)
+    torch.manual_seed(1)
+    config = transformers.AutoConfig.for_model(**hf, num_labels=1, pad_token_id=0)
+    config.architectures = ["LlamaForSequenceClassification"]
+    model = transformers.AutoModelForSequenceClassification.from_config(config).float()
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.3)
+    model.save_pretrained(f"{out}/cls")
+    cfg = peft.LoraConfig(
+        task_type="SEQ_CLS", r=r, lora_alpha=alpha, target_modules=list(TARGETS),
+        init_lora_weights=False,
+    )  # fmt: skip
+    model = peft.get_peft_model(model, cfg)
+    model.save_pretrained(f"{out}/cls-adapter")
+    inner = model.base_model.model  # the classifier, its linears adapted
+    pooled = model(input_ids=batch["tokens"]).logits[:, 0].detach()
+    values = inner.score(inner.model(input_ids=batch["tokens"]).last_hidden_state)[..., 0]
+    (values * batch["weights"]).sum().backward()
+    grads, head = {}, None
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            grads[name.replace(".default", "")] = p.grad.detach().clone()
+        elif p.requires_grad and "score" in name:
+            head = p.grad.detach().clone()
+    return {"values": values.detach(), "pooled": pooled, "grads": grads, "head": head}
+
+
+def scalar_side(rank, world, hf: dict, out: str, r: int, alpha: float, layout, role: str):
+    """megarl's `role` (critic: `critic_lora`; reward: `lora`, the reward-model stage's trained
+    model) from out/cls with the adapters of out/cls-adapter, at `layout`: values by sample
+    (rank 0 of the last stage's TP group), adapter grads by PEFT key, the head's grad, and the
+    names of base parameters that train (none)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    batch = scalar_batch(hf)
+    arch = arch_from_hf(f"{out}/cls")
+    par = ParallelConfig(**layout)
+    groups = Topology.for_model(par, world, arch).initialize(seed=0)
+    cfg = lora.LoraConfig(rank=r, alpha=alpha)
+    build = BuildConfig(lora=cfg) if role == "reward" else BuildConfig(critic_lora=cfg)
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
+    chunks = build_model(arch, par, PrecisionConfig(), role=role, build=build, ddp_config=ddp)
+    load_hf_sharded(chunks, arch, f"{out}/cls")
+    load_peft(chunks, cfg, f"{out}/cls-adapter")
+    wire_grad_finalization(chunks)
+    per = batch["tokens"].shape[0] // groups.dp_size
+    idx = torch.arange(groups.dp_rank * per, (groups.dp_rank + 1) * per)
+    mbs = [
+        {"tokens": batch["tokens"][i], "targets": batch["tokens"][i],
+         "mask": torch.ones(len(i), 10), "weights": batch["weights"][i], "idx": i}
+        for i in idx.chunk(2)
+    ]  # fmt: skip
+
+    def loss_fn(mb, values):
+        values = values.reshape(mb["weights"].shape).float()
+        return (values * mb["weights"]).sum(), {"idx": mb["idx"], "logits": values.detach()}
+
+    dp = groups.dp_size
+    res = forward.forward_backward(chunks, mbs, loss_fn, forward_only=False, dp_size=dp)
+    grads = peft_tensors(chunks, grads=True)
+    head = "output_layer.weight"
+    heads = [p for c in chunks for n, p in c.named_parameters() if n.endswith(head)]
+    trained = [
+        n
+        for c in chunks
+        for n, p in c.named_parameters()
+        if p.requires_grad and not lora.is_lora(p) and not n.endswith(head)
+    ]
+    return {
+        "values": _logits(res, groups),
+        "grads": grads,
+        "head": heads[0].main_grad.detach().clone().reshape(-1) if heads else None,
+        "base_grads": trained,
+    }
+
+
+def fresh_adapters(rank, world, hf: dict, out: str, layout) -> dict:
+    """The adapters of an actor built with `model.lora` and no `init_from` (trainer.seed 7) at
+    `layout`, whole, by PEFT key (rank 0)."""
+    arch = arch_from_hf(f"{out}/hf")
+    par = ParallelConfig(**layout)
+    Topology.for_model(par, world, arch).initialize(seed=0)
+    build = BuildConfig(lora=lora.LoraConfig(rank=4, alpha=8.0), lora_seed=7)
+    chunks = build_model(arch, par, PrecisionConfig(), role="actor", build=build)
+    return peft_tensors(chunks)
+
+
 def single_rank(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float, moe: dict):
     """`peft_reference` and `megarl_side` at one rank, in one process; also of the MoE model
-    `moe` with attention adapters (in out/moe): {"moe": (reference, one rank)}."""
+    `moe` with attention adapters (in out/moe): {"moe": (reference, one rank)}; and the scalar
+    models' reference and megarl's critic and reward model, and fresh adapters, at one rank."""
     ref = peft_reference(rank, world, hf, out, batch, r, alpha)
     one = megarl_side(rank, world, hf, out, batch, r, alpha, {})
     moe_ref = peft_reference(rank, world, moe, f"{out}/moe", batch, r, alpha, ATTENTION)
     moe_one = megarl_side(rank, world, moe, f"{out}/moe", batch, r, alpha, {}, ATTENTION)
-    return ref, one, moe_ref, moe_one
+    scalar = {"reference": scalar_peft_reference(hf, out, r, alpha)}
+    for role in ("critic", "reward"):
+        scalar[role] = scalar_side(rank, world, hf, out, r, alpha, {}, role)
+    one["fresh"] = fresh_adapters(rank, world, hf, out, {})
+    return ref, one, moe_ref, moe_one, scalar
 
 
 DP2 = {}  # two ranks, nothing else split
@@ -153,6 +266,12 @@ def two_ranks(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: float
     layouts["moe-ep2"] = megarl_side(
         rank, world, moe, f"{out}/moe", batch, r, alpha, {"expert_parallel": 2}, ATTENTION
     )
+    for role in ("critic", "reward"):  # the layout of test_lora_stages' PPO run
+        layouts[f"{role}-tp2-sp"] = scalar_side(rank, world, hf, out, r, alpha, TP2_SP, role)
+    layouts["fresh"] = {
+        n: fresh_adapters(rank, world, hf, out, lay)
+        for n, lay in (("dp2", DP2), ("tp2-sp", TP2_SP), ("pp2", PP2), ("pp2-vpp2", PP2_VPP2))
+    }
     return layouts, resume_elsewhere(rank, world, hf, out, batch, r, alpha)
 
 
@@ -177,7 +296,10 @@ def resume_elsewhere(rank, world, hf: dict, out: str, batch: dict, r: int, alpha
 
         if name == "tp2-sp":
             _adam_step(chunks, opt, mbs, loss_fn, groups)
-            save(f"{out}/run", 1, models, {"step": 1}, keep_last=0)
+            # what a LoRA run's checkpoint records besides the adapters (the model source's
+            # architecture, the data order): a later stage reads them
+            state = {"step": 1, "arch": arch_from_hf(f"{out}/hf").hf_config, "sampler": {}}
+            save(f"{out}/run", 1, models, state, keep_last=0)
         else:
             load_models(f"{out}/run/checkpoints/step_000001", models)
         _adam_step(chunks, opt, mbs, loss_fn, groups)

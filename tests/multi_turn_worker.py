@@ -14,11 +14,9 @@ environments, and `max_turns=1` against the single-turn rollout.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from tests.test_sync_workers import LLAMA, canonical_state, model_dir
+from tests.sync_workers import LLAMA, canonical_state, model_dir
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}<eos> "
@@ -327,6 +325,7 @@ def job(rank: int, world: int) -> dict:
 def failures(engine, chunks, arch, groups, tok) -> dict:
     """Failing and slow environments (this rank alone: DP2, no collective in the rollout)."""
     from megarl.envs.config import EnvConfig
+    from tests import envs_for_tests as efs
 
     faults = {"fault": [None, "raise", "sleep", "reset", "garbage", None, None, None]}
     env_cfg = EnvConfig(
@@ -338,20 +337,33 @@ def failures(engine, chunks, arch, groups, tok) -> dict:
     )
     mt, _ = _rollout(engine, chunks, arch, groups, env_cfg, tok)
     batch, positions = prompt_batch(tok, 0, 1, faults)
-    t0 = time.perf_counter()
     ro = mt.generate(batch, positions, SEED, max_tokens=16)  # every first turn reaches step()
     out = {
         "faulty": {
-            "seconds": time.perf_counter() - t0,
+            "sleeper_woke": efs.SLEPT.is_set(),  # False: the rollout did not wait for it
             "finish": [ro.finish_reason[j] for j in range(0, len(ro), N)],
             "errors": [ro.turns.records[j].error for j in range(0, len(ro), N)],
             "env_reward": [ro.turns.records[j].env_reward for j in range(0, len(ro), N)],
             "response_len": [len(ro.response_ids[j]) for j in range(0, len(ro), N)],
         }
     }
+    # env.on_tool_error=end: CopyAgain counts a tool error for each wrong copy
+    end_cfg = EnvConfig(
+        name="tests.envs_for_tests:CopyAgain", max_turns=3, max_tokens=40, on_tool_error="end"
+    )
+    mt, _ = _rollout(engine, chunks, arch, groups, end_cfg, tok)
+    batch, positions = prompt_batch(tok, 0, 1)
+    ro = mt.generate(batch, positions, SEED)
+    out["tool_error_end"] = {
+        "finish": list(ro.finish_reason),
+        "errors": [r.error for r in ro.turns.records],
+        "turns": [r.turns for r in ro.turns.records],
+        "tool_errors": [r.info.get("tool_errors", 0) for r in ro.turns.records],
+        "env_reward": [r.env_reward for r in ro.turns.records],
+    }
     slow_cfg = EnvConfig(
         name="tests.envs_for_tests:SlowFirst",
-        kwargs={"delay": 3.0},
+        kwargs={"delay": 120.0},  # a bound on a hang only: the second wave releases it
         max_turns=3,
         max_tokens=40,
         wave_wait_s=0.2,
@@ -359,10 +371,22 @@ def failures(engine, chunks, arch, groups, tok) -> dict:
     mt, _ = _rollout(engine, chunks, arch, groups, slow_cfg, tok)
     slow = {"slow": [True] + [False] * (PROMPTS - 1)}
     batch, positions = prompt_batch(tok, 0, 1, slow)
-    t0 = time.perf_counter()
-    ro = mt.generate(batch, positions, SEED)
+    real, waves = engine.generate, []
+
+    def release_after_the_second_wave(prompts, **kw):
+        result = real(prompts, **kw)
+        waves.append(len(prompts))
+        if len(waves) == 2:
+            efs.SLOW_GO.set()
+        return result
+
+    engine.generate = release_after_the_second_wave
+    try:
+        ro = mt.generate(batch, positions, SEED)
+    finally:
+        del engine.generate  # an instance attribute over the method
     out["slow"] = {
-        "seconds": time.perf_counter() - t0,
+        "released": list(efs.SLOW_RELEASED),  # [True] * N: the second wave did not wait
         "waves": mt.worker.runner.last_waves,
         "turns": [r.turns for r in ro.turns.records],
         "finish": list(ro.finish_reason),

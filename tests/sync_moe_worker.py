@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tests import test_sync_workers as w
+from tests import sync_workers as w
 from tests.tiny import TINY_QWEN3_MOE
 from tests.vllm_targets import (
     compare_bitwise,

@@ -237,7 +237,7 @@ def sync_job(rank: int, world: int) -> dict:
     from megarl.rollout.sync.colocated import ColocatedWeights, naive_sync
     from megarl.trainer import experience as xp
     from megarl.trainer import update
-    from tests.test_sync_workers import LLAMA, canonical_state, model_dir
+    from tests.sync_workers import LLAMA, canonical_state, model_dir
     from tests.vllm_targets import compare_bitwise, dense_state, digest, install_capture
 
     torch.set_num_threads(1)

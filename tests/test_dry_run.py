@@ -18,8 +18,6 @@ import os
 import re
 import subprocess
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -49,9 +47,8 @@ LLAMA3_70B = dict(
 LLAMA3_70B_PARAMS = 70_553_706_496  # the published count
 
 
-def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
-    t0 = time.perf_counter()
-    proc = subprocess.run(
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "megarl", "train", *args],
         cwd=ROOT,
         capture_output=True,
@@ -59,12 +56,15 @@ def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
         timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    return proc, time.perf_counter() - t0
 
 
 def _in_fresh_process(fn, *args):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result(timeout=120)
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        return pool.apply_async(fn, args).get(timeout=120)
+    finally:  # a child still running (hung, or past the timeout) is killed, not left behind
+        pool.terminate()
+        pool.join()
 
 
 def _expected_chunks(hf: dict, *, tp: int, pp: int, vpp: int, pp_rank: int) -> list[tuple]:
@@ -112,7 +112,7 @@ def test_70b_example_dry_run(tmp_path, world):
     (model / "config.json").write_text(json.dumps(LLAMA3_70B))
     dp = world // 32
     for rank, pp_rank in ((0, 0), (world - 1, 3)):
-        proc, seconds = _cli(
+        proc = _cli(
             EXAMPLE_70B,
             "--dry-run",
             f"--world-size={world}",
@@ -124,7 +124,6 @@ def test_70b_example_dry_run(tmp_path, world):
         )
         text = proc.stdout
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-        assert seconds < 30, f"{seconds:.1f} s"
         assert "Traceback" not in proc.stderr
         assert f"layout: TP 8 x PP 4 x CP 1 x DP {dp} = {world} ranks; VPP 5" in text
         assert "sequence parallel on" in text
@@ -280,6 +279,7 @@ def _dry_run_cases(cases: dict, world: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # four ranks; CI: the same cases against the trainer's build (above)
 def test_tiny_dry_run_matches_a_real_four_process_gloo_run():
     """The fake process group's groups and the meta build against 4 real gloo ranks (4
     interpreters: the one slow test here, ~70 s on 2 busy cores)."""
@@ -332,19 +332,19 @@ def test_tiny_dry_run_matches_a_real_four_process_gloo_run():
     ],
 )
 def test_layout_errors_are_one_line_user_errors(args, needle):
-    proc, seconds = _cli(*args)
+    proc = _cli(*args)
     text = proc.stdout + proc.stderr
     lines = [ln for ln in text.splitlines() if ln.startswith("megarl: error:")]
     assert proc.returncode == 2, text[-3000:]
     assert len(lines) == 1 and needle in lines[0], text[-3000:]
     assert "Traceback" not in text
-    assert seconds < 30
+    assert "layout: TP" not in text  # refused before the layout was laid out
 
 
 def test_a_kv_cache_smaller_than_one_sequence_fails_the_dry_run():
     """The run's own KV-cache check (`check_kv_cache`) runs in the dry run too: a set budget
     below one sequence of max_model_len is the same one-line error before anything is built."""
-    proc, _ = _cli("--dry-run", "--world-size", "1",
+    proc = _cli("--dry-run", "--world-size", "1",
                    "--set", "rollout.engine.kv_cache_memory_bytes=1048576",
                    "--set", "rollout.engine.max_model_len=2048")  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -355,7 +355,7 @@ def test_a_kv_cache_smaller_than_one_sequence_fails_the_dry_run():
 def test_separate_placement_dry_runs_the_trainers_layout():
     """With rollout.placement.mode=separate the layout is the trainer ranks': 3 ranks with one
     engine rank are TP 2 x DP 1 for the trainers, and the report names the engine rank."""
-    proc, _ = _cli("--dry-run", "--world-size=3", "--rank=1", "--set",
+    proc = _cli("--dry-run", "--world-size=3", "--rank=1", "--set",
                    "rollout.placement.mode=separate", "--set", "parallel.tensor_parallel=2")
     text = proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -34,7 +34,7 @@ from megarl.rollout.multi_turn.batcher import TurnResult
 from megarl.rollout.multi_turn.trajectory import TurnLimits
 from megarl.rollout.multi_turn.waves import WaveBatcher
 from megarl.rollout.seeds import turn_seed
-from tests.test_sync_workers import LLAMA, model_dir
+from tests.sync_workers import LLAMA, model_dir
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -126,15 +126,18 @@ def env_cfg(**kw):
     return EnvConfig(**{**base, **kw})
 
 
-def run_agents(engine, agents: list, cfg, *, hold=None) -> dict:
+def run_agents(engine, agents: list, cfg, *, hold=None, clock=None, on_wave=None) -> dict:
     """Run one trajectory per agent function (index i, row {"prompt": "copy 3<i>"}) through an
     endpoint, the batcher and the engine (whose calls are recorded). `hold`: an event every
-    wave waits for before it generates."""
+    wave waits for before it generates; `clock`: the batcher's (time limits); `on_wave()`: runs
+    before each wave generates."""
     calls: list = []
 
     def wave(requests):
         if hold is not None:
             hold.wait(30)
+        if on_wave is not None:
+            on_wave()
         kw = dict(
             n=1,
             seeds=[r.seed for r in requests],
@@ -152,7 +155,7 @@ def run_agents(engine, agents: list, cfg, *, hold=None) -> dict:
             AgentTrajectory(cfg, fn, endpoint, {"prompt": f"copy 3{i}"}, SEED, i, limits)
             for i, fn in enumerate(agents)
         ]
-        batcher = WaveBatcher(wave, cfg.wave_wait_s)
+        batcher = WaveBatcher(wave, cfg.wave_wait_s, *([clock] if clock is not None else []))
         clients = [batcher.client() for _ in runs]
         threads = [
             threading.Thread(target=r.run, args=(batcher, c), daemon=True)
@@ -460,3 +463,127 @@ def test_a_megarl_failure_is_the_runs(engine):
     with pytest.raises(ToolSetupError, match="env.tool_parser='no_such_parser'"):
         run_agents(engine, [agent], env_cfg(tool_parser="no_such_parser"))
     assert answers == [500]
+
+
+def post(base_url: str, body: dict) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of a raw POST to the session's chat completions."""
+    req = urllib.request.Request(
+        base_url + "/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+
+def test_what_a_request_may_ask_and_what_an_agent_may_return(engine):
+    """`n > 1` is refused with OpenAI's error shape and `x-should-retry: false`; `tool_choice:
+    "none"` turns tool-call parsing off for its turn; `max_completion_tokens` lowers a turn's
+    limit; the first request's tools hold for the session (a request with other tools is
+    refused; the turns are rendered and parsed with the first's); an agent that returns
+    something other than a number or None, or that never asks the model, ends its trajectory
+    with env_error."""
+    got: dict = {}
+
+    def options(row, base_url, seed):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        got["n"] = post(base_url, {"model": "m", "messages": messages, "n": 2})
+        client = client_for(base_url)
+        for key, extra in (
+            ("none", {"tools": TOOLS, "tool_choice": "none"}),
+            ("one_token", {"tools": TOOLS, "max_completion_tokens": 1}),
+            ("held", {"tools": TOOLS}),
+        ):
+            if key == "held":  # other tools than the first request's: refused, nothing changes
+                try:
+                    client.chat.completions.create(model="m", messages=messages, tools=TOOLS[:0])
+                except openai.BadRequestError as e:
+                    got["other_tools"] = (e.status_code, e.message)
+            resp = client.chat.completions.create(model="m", messages=messages, **extra)
+            got[key] = resp
+            messages += [
+                resp.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": " copy 5"},
+            ]
+        return 1.0
+
+    def returns_text(row, base_url, seed):
+        client_for(base_url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": row["prompt"]}]
+        )
+        return "1.0"
+
+    def never_asks(row, base_url, seed):
+        return 1.0
+
+    agents = [options, returns_text, never_asks]
+    out = run_agents(engine, agents, env_cfg(max_tokens=40, wave_wait_s=0.2))
+    runs = {fn.__name__: r for fn, r in zip(agents, out["runs"], strict=True)}
+
+    status, headers, body = got["n"]
+    assert status == 400 and headers["x-should-retry"] == "false"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == "n" and "n=2; accepted: 1" in body["error"]["message"]
+
+    rec = runs["options"].record
+    assert rec.finish_reason in ("stop", "length") and rec.error is None, rec.error
+    assert rec.turns == 3
+    said = [m for m in rec.messages if m["role"] == "assistant"]
+    # tool_choice none: the turn's digits stay text (the digits parser would call lookup)
+    assert any(c.isdigit() for c in said[0]["content"]), said[0]
+    assert got["none"].choices[0].message.tool_calls is None and "tool_calls" not in said[0]
+    assert got["one_token"].usage.completion_tokens == 1
+    # the first request's tools hold: a request with others is refused; the session's tokens
+    # are rendered with them and a later turn's call is parsed with them
+    status, message = got["other_tools"]
+    assert status == 400 and "tools differ from this session's first request's" in message
+    check_exact(runs["options"], out["calls"], out["endpoint"].chat_format(TOOLS))
+    held = got["held"].choices[0].message
+    assert any(c.isdigit() for c in said[2]["content"]), said[2]
+    assert held.tool_calls and held.tool_calls[0].function.name == "lookup"
+
+    rec = runs["returns_text"].record
+    assert rec.finish_reason == "env_error" and rec.env_reward == 0.0 and rec.turns == 1
+    assert rec.error == "the agent returned str '1.0'; expected a float or None"
+    rec = runs["never_asks"].record
+    assert rec.finish_reason == "env_error" and rec.env_reward == 0.0 and rec.turns == 0
+    assert rec.error == "the agent returned without a request to its base_url"
+
+
+def test_the_time_a_request_waits_for_the_model_is_not_the_agents(engine):
+    """env.timeout_s bounds the agent's own time between requests: while each of its requests
+    waits for the model, the batcher's clock moves 100 x that limit, and the agent is not
+    abandoned (that the limit runs on the batcher's clock and abandons an agent past it:
+    `test_timeouts_and_unknown_routes`)."""
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+
+    def advance():
+        clock.t += 100.0
+
+    def patient(row, base_url, seed):
+        client = client_for(base_url)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(2):
+            resp = client.chat.completions.create(model="m", messages=messages)
+            messages += [
+                resp.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": " copy 5"},
+            ]
+        return 1.0
+
+    cfg = env_cfg(timeout_s=1.0, wave_wait_s=0.1)
+    out = run_agents(engine, [patient], cfg, clock=clock, on_wave=advance)
+    rec = out["runs"][0].record
+    assert rec.finish_reason in ("stop", "length") and rec.error is None and rec.turns == 2
+    assert rec.env_reward == 1.0 and clock.t == 200.0  # two waves, each 100 limits long

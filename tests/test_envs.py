@@ -8,7 +8,6 @@ import json
 import logging
 import pickle
 import threading
-import time
 from fractions import Fraction
 
 import pytest
@@ -251,13 +250,23 @@ def boom(x: int) -> int:
 
 RELEASE = threading.Event()
 """Lets `sleepy` calls still running in the background finish when their test ends."""
+WOKE = threading.Event()
+"""Set by `sleepy` when it returns: still unset after a timed-out call, the caller did not wait
+for the tool."""
+_ASLEEP = threading.Semaphore(0)
+"""One release per `sleepy` call that has returned (the fixture waits for them all)."""
+_CALLS = [0]
 
 
 @pytest.fixture
 def release():
     RELEASE.clear()
+    WOKE.clear()
+    _CALLS[0] = 0
     yield
     RELEASE.set()
+    for _ in range(_CALLS[0]):  # the timed-out calls end before the next test clears WOKE
+        assert _ASLEEP.acquire(timeout=60)
 
 
 def sleepy(seconds: float) -> str:
@@ -266,7 +275,10 @@ def sleepy(seconds: float) -> str:
     Args:
         seconds: How long.
     """
+    _CALLS[0] += 1
     RELEASE.wait(seconds)
+    WOKE.set()
+    _ASLEEP.release()
     return "woke"
 
 
@@ -282,9 +294,8 @@ def test_call_tool(release):
     result, error = call_tool(boom, {"y": 3}, 5)
     assert result == "" and error.startswith("bad arguments ['y']: ")
     assert call_tool(boom, [1], 5) == ("", "the arguments are a list, not a JSON object")
-    t0 = time.perf_counter()
     assert call_tool(sleepy, {"seconds": 20}, 0.3) == ("", "timed out after 0.3 s")
-    assert time.perf_counter() - t0 < 2.0
+    assert not WOKE.is_set()  # returned at the limit, not when the tool ended
 
 
 def test_tool_schema_names_the_function():
@@ -326,10 +337,9 @@ def test_tools_env_malformed_timeout_and_end(release):
     obs = env.step(turn("<tool_call>{bad", malformed="not JSON"))
     assert obs.messages == [{"role": "tool", "content": "error: not JSON"}]
     assert (obs.done, obs.info) == (False, {"tool_calls": 0, "tool_errors": 1})
-    t0 = time.perf_counter()
     obs = env.step(turn("", [ToolCall("sleepy", {"seconds": 20}, "c")]))
-    assert time.perf_counter() - t0 < 2.0
     assert obs.messages[0]["content"] == "error: timed out after 0.2 s"
+    assert not WOKE.is_set()  # the step did not wait for the tool
     ending = ToolsEnv(tools=["calculator"], on_tool_error="end")
     assert ending.step(turn("x", malformed="bad")) == Observation(
         done=True, info={"tool_calls": 0, "tool_errors": 1}

@@ -273,7 +273,8 @@ def test_the_chain_equals_a_straight_run(chain, straight):
 def test_a_hung_rank_ends_both_ranks_with_stack_dumps(tmp_path):
     """Rank 1 sleeps inside step 2 (a test reward function), so rank 0 waits in the next
     collective. Both ranks are started by hand (no torchrun to kill them): each must end by
-    itself within the timeout plus a margin, with its stacks and stage written down."""
+    itself (its watchdog's exit, not the test's kill), with its stacks, its stage and the limit
+    written down. When the watchdog fires is checked on a fake clock (test_faults_unit)."""
     timeout_s = 12.0  # trainer.step_timeout_minutes=0.2; step 1 (warm-up) gets twice that
     out = tmp_path / "run"
     port = _port()
@@ -297,23 +298,16 @@ def test_a_hung_rank_ends_both_ranks_with_stack_dumps(tmp_path):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
                 logs[0].read_text()[-3000:])
             time.sleep(0.05)
-        step2 = time.monotonic()  # rank 0 wrote step 1's line just before step 2 started
-        ended = [None, None]
-        while None in ended and time.monotonic() < step2 + timeout_s + 120:
-            for i, p in enumerate(procs):
-                if ended[i] is None and p.poll() is not None:
-                    ended[i] = time.monotonic() - step2
-            time.sleep(0.05)
+        # a bound on a hang of the test only: each rank must end by itself
+        for p in procs:
+            p.wait(timeout=timeout_s + 300)
     finally:
+        killed = [p.poll() is None for p in procs]
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    print(f"ranks ended {ended[0]:.1f} s and {ended[1]:.1f} s after step 2 began "
-          f"(timeout {timeout_s:.0f} s, then {5} s for every rank to dump)")
+    assert killed == [False, False], logs[0].read_text()[-3000:]
     assert procs[1].returncode == EXIT_HUNG and procs[0].returncode != 0
-    # within the timeout plus a margin (the dump grace, a loaded machine), not before it
-    for t in ended:
-        assert timeout_s - 1 <= t <= timeout_s + 45, ended
     dumps = [(out / f"hang-rank{r}.txt").read_text() for r in (0, 1)]
     assert "step 2 ran longer than 12 s" in dumps[1] and "in stage 'reward'" in dumps[1]
     assert "sleep_on_rank1_at_step2" in dumps[1]  # the stack shows where it hangs

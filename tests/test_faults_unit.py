@@ -241,6 +241,31 @@ def test_watchdog_dumps_the_stacks_names_the_stage_and_exits(tmp_path):
     assert "hung in stage 'train'" in proc.stderr
 
 
+def test_watchdog_fires_past_the_limit_not_before(tmp_path):
+    """On a fake clock that the watchdog reads in turn (0 when armed, then 9, 9.99 and 10.01
+    s), a 10 s limit fires at the first reading past it: every reading is logged before the
+    dump, so the readings end at 10.01."""
+    proc = _child("""
+        import os, sys, time
+        from megarl.trainer.faults import HangWatchdog
+        readings = iter([0.0, 9.0, 9.99, 10.01])
+        log = open(os.path.join(OUT, "clock.txt"), "w")
+        def clock(last=[0.0]):
+            last[0] = next(readings, last[0])
+            log.write(f"{last[0]}\\n")
+            log.flush()
+            return last[0]
+        w = HangWatchdog(10.0, OUT, 0, grace_s=0.1, clock=clock)
+        def stuck():
+            w.arm(2, lambda: "train", owner=sys._getframe(0))
+            time.sleep(60)
+        stuck()
+    """, tmp_path)
+    assert proc.returncode == faults.EXIT_HUNG, proc.stderr
+    assert (tmp_path / "clock.txt").read_text().split() == ["0.0", "9.0", "9.99", "10.01"]
+    assert "step 2 ran longer than 10 s" in (tmp_path / "hang-rank0.txt").read_text()
+
+
 def test_watchdog_stays_quiet_when_disarmed_or_when_the_loop_is_gone(tmp_path):
     proc = _child("""
         import sys, time

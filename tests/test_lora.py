@@ -7,6 +7,9 @@ process launches in all (one rank, then two)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 import pytest
 import torch
 
@@ -31,9 +34,10 @@ def token_batch() -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("lora"))
-    ref, one, moe_ref, moe_one = spawn(
+    ref, one, moe_ref, moe_one, scalar = spawn(
         lw.single_rank, 1, TINY_LLAMA, out, token_batch(), R, ALPHA, TINY_MIXTRAL
     )[0]
+    one["scalar"] = scalar
     two = spawn(lw.two_ranks, 2, TINY_LLAMA, out, token_batch(), R, ALPHA, TINY_MIXTRAL)
     return out, ref, one, two, (moe_ref, moe_one)
 
@@ -132,6 +136,97 @@ def test_a_checkpoint_resumes_at_another_layout(runs):
     fp = after["tp2-sp/fingerprint"]
     assert fp > 0 and abs(after["pp2/fingerprint"] - fp) <= 1e-12 * fp
     assert "ConfigError" in after["other base"] and "another base model" in after["other base"]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("role", ["critic", "reward"])
+def test_a_lora_critic_and_reward_model_match_peft_sequence_classification(runs, role):
+    """The critic (`model.critic_lora`) and a reward-model run's model (`model.lora`,
+    `algorithm.name: rm`) against PEFT's SEQ_CLS adapters on transformers' one-label
+    `LlamaForSequenceClassification`, its `score` head trained in full: the values at every
+    position (transformers' own score is the last one's), the gradients of every adapter and
+    of the head, at one rank and at TP2 with sequence parallelism (test_lora_stages trains
+    both end to end)."""
+    _, _, one, two, _ = runs
+    ref = one["scalar"]["reference"]
+    assert torch.allclose(ref["pooled"], ref["values"][:, -1], atol=1e-6)
+    assert len(ref["grads"]) == 2 * len(lw.TARGETS) * TINY_LLAMA["num_hidden_layers"]
+    assert min(v.abs().max().item() for v in ref["grads"].values()) > 1e-4  # every one moves
+    for name, results in (("1 rank", [one["scalar"][role]]),
+                          ("tp2-sp", [lay[f"{role}-tp2-sp"] for lay, _ in two])):  # fmt: skip
+        values = (_stack(results, "values") - ref["values"]).abs().max().item()
+        got = results[0]["grads"]
+        assert got.keys() == ref["grads"].keys(), name
+        grads = max(_rel(got[k], ref["grads"][k]) for k in got)
+        head = max(_rel(r["head"], ref["head"].reshape(-1)) for r in results)
+        print(f"{role} {name}: values {values:.1e}, adapter grads {grads:.1e}, head {head:.1e}")
+        assert values <= TOL and grads <= TOL and head <= TOL, (role, name)
+        assert all(r["base_grads"] == [] for r in results), (role, name)
+
+
+def test_fresh_adapters_are_the_same_at_every_layout(runs):
+    """Without `model.lora.init_from`: A drawn from trainer.seed and the adapter's name, whole,
+    then sliced; B zero. The same adapters, bit for bit, at one rank, DP2, TP2 + SP, PP2 and
+    PP2 x VPP2."""
+    _, _, one, two, _ = runs
+    fresh = one["fresh"]
+    assert len(fresh) == 2 * len(lw.TARGETS) * TINY_LLAMA["num_hidden_layers"]
+    a = [k for k in fresh if ".lora_A." in k]
+    assert a and all(fresh[k].abs().max() > 0 for k in a)
+    assert all(fresh[k].abs().max() == 0 for k in fresh if ".lora_B." in k)  # step 0: the base
+    assert len({fresh[k].abs().sum().item() for k in a}) == len(a)  # each its own draw
+    for name, got in two[0][0]["fresh"].items():
+        assert got.keys() == fresh.keys(), name
+        assert all(torch.equal(got[k], fresh[k]) for k in fresh), name
+
+
+def test_an_adapter_that_does_not_fit_the_run_is_refused_naming_file_and_key(runs):
+    """`model.lora.init_from`: the PEFT directory's rank, alpha and targets must be the run's."""
+    from megarl.convert.peft import PeftError, read_adapter_config
+
+    out = runs[0]
+    path = f"{out}/adapter/adapter_config.json"
+    read_adapter_config(f"{out}/adapter", LoraConfig(rank=R, alpha=ALPHA))
+    for cfg, key in ((LoraConfig(rank=8, alpha=ALPHA), "r=4, the run has 8"),
+                     (LoraConfig(rank=R, alpha=16.0), "lora_alpha=8.0, the run has 16.0"),
+                     (LoraConfig(rank=R, alpha=ALPHA, targets=("q_proj", "v_proj")),
+                      "target_modules=")):  # fmt: skip
+        with pytest.raises(PeftError) as e:
+            read_adapter_config(f"{out}/adapter", cfg)
+        assert str(e.value).startswith(f"{path}: {key}"), str(e.value)
+        assert "model.lora.rank / alpha / targets" in str(e.value)
+    with pytest.raises(PeftError, match="model.lora.init_from='/no/such': no adapter_config"):
+        read_adapter_config("/no/such", LoraConfig(rank=R, alpha=ALPHA))
+
+
+def test_a_lora_policy_checkpoint_is_refused_as_a_model_source(runs):
+    """A LoRA run's checkpoints hold the adapters, not the base: `model.mcore_ckpt` and
+    `megarl convert mcore-to-hf` refuse one, naming the run's merged export and its adapter
+    directory (one-line user errors, nothing built or written)."""
+    from tests.docs_worker import in_one_process
+
+    out = runs[0]
+    ckpt = f"{out}/run/checkpoints/step_000001"  # resume_elsewhere's, written at TP2 + SP
+    quiet = ["--set", "logging.wandb=false", "--set", "logging.progress=false"]
+    jobs = [
+        {"id": "train", "kind": "cli", "status": 2,
+         "argv": ["train", "--set", f"model.mcore_ckpt={ckpt}", *quiet, "--out", f"{out}/t"]},
+        {"id": "convert", "kind": "cli", "status": 2,
+         "argv": ["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", f"{out}/c"]},
+    ]  # fmt: skip
+    results = in_one_process(jobs, pathlib.Path(out))
+    for job in ("train", "convert"):
+        _, text, _ = results[job]
+        lines = [ln for ln in text.splitlines() if ln.startswith("megarl: error:")]
+        assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+        assert f"{ckpt} holds the LoRA adapters of a LoRA run's actor, not its base" in lines[0]
+        assert f"{out}/run/hf" in lines[0] and f"model.lora.init_from={out}/run/adapter" in (
+            lines[0]
+        )
+    assert not os.path.exists(f"{out}/c") and not os.path.exists(f"{out}/t/config.yaml")
 
 
 def test_settings_that_cannot_run_are_refused_naming_the_key():

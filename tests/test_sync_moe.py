@@ -37,6 +37,7 @@ def four_ranks():
 
 
 def _check_layout(results, key):
+    scored = 0
     for rank, res in enumerate(results):
         out = res["layouts"][key]
         cmp = out["bitwise"]
@@ -54,6 +55,8 @@ def _check_layout(results, key):
         sample = out["sample"]
         if sample is not None:  # last pipeline stage
             assert sample["tokens"] > 0 and sample["max"] <= MISMATCH_TOL, sample
+            scored += 1
+    assert scored >= 1  # the mismatch was measured on the last pipeline stage's ranks
 
 
 @pytest.mark.parametrize("key", KEYS[2])

