@@ -104,20 +104,21 @@ MISPLACE = {"swapped": _swap_q_k_a, "permuted": _reverse_q_b_rows}
 def _misplaced(sync, engine, move) -> str | None:
     """One sync whose adapters `move` puts in the wrong place on their way into the engine: the
     error it raises (None: the check passed), then a sync that puts things right."""
-    real = engine.load_adapter
+    weights = engine.weights
+    real = weights.load_adapter
 
     def load(tensors, config):
         tensors = dict(tensors)
         move(tensors)
         return real(tensors, config)
 
-    engine.load_adapter = load
+    weights.load_adapter = load
     try:
         sync.sync()
         error = None
     except SyncError as e:
         error = str(e)
     finally:
-        del engine.load_adapter  # the instance attribute over the method
+        del weights.load_adapter  # the instance attribute over the method
     sync.sync()
     return error

@@ -165,7 +165,7 @@ def test_smollm2_workload_config_and_trl_spec_match(tmp_path):
     shape = os.path.join(os.path.dirname(s.TRAIN), "..", "models", "smollm2-135m-instruct")
     with open(os.path.join(shape, "config.json")) as f:
         arch = arch_from_hf(json.load(f))
-    check_kv_cache(arch, cfg.rollout, dtype="fp32", gpu=False)
+    check_kv_cache(arch, cfg.rollout.engine, dtype="fp32", gpu=False)
 
 
 def test_time_to_target_counts_the_step_seconds_up_to_the_first_eval_above_it():

@@ -37,7 +37,7 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
         "model": {"config": TINY_LLAMA},
         "precision": {"dtype": dtype},
         "optim": {"lr": 1e-2},
-        "rollout": {"n": 4, "max_tokens": 12},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 12}},
         "algorithm": {"micro_batch_size": 4},
     })
     arch = arch_from_hf(TINY_LLAMA)
@@ -245,7 +245,7 @@ def sync_job(rank: int, world: int) -> dict:
         "model": {"config": LLAMA},
         "precision": {"dtype": "bf16"},
         "optim": {"lr": 1e-3},
-        "rollout": {"n": 4, "max_tokens": 12},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 12}},
         "algorithm": {"micro_batch_size": 4},
     })
     arch = arch_from_hf(LLAMA)

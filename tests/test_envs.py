@@ -494,8 +494,12 @@ def test_env_scheduler_is_checked():
 @pytest.mark.parametrize(
     "rollout, env, message",
     [
-        ({"tensor_parallel": 2}, {"scheduler": "stream"}, "accepted: env.scheduler=waves, or"),
-        ({"routing_replay": True}, {}, "accepted: routing_replay=false with env.name"),
+        (
+            {"engine": {"tensor_parallel": 2}},
+            {"scheduler": "stream"},
+            "accepted: env.scheduler=waves, or",
+        ),
+        ({"engine": {"routing_replay": True}}, {}, "accepted: routing_replay=false with env.name"),
     ],
 )
 def test_multi_turn_refuses_what_its_schedulers_cannot_serve(rollout, env, message):
@@ -507,5 +511,5 @@ def test_multi_turn_refuses_what_its_schedulers_cannot_serve(rollout, env, messa
     with pytest.raises(ConfigError, match=message):
         build(RunConfig, tree)
     tree["env"] = {"name": "retry"}  # waves serve any layout
-    if "tensor_parallel" in rollout:
+    if "tensor_parallel" in rollout.get("engine", {}):
         assert build(RunConfig, tree).env.scheduler == "waves"

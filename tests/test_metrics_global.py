@@ -42,7 +42,7 @@ def _config(algo: str):
             "model": {"config": TINY_LLAMA},
             "optim": {"lr": 1e-2, "adam_eps": 1e-4},
             "critic_optim": {"lr": 1e-2, "adam_eps": 1e-4},
-            "rollout": {"n": N, "temperature": 0.9, "max_tokens": 12},
+            "rollout": {"sampling": {"n": N, "temperature": 0.9, "max_tokens": 12}},
             "algorithm": {**alg, "ppo_epochs": 2, "mini_batches": 1, "micro_batch_size": 3},
         },
     )

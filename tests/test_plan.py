@@ -277,7 +277,7 @@ def _config(layout: dict, dtype: str, micros: int, entropy: float, algo, hf) -> 
                 "prompts_per_step": micros * mbs * dp,
                 "path": "toy",
             },
-            "rollout": {"max_tokens": 256, "n": 1},
+            "rollout": {"sampling": {"max_tokens": 256, "n": 1}},
             "algorithm": {
                 "name": algo,
                 "micro_batch_size": mbs,
@@ -523,7 +523,7 @@ def test_lora_rows_equal_the_trainers_own_tensors():
             },
             "precision": {"dtype": "bf16"},
             "data": {"path": "toy", "max_prompt_length": 16, "prompts_per_step": 2},
-            "rollout": {"max_tokens": 16, "n": 1},
+            "rollout": {"sampling": {"max_tokens": 16, "n": 1}},
             "algorithm": {"micro_batch_size": 1, "kl_coef": 0.001},
         },
     )
@@ -559,7 +559,7 @@ def _critic_row(critic_rank: int):
             },
             "precision": {"dtype": "bf16"},
             "data": {"path": "toy", "max_prompt_length": 16, "prompts_per_step": 2},
-            "rollout": {"max_tokens": 16, "n": 1},
+            "rollout": {"sampling": {"max_tokens": 16, "n": 1}},
             "algorithm": {"name": "ppo", "micro_batch_size": 1},
         },
     )

@@ -65,7 +65,7 @@ def _check_run(out, rows, steps):
     # every prompt is generated once, whatever the layout
     with open(os.path.join(out, "config.yaml")) as f:
         cfg = yaml.safe_load(f)
-    want = cfg["data"]["prompts_per_step"] * cfg["rollout"]["n"]
+    want = cfg["data"]["prompts_per_step"] * cfg["rollout"]["sampling"]["n"]
     assert {r["rollout/samples_generated"] for r in rows} == {want}
     assert os.path.exists(os.path.join(out, "reward.png"))
     assert os.path.exists(os.path.join(out, "config.yaml"))

@@ -43,7 +43,7 @@ def job(rank: int, world: int, layout: dict) -> dict:
             "model": {"config": TINY_LLAMA},
             "parallel": layout,
             "optim": {"lr": 1e-2, "adam_eps": 1e-4},
-            "rollout": {"n": 4, "temperature": 0.9, "max_tokens": 12},
+            "rollout": {"sampling": {"n": 4, "temperature": 0.9, "max_tokens": 12}},
             "algorithm": {"entropy_coef": 0.01, "micro_batch_size": 3},
         },
     )

@@ -86,12 +86,11 @@ def megarl_config(model_dir: str, precision: str, steps: int, data_dir: str) -> 
         "precision": {"dtype": precision},
         "optim": {"lr": LR, "lr_decay_style": "constant", "clip_grad": 1.0},
         "rollout": {
-            "n": N,
-            "temperature": 1.0,
-            "max_tokens": MAX_TOKENS,
-            "max_model_len": 128,  # prompt (<= 64) + response (<= 48) tokens, as the example
-            "kv_cache_memory_bytes": 512 * 2**20,
-            "seed": SEED,
+            "sampling": {"n": N, "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": SEED},
+            "engine": {
+                "max_model_len": 128,  # prompt (<= 64) + response (<= 48) tokens, as the example
+                "kv_cache_memory_bytes": 512 * 2**20,
+            },
         },
         "data": {
             "path": os.path.join(data_dir, "prompts.jsonl"),

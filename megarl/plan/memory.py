@@ -366,7 +366,7 @@ def _impl(cfg, device: str) -> str:
 
 def _cluster_checks(cfg, gpus: int, nodes: int) -> tuple[list[str], list[str]]:
     per_node = gpus // nodes
-    ro, p = cfg.rollout, cfg.parallel
+    ro, p = cfg.rollout.engine, cfg.parallel
     problems, warnings = [], []
     if ro.tensor_parallel > per_node or per_node % ro.tensor_parallel:
         problems.append(
@@ -431,7 +431,7 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
     worst = max(result.stages, key=lambda s: s.worst[1])
     phase, peak = worst.worst
     tried = []
-    p, a, ro = cfg.parallel, cfg.algorithm, cfg.rollout
+    p, a, ro = cfg.parallel, cfg.algorithm, cfg.rollout.engine
     if phase in ("train", "logprobs") and p.recompute == "none":
         tried.append(("--set parallel.recompute=full", _with(cfg, parallel={"recompute": "full"})))
     if phase in ("train", "logprobs") and a.micro_batch_size > 1:

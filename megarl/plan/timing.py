@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import yaml
 
 from megarl.config import ConfigError
+from megarl.rollout.config import migrate_keys
 
 TRAINER_STAGES = ("logprobs", "train")
 OTHER_STAGES = ("reward", "advantage", "balance")
@@ -247,6 +248,7 @@ def _run_record(path: str) -> dict:
         job = yaml.safe_load(f)
     with open(os.path.join(path, "config.yaml")) as f:
         cfg = yaml.safe_load(f)
+    migrate_keys(cfg)  # a run of an earlier release wrote the flat rollout keys
     steps = []
     with open(metrics) as f:
         for line in f:
@@ -267,18 +269,19 @@ def _run_record(path: str) -> dict:
     cpu = job.get("device") == "cpu"
     threads = int(job.get("threads_per_rank", 1)) if cpu else 1
     p, r = cfg["parallel"], cfg["rollout"]
+    sampling, engine, placement = (r.get(k) or {} for k in ("sampling", "engine", "placement"))
     return {
         "path": path,
         "devices": int(job["ranks"]) * threads,
         "engines": int(job.get("engine_ranks", 0)) * threads,
-        "max_staleness": int(cfg["algorithm"].get("max_staleness") or 0),
+        "max_staleness": int(placement.get("max_staleness") or 0),
         "generate": median("rollout"),
         "trainer": median(*TRAINER_STAGES),
         "other": median(*OTHER_STAGES),
         "sync": median("sync"),
         "step": median("step"),
-        "samples": int(cfg["data"]["prompts_per_step"]) * int(r["n"]),
-        "engine_multiple": 1 if cpu else int(r.get("tensor_parallel") or 1),
+        "samples": int(cfg["data"]["prompts_per_step"]) * int(sampling["n"]),
+        "engine_multiple": 1 if cpu else int(engine.get("tensor_parallel") or 1),
         "trainer_multiple": 1
         if cpu
         else int(p["tensor_parallel"])
