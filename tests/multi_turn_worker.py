@@ -169,7 +169,8 @@ def inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state) -> dict:
     weights change before the second wave of turns (waves) or
     before the third decoding step (stream: in the middle of the first turns). Every sampled
     token is scored by Megatron under the weights of the version it is stamped with, and (power)
-    the second version's tokens under the first's weights. This rank alone (DP2, TP1)."""
+    the second version's tokens under the first's weights; control: stream with the running
+    turns' KV kept. This rank alone (DP2, TP1)."""
     import dataclasses
 
     from megarl.convert.mapping import canonical_to_hf
@@ -179,7 +180,9 @@ def inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state) -> dict:
     g = torch.Generator().manual_seed(13)
     new = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     out = {}
-    for scheduler, at in (("waves", 2), ("stream", 3)):
+    # control: stream with the running turns' KV kept (the reset disabled): the check must see it
+    for label, scheduler, at in (("waves", "waves", 2), ("stream", "stream", 3),
+                                 ("stream_kept", "stream", 3)):  # fmt: skip
         cfg = dataclasses.replace(env_cfg, scheduler=scheduler)
         worker = RolloutWorker(engine, load_trajectories(cfg, tok), cfg)
         calls = {"polls": 0}
@@ -187,17 +190,24 @@ def inflight_turns(engine, chunks, arch, groups, tok, env_cfg, state) -> dict:
         def write():
             engine.weights.load_hf(canonical_to_hf(arch, new.items()))
 
-        def poll(worker=worker, calls=calls, at=at):  # an update arrives before the at-th
-            calls["polls"] += 1
-            if calls["polls"] == at:
+        def poll(worker=worker, calls=calls, at=at, kept=label.endswith("kept")):
+            calls["polls"] += 1  # an update arrives before the at-th
+            if calls["polls"] != at:
+                return
+            saved = engine.reset_prefix_cache
+            if kept:
+                engine.reset_prefix_cache = lambda running=False: None
+            try:
                 worker.update(write, 1)
+            finally:
+                engine.reset_prefix_cache = saved
 
         worker.poll = poll
         batch, positions = prompt_batch(tok, 0, 1)
         ro = worker.generate(trajectory_items(batch, None), positions, SEED)
         engine.weights.load_hf(canonical_to_hf(arch, state.items()))
-        out[f"inflight_{scheduler}"] = _scored_versions(chunks, arch, groups, ro, state, new)
-        out[f"inflight_{scheduler}"]["calls"] = calls["polls"]
+        out[f"inflight_{label}"] = _scored_versions(chunks, arch, groups, ro, state, new)
+        out[f"inflight_{label}"]["calls"] = calls["polls"]
     return out
 
 

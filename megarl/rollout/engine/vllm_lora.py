@@ -65,9 +65,9 @@ def load(worker, tensors: dict[str, torch.Tensor], config: dict) -> None:
 
 
 @torch.no_grad()
-def sums(worker) -> dict[str, tuple[float, float]] | None:
-    """{HF module ("model.layers.0.self_attn.q_proj"): (sum of A², sum of B²)} of the adapter in
-    the LoRA layers' stacked buffers, as this vLLM rank's share (`layer_sums`): summed over the
+def sums(worker) -> dict[str, tuple[float, ...]] | None:
+    """{HF module ("model.layers.0.self_attn.q_proj"): `adapter_sums`} of the adapter in the
+    LoRA layers' stacked buffers, as this vLLM rank's share (`layer_sums`): summed over the
     instance's TP group they are the whole adapter's. B has alpha / rank folded in. None when no
     adapter is active."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
@@ -87,27 +87,62 @@ def sums(worker) -> dict[str, tuple[float, float]] | None:
     return out
 
 
-def layer_sums(module, slot: int) -> list[tuple[float, float]]:
-    """(sum of A², sum of B²) of each slice of a vLLM LoRA linear layer's adapter in `slot`, as
-    this TP rank's share. vLLM (`vllm/lora/layers`) keeps a factor whole on every rank (A of a
+def layer_sums(module, slot: int) -> list[tuple[float, ...]]:
+    """`adapter_sums` (A², B², A² by column, B² by row) of each slice of a vLLM LoRA linear
+    layer's adapter in `slot`, as this TP rank's share, rows and columns at their index in the
+    whole tensor. vLLM (`vllm/lora/layers`) keeps a factor whole on every rank (A of a
     column-parallel layer, B of a row-parallel one: counted 1 / tp here) or splits it (counted
     once), except the K and V rows of B, which every one of `num_kv_head_replicas` ranks holds
     when vLLM TP exceeds the KV heads (`column_parallel_linear.py:417,474`)."""
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 
-    base, tp = module.base_layer, module.tp_size
+    base, tp, n = module.base_layer, module.tp_size, len(module.lora_a_stacked)
     out = []
-    for i in range(len(module.lora_a_stacked)):
-        a = float(module.lora_a_stacked[i][slot].double().square().sum())
-        b = float(module.lora_b_stacked[i][slot].double().square().sum())
-        if isinstance(base, RowParallelLinear):
-            out.append((a, b / tp))
+    for i in range(n):
+        a = module.lora_a_stacked[i][slot][0].double()  # [rank, inputs on this rank]
+        b = module.lora_b_stacked[i][slot][0].double()  # [outputs on this rank, rank]
+        if isinstance(base, RowParallelLinear):  # A split by inputs, B whole
+            out.append(adapter_sums(a, b, a_start=module.tp_rank * a.shape[1], b_copies=tp))
             continue
-        if isinstance(base, QKVParallelLinear) and len(module.lora_a_stacked) == 1:
+        if isinstance(base, QKVParallelLinear) and n == 1:
             raise NotImplementedError(
                 f"{base.prefix}: one adapter over a fused q/k/v projection; its K/V rows repeat "
                 "on vLLM ranks past the KV heads and its sums are not split here"
             )
-        copies = base.num_kv_head_replicas if isinstance(base, QKVParallelLinear) and i else 1
-        out.append((a / tp, b / copies))
+        kv = isinstance(base, QKVParallelLinear) and i > 0
+        shard = module.output_ids[i] if hasattr(module, "output_ids") else module.tp_rank
+        out.append(
+            adapter_sums(
+                a, b, a_copies=tp, b_start=shard * b.shape[0],
+                b_copies=base.num_kv_head_replicas if kv else 1,
+            )
+        )  # fmt: skip
     return out
+
+
+def adapter_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    a_start: int = 0,
+    b_start: int = 0,
+    a_copies: int = 1,
+    b_copies: int = 1,
+) -> tuple[float, float, float, float]:
+    """(sum of A², sum of B², sum over A's columns of (column + 1) x its sum of squares, the
+    same over B's rows) of a slice of an adapter: A [rank, inputs] whose first column is column
+    `a_start` of the whole A, B [outputs, rank] whose first row is row `b_start` of the whole B;
+    each factor's sums divided by the ranks that hold the same slice (`*_copies`), so that the
+    shares of all ranks add up to the whole adapter's. The weighted sums see a slice put back
+    in the wrong place, which plain sums of squares cannot."""
+    a, b = a.double(), b.double()
+    cols = a.square().sum(0)
+    rows = b.square().sum(1)
+    at_a = torch.arange(a_start + 1, a_start + 1 + cols.numel(), dtype=torch.float64)
+    at_b = torch.arange(b_start + 1, b_start + 1 + rows.numel(), dtype=torch.float64)
+    return (
+        float(cols.sum()) / a_copies,
+        float(rows.sum()) / b_copies,
+        float((cols * at_a).sum()) / a_copies,
+        float((rows * at_b).sum()) / b_copies,
+    )

@@ -164,9 +164,9 @@ class EngineWeights:
         unused): for weights that already hold the adapters merged."""
         self.lora_request = None
 
-    def adapter_sums(self) -> dict[str, tuple[float, float]] | None:
-        """{HF module: (sum of A², sum of B² with alpha / rank folded in)} of the adapter the
-        engine's LoRA layers hold (its TP shards summed); None before any `load_adapter`."""
+    def adapter_sums(self) -> dict[str, tuple[float, ...]] | None:
+        """{HF module: `vllm_lora.adapter_sums` (B with alpha / rank folded in)} of the adapter
+        the engine's LoRA layers hold (its TP shards summed); None before any `load_adapter`."""
         if self.lora_request is None:
             return None
         engine = self._engine
@@ -176,4 +176,4 @@ class EngineWeights:
         names = sorted(local)  # each rank's share (`vllm_lora.layer_sums`): summed, the whole
         t = torch.tensor([local[n] for n in names], dtype=torch.float64)
         dist.all_reduce(t, group=engine.tp_group)
-        return {n: (float(a), float(b)) for n, (a, b) in zip(names, t.tolist(), strict=True)}
+        return {n: tuple(v) for n, v in zip(names, t.tolist(), strict=True)}

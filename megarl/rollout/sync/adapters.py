@@ -10,11 +10,12 @@ model-parallel group its own copy, adapter bytes only) and hands them to the eng
 name that adapter.
 
 Each sync is checked: per adapted HF linear, the sums of squares of A and of B (alpha / rank
-folded in, as vLLM folds it) in the engine's LoRA buffers - read back after the load - equal
+folded in, as vLLM folds it), plain and weighted by column / row index
+(`vllm_lora.adapter_sums`), in the engine's LoRA buffers - read back after the load - equal
 those of the trainer's current adapters, rounded to the engine's dtype as vLLM rounds them.
 The trainer's side is computed from its own shards (TP-summed), not from what was sent, so an
-adapter that never arrived, arrived stale or went to the wrong module is a `SyncError` naming
-it, never a silent stale policy.
+adapter that never arrived, arrived stale, or went to the wrong module or rows is a `SyncError`
+naming it, never a silent stale policy.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ from megarl.distributed.device import device as dev
 from megarl.models.hf_config import ModelArch
 from megarl.models.lora import LoraConfig, adapters_of, peft_key
 from megarl.rollout.engine.engine import RolloutEngine
+from megarl.rollout.engine.vllm_lora import adapter_sums
 from megarl.rollout.engine.weights import SYNCED
 from megarl.rollout.sync.colocated import ColocatedWeights
 from megarl.rollout.sync.stats import SyncError, SyncStats
 
+SUMS = ("sum of A^2", "sum of B^2", "sum of A^2 by column", "sum of B^2 by row")
+"""What each of a module's sums is (`vllm_lora.adapter_sums`), for the error message."""
 RTOL = 1e-6
 """Both sides sum the same rounded values in float64 (in another order): a missing or stale
 adapter differs by far more."""
@@ -44,31 +48,38 @@ def _module(key: str) -> str:
 
 
 @torch.no_grad()
-def trainer_sums(chunks, cfg: LoraConfig, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
-    """{HF module: (sum of A², sum of (scale B)²)} of the model's current adapters, each rounded
-    to `dtype` as the engine stores it; on every rank. Collective over the world (TP sum, PP
-    gather)."""
+def trainer_sums(chunks, cfg: LoraConfig, dtype: torch.dtype) -> dict[str, tuple[float, ...]]:
+    """{HF module: `vllm_lora.adapter_sums` of (A, scale B)} of the model's current adapters,
+    each rounded to `dtype` as the engine stores it; on every rank. Collective over the world
+    (TP sum, PP gather)."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
     pp_group = ps.get_pipeline_model_parallel_group()
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp, tp_rank = dist.get_world_size(tp_group), ps.get_tensor_model_parallel_rank()
     names, values = [], []
     for adapters in adapters_of(chunks):
         for layer, name, pair in adapters.pairs():
             b = pair.B.detach().to(dtype, copy=True)  # scaled in place below
             b *= cfg.scale  # in `dtype`, as vLLM folds the scale into B
-            pair_sums = []
-            for p, t in ((pair.A, pair.A.detach().to(dtype)), (pair.B, b)):
-                s = t.double().square().sum()
-                split = getattr(p, "tensor_model_parallel", False)
-                pair_sums.append(s if split or tp_rank == 0 else torch.zeros_like(s))
+            a = pair.A.detach().to(dtype)
+            # a split factor is this rank's slice of the whole (A: columns, B: rows); a whole
+            # one is on every TP rank and counts 1 / tp here
+            a_split = getattr(pair.A, "tensor_model_parallel", False)
+            b_split = getattr(pair.B, "tensor_model_parallel", False)
+            sums = adapter_sums(
+                a, b,
+                a_start=tp_rank * a.shape[1] if a_split else 0,
+                b_start=tp_rank * b.shape[0] if b_split else 0,
+                a_copies=1 if a_split else tp,
+                b_copies=1 if b_split else tp,
+            )  # fmt: skip
             names.append(_module(peft_key(layer, name, "A")))
-            values.append(torch.stack(pair_sums))
-    t = torch.stack(values) if values else torch.zeros(0, 2, dtype=torch.float64, device=dev())
-    if dist.get_world_size(tp_group) > 1:  # split factors' shards, whole ones once (rank 0)
+            values.append(torch.tensor(sums, dtype=torch.float64, device=dev()))
+    t = torch.stack(values) if values else torch.zeros(0, 4, dtype=torch.float64, device=dev())
+    if tp > 1:
         dist.all_reduce(t, group=tp_group)
-    local = {n: (float(a), float(b)) for n, (a, b) in zip(names, t.tolist(), strict=True)}
+    local = {n: tuple(v) for n, v in zip(names, t.tolist(), strict=True)}
     if dist.get_world_size(pp_group) == 1:
         return local
     parts = [None] * dist.get_world_size(pp_group)
@@ -83,15 +94,15 @@ def compare(want: dict, have: dict | None) -> list[str]:
         return [f"{m}: no adapter in the engine" for m in sorted(want)]
     bad = []
     for m in sorted(set(want) | set(have)):
-        if m not in want and have[m] == (0.0, 0.0):  # a LoRA layer this adapter leaves empty
+        if m not in want and not any(have[m]):  # a LoRA layer this adapter leaves empty
             continue
         if m not in have or m not in want:
             side = "engine" if m not in have else "trainer"
             bad.append(f"{m}: missing on the {side} side")
             continue
-        for part, w, h in zip("AB", want[m], have[m], strict=True):
+        for part, w, h in zip(SUMS, want[m], have[m], strict=True):
             if abs(w - h) > RTOL * max(abs(w), abs(h), 1e-30):
-                bad.append(f"{m}: sum of {part}^2 trainer {w:.9g} vs engine {h:.9g}")
+                bad.append(f"{m}: {part} trainer {w:.9g} vs engine {h:.9g}")
     return bad
 
 
