@@ -64,6 +64,14 @@ class Faulty(CopyAgain):
         return super().step(turn)
 
 
+class Unreachable(CopyAgain):
+    """Cannot be built: its constructor raises, as an environment whose tool server the host
+    it is built on cannot reach."""
+
+    def __init__(self, again: str = " copy {answer}"):
+        raise ConnectionError("no tool server at tools.invalid:8080 from this host")
+
+
 class SlowFirst(CopyAgain):
     """CopyAgain whose first step, on rows with `slow` set (a slow tool), waits until the test
     sets `SLOW_GO` or `delay` seconds pass: the other trajectories must not wait for it."""

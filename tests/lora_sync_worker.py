@@ -68,6 +68,7 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
     pp2 = ColocatedAdapters(chunks, arch, engine, groups, cfg)
     pp2.sync()
     at_pp2 = _sample(engine)
+    inflight = _adapters_in_flight(engine, pp2)
     engine.close()
     return {
         "first": first,
@@ -81,6 +82,46 @@ def adapter_sync(rank, world, hf: dict, out: str, batch: dict, r: int, alpha: fl
         "merged": merged,
         "pp2": at_pp2,
         "misplaced": misplaced,
+        "inflight": inflight,
+    }
+
+
+def _adapters_in_flight(engine, sync) -> dict:
+    """An adapter update reaching an engine rank with in-flight updates while its samples run:
+    the real `EngineRank.handle` (its state without a link; the loop's other half, the link,
+    is not what is checked) takes a generate request (continuous samples), the samples decode
+    one token, then an adapter update (every B moved) arrives. Returns the running samples'
+    ids and per-token versions, whether they were still running when the update came, the
+    same prompts sampled whole with the old adapters, the update's answer and the version the
+    worker then stamps."""
+    from collections import deque
+
+    from megarl.rollout.placement.engine_rank import EngineRank
+    from megarl.rollout.placement.worker import RolloutWorker
+    from megarl.rollout.sync.receiver import Receiver
+
+    whole = _sample(engine)["ids"]  # the adapters the engine serves now
+    rank = EngineRank.__new__(EngineRank)
+    rank.receiver, rank.inflight, rank.deferred = Receiver(None), True, deque()
+    rank.receiver.attach(engine)
+    rank.worker, rank._owed, rank._done = RolloutWorker(engine, None, None), deque(), deque()
+    sampling = {"n": 1, "greedy": True, "max_tokens": 6}
+    msg = {"op": "generate", "prompts": PROMPTS, "positions": [0, 1, 2], "seed": 0}
+    rank.handle({**msg, "sampling": sampling})
+    rank.worker.step()  # one token each, with the old adapters
+    running = rank.worker.busy
+    moved = {k: t + 0.02 if "lora_B" in k else t for k, t in whole_adapters(sync.chunks).items()}
+    rank.handle({"op": "adapters", "version": 1, "tensors": moved, "config": sync.config})
+    owed = rank._owed[0]
+    samples = owed.samples() if owed.finished else None
+    return {
+        "running": running,
+        "finished": owed.finished,
+        "ids": None if samples is None else samples.response_ids,
+        "versions": None if samples is None else samples.versions.tokens,
+        "whole": whole,
+        "answer": {k: v for k, v in rank._done[0].items() if k != "adapter_sums"},
+        "version": rank.worker.version,
     }
 
 

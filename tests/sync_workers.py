@@ -511,7 +511,44 @@ def faults(ws, engine, chunks, ref: dict) -> dict:
     engine.call(_fail_repack_once, "model.layers.2.mlp.down_proj")
     out["write"] = _broken_sync(ws, engine, ref, prompts, repair=lambda: None)
     out["write_mode"] = ws.write
+    out["forward"] = _failed_forward(ws, engine, prompts)
     return out
+
+
+def _failed_forward(ws, engine, prompts) -> dict:
+    """A generate call whose model forward fails once inside vLLM (its requests added,
+    scheduled, never finished): the error, whether vLLM then resets its prefix cache (as the
+    next sync does) and the next sync, and greedy samples before and after."""
+    from megarl.rollout.engine.vllm_patches import abort_unfinished
+
+    before = engine.generate(prompts, n=1, greedy=True).response_ids
+    engine.call(_fail_forward_once)
+    try:
+        engine.generate(prompts, n=1, greedy=True)
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    out = {"error": error, "unfinished": engine.has_unfinished()}
+    out["reset"] = engine.llm.reset_prefix_cache()
+    try:  # (a failure is the test's to report, not the whole job's)
+        ws.sync()
+        out["after"] = engine.generate(prompts, n=1, greedy=True).response_ids == before
+    except Exception as e:
+        out["after"] = f"{type(e).__name__}: {e}"
+        abort_unfinished(engine.llm)  # the rest of the job on a usable engine
+        ws.sync()
+    return out
+
+
+def _fail_forward_once(worker) -> None:
+    """The model's next forward raises (once)."""
+    model = worker.model_runner.get_model()
+
+    def failing(*args, **kwargs):
+        del model.forward  # once: the class's method again
+        raise RuntimeError("injected forward failure")
+
+    model.forward = failing
 
 
 NORM = "model.norm.weight"

@@ -126,3 +126,19 @@ def test_an_adapter_with_its_rows_out_of_order_fails_the_sync(runs):
     _, res = runs
     for r in res:
         assert r["misplaced"]["permuted"] is not None, "the check passed with B's rows reversed"
+
+
+def test_an_adapter_update_in_flight_waits_for_the_running_samples(runs):
+    """docs/placement.md: with `rollout.placement.inflight_updates`, a LoRA adapter update waits
+    for the running samples (vLLM swaps an adapter only between requests). Samples that had
+    drawn a token when the update came finish first, every token with the old adapters
+    (version 0, and the ids of the same prompts sampled whole with them); the update is then
+    answered and stamps version 1."""
+    for res in runs[1]:
+        got = res["inflight"]
+        assert got["running"], "the samples must still run when the update arrives"
+        assert got["finished"], got
+        assert got["versions"] == [[0] * len(ids) for ids in got["ids"]], got
+        assert got["ids"] == got["whole"], got
+        assert got["answer"] == {"version": 1, "op": "adapters"}, got
+        assert got["version"] == 1

@@ -16,6 +16,7 @@ from megarl.rollout.metrics import staleness_metrics
 from megarl.rollout.placement.separate import Request, merge_samples, split_shares, syncs_to_verify
 from megarl.rollout.samples import Samples, Versions, token_versions
 from megarl.rollout.sync.buckets import (
+    IN_FLIGHT,
     bucket_items,
     bucket_layout,
     receive_buckets,
@@ -24,7 +25,7 @@ from megarl.rollout.sync.buckets import (
 )
 from megarl.rollout.sync.checksum import FamilySums, family, merged, mismatched, tensor_sums
 from megarl.rollout.sync.receiver import Receiver
-from megarl.rollout.sync.separate import WeightsCheck
+from megarl.rollout.sync.separate import BUCKET_BYTES, WeightsCheck
 
 
 # ----------------------------------------------------------------------------- placement
@@ -232,11 +233,14 @@ def _link_peer(member: int, port: int, errors) -> None:
 def _bucket_tensors() -> list:
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 3), (300,), (1000,), (5,), (64, 2), (1,)]  # 1000 x 2 bytes: over the limit
-    return [(f"model.layers.{i % 2}.t{i}.weight", torch.randn(s, generator=g).bfloat16())
-            for i, s in enumerate(shapes)]
+    return [
+        (f"model.layers.{i % 2}.t{i}.weight", torch.randn(s, generator=g).bfloat16())
+        for i, s in enumerate(shapes)
+    ]
 
 
-def _bucket_peer(member: int, port: int, errors) -> None:
+def _bucket_peer(member: int, port: int, errors, report) -> None:
+    """The bucket round trip, then the stream of `_bounded_send` (one launch for both tests)."""
     try:
         pg = _gloo_pair(member, port)
         tensors = _bucket_tensors()
@@ -247,6 +251,7 @@ def _bucket_peer(member: int, port: int, errors) -> None:
             out = Outbox(pg)
             out.send(sums.state(), 1)
             out.flush()  # taken before this process ends
+            report.put(_bounded_send(pg))
             return
         flats = receive_buckets([(0, pg, buckets)], torch.bfloat16)
         got = list(bucket_items(buckets, flats))
@@ -255,18 +260,97 @@ def _bucket_peer(member: int, port: int, errors) -> None:
             assert torch.equal(t, want), name
             sums.add(name, t)
         assert mismatched(recv_object(pg, 0), sums.state()) == []
+        stream = _stream_buckets()  # every tensor of the stream arrives, bit for bit
+        flats = receive_buckets([(0, pg, stream)], torch.float32)
+        for i, (name, t) in enumerate(bucket_items(stream, flats)):
+            assert torch.equal(t, torch.full((16, 16), float(i))), name
     except BaseException as e:  # reported to the test, which fails with it
         errors.put(f"member {member}: {type(e).__name__}: {e}")
 
 
-def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums():
+# 24 tensors of 1 KiB in fp32, cut into 2 KiB buckets: 12 buckets, three times IN_FLIGHT
+_STREAM = [(f"model.layers.{i}.mlp.down_proj.weight", (16, 16)) for i in range(24)]
+
+
+def _stream_buckets() -> list:
+    return bucket_layout([(n, torch.empty(s, device="meta")) for n, s in _STREAM], 2048)
+
+
+def _bounded_send(pg) -> dict:
+    """Member 0: send `_STREAM` through `send_buckets`, its tensors made one at a time as it
+    asks for them; returns the most buckets and tensors the sender held at once."""
+    import sys
+    import weakref
+
+    from megarl.distributed import link
+    from megarl.rollout.sync import buckets as module
+
+    seen = {"held": 0, "buckets": 0, "tensors": 0}
+    made: list = []  # weakrefs to the tensors the stream made
+
+    def stream():
+        for i, (name, shape) in enumerate(_STREAM):
+            t = torch.full(shape, float(i))
+            made.append(weakref.ref(t))
+            seen["tensors"] = max(seen["tensors"], sum(r() is not None for r in made))
+            yield name, t
+            del t
+
+    # a bucket is held from its allocation in `send_buckets` until `Broadcasts.wait` lets its
+    # broadcast go (what the sender's code keeps, whatever gloo's threads still hold)
+    empty, wait = torch.empty, link.Broadcasts.wait
+
+    def counted_empty(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__") == module.__name__:
+            seen["held"] += 1
+            seen["buckets"] = max(seen["buckets"], seen["held"])
+        return empty(*args, **kwargs)
+
+    def counted_wait(self, keep: int = 0):
+        before = len(self.works)
+        try:
+            return wait(self, keep)
+        finally:
+            seen["held"] -= before - len(self.works)
+
+    buckets = _stream_buckets()
+    torch.empty, link.Broadcasts.wait = counted_empty, counted_wait
+    try:
+        send_buckets(pg, stream(), buckets, torch.float32, FamilySums())
+    finally:
+        torch.empty, link.Broadcasts.wait = empty, wait
+    return {"buckets": seen["buckets"], "tensors": seen["tensors"], "of": len(buckets)}
+
+
+@pytest.fixture(scope="module")
+def bucket_pair() -> dict:
+    """One launch of `_bucket_peer`; what `_bounded_send` saw."""
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    _two_members(_bucket_peer, extra=(report,))
+    return report.get(timeout=60)
+
+
+def test_weights_cross_the_link_in_buckets_bit_for_bit_with_their_checksums(bucket_pair):
     """Tensors cut into 1 KiB buckets (one larger than that alone in its own), packed,
     broadcast, and read back by name: equal to the sender's, bit for bit, with equal checksums
     per family."""
     layout = bucket_layout(_bucket_tensors(), 1024)
     assert [len(b) for b in layout] == [2, 1, 3]
     assert layout[1] == [("model.layers.0.t2.weight", (1000,))]
-    _two_members(_bucket_peer)
+
+
+def test_a_sender_holds_one_tensor_and_at_most_four_buckets_never_the_model(bucket_pair):
+    """docs/placement.md: each sending rank holds one tensor and at most four buckets in flight
+    (64 MiB of 16 MiB buckets), never the whole model. A stream of 24 tensors in 12 buckets
+    over a real gloo pair (`_bounded_send`): the sender's code never holds more than IN_FLIGHT
+    buckets (the one it packs included), nor more tensors than the one it packs and the one
+    being made, and it still packs a bucket while others are on the wire."""
+    assert IN_FLIGHT * BUCKET_BYTES == 64 * 2**20  # the figure docs/placement.md gives
+    seen = bucket_pair
+    assert seen["of"] == 3 * IN_FLIGHT, seen  # holding them all would break the bound thrice
+    assert 2 <= seen["buckets"] <= IN_FLIGHT, seen
+    assert seen["tensors"] <= 2, seen
 
 
 def _ahead_peer(member: int, port: int, errors, first_sent, second_sent) -> None:
@@ -469,18 +553,27 @@ def test_config_refuses_inflight_updates_where_no_update_meets_a_generation(over
     if overrides == ["rollout.placement.mode=separate"]:  # what it asks for loads
         load_config(
             None,
-            ["rollout.placement.inflight_updates=true", *overrides,
-             "rollout.placement.max_staleness=1"],
+            [
+                "rollout.placement.inflight_updates=true",
+                *overrides,
+                "rollout.placement.max_staleness=1",
+            ],
         )
 
 
 @pytest.mark.parametrize("scheduler", ["waves", "stream"])
 def test_config_takes_an_environment_with_separate_engines_and_inflight_updates(scheduler):
-    env = ["rollout.placement.mode=separate", "env.name=tests.envs_for_tests:CopyAgain",
-           f"env.scheduler={scheduler}"]
+    env = [
+        "rollout.placement.mode=separate",
+        "env.name=tests.envs_for_tests:CopyAgain",
+        f"env.scheduler={scheduler}",
+    ]
     assert load_config(None, [*env, "rollout.placement.max_staleness=2"]).env.multi_turn
-    inflight = [*env, "rollout.placement.max_staleness=1",
-                "rollout.placement.inflight_updates=true"]
+    inflight = [
+        *env,
+        "rollout.placement.max_staleness=1",
+        "rollout.placement.inflight_updates=true",
+    ]
     assert load_config(None, inflight).rollout.placement.inflight_updates
 
 

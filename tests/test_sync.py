@@ -78,6 +78,17 @@ def test_broadcast_plan_in_many_buckets(results, key):
         assert sim["buckets"] > 2
 
 
+def test_a_generate_call_that_fails_inside_vllm_leaves_no_request_behind(results):
+    """The model's forward fails once during a generate call: the call raises that error and
+    its requests are aborted, so vLLM resets its prefix cache again (a request left holding KV
+    blocks would make every later weight sync fail) and the next sync and samples are as
+    before."""
+    for res in results:
+        rec = res["faults"]["forward"]
+        assert rec["error"] is not None and "injected forward failure" in rec["error"], rec
+        assert rec == {**rec, "unfinished": False, "reset": True, "after": True}, rec
+
+
 @pytest.mark.parametrize("label", ["staged", "reload", "write"])
 def test_interrupted_sync_names_the_parameter_and_recovers(results, label):
     """staged: a trainer tensor that breaks the exchange; reload: a zero-copy source that breaks

@@ -208,7 +208,13 @@ class RolloutEngine:
             self.routes.begin()
         requests = [{"prompt_token_ids": p} for p in prompts]
         lora = self.weights.lora_request
-        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+        try:
+            outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+        except BaseException:
+            # vLLM leaves a failed call's requests in its scheduler, holding KV blocks: every
+            # later prefix-cache reset (each weight sync) would be refused
+            vllm_patches.abort_unfinished(self.llm, keep=self._submitted)
+            raise
         out = Samples.empty()
         vocab = self.arch.vocab_size
         for i, request in enumerate(outs):

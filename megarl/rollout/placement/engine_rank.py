@@ -23,6 +23,7 @@ import logging
 import tempfile
 from collections import deque
 
+from megarl.distributed.consensus import failed_ranks
 from megarl.distributed.link import Inbox, Outbox
 from megarl.distributed.placement import Job
 from megarl.rollout.engine.engine import RolloutEngine, write_model_dir
@@ -112,17 +113,17 @@ class EngineRank:
         return {"error": f"unknown request {op!r}"}
 
     def _start(self, msg: dict) -> RolloutWorker:
+        cfg, env = msg["cfg"], msg.get("env")
+        trajectories = None
+        if env is not None:  # builds one environment before vLLM: a bad one fails the start
+            trajectories = _agreed(lambda: load_trajectories(env, msg["tokenizer"]), env)
         write_model_dir(self.model_dir, msg["arch"])
-        cfg = msg["cfg"]
         self.inflight = cfg.placement.inflight_updates
         engine = RolloutEngine(
             self.model_dir, msg["arch"], cfg.sampling, cfg.engine, dtype=msg["dtype"],
             lora_rank=msg.get("lora_rank", 0), updates_between_steps=self.inflight,
         )  # fmt: skip
-        trajectories = None
-        if msg.get("env") is not None:  # builds one environment: a bad one fails the start
-            trajectories = load_trajectories(msg["env"], msg["tokenizer"])
-        worker = RolloutWorker(engine, trajectories, msg.get("env"))
+        worker = RolloutWorker(engine, trajectories, env)
         if trajectories is not None and self.inflight:
             worker.poll = self.between_turns
         return worker
@@ -152,6 +153,23 @@ class EngineRank:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+def _agreed(load, env):
+    """`load()` (the environments' check) with one verdict for every engine rank: vLLM's start,
+    next, is collective over them, so a rank whose environment failed must not leave the others
+    waiting in it. Raises this rank's error, or one naming the ranks that failed."""
+    try:
+        out, error = load(), None
+    except Exception as e:  # raised below, once every rank knows
+        out, error = None, e
+    failed = failed_ranks(error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        what = f"env.agent {env.agent!r}" if env.agent is not None else f"env.name {env.name!r}"
+        raise RuntimeError(f"{what} failed to load on engine ranks {failed} (their logs say why)")
+    return out
 
 
 def _ready(owed) -> bool:

@@ -30,8 +30,8 @@ def bucket_layout(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[l
 
 
 IN_FLIGHT = 4
-"""Buckets `send_buckets` keeps on the wire at once: the sender holds at most these, not the
-model."""
+"""Buckets `send_buckets` holds at once, the one it packs included: the sender holds at most
+these, not the model."""
 
 
 def bucket_numel(bucket: list) -> int:
@@ -47,6 +47,7 @@ def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums, sender: i
     the seconds spent packing (the rest of the time is the wire's)."""
     sending, it, packing = Broadcasts(pg, sender), iter(tensors), 0.0
     for bucket in buckets:
+        sending.wait(keep=IN_FLIGHT - 1)  # (bounded memory: the model may not fit twice)
         t0 = time.perf_counter()
         flat = torch.empty(bucket_numel(bucket), dtype=dtype)
         offset = 0
@@ -63,7 +64,6 @@ def send_buckets(pg, tensors, buckets: list, dtype: torch.dtype, sums, sender: i
             offset += t.numel()
         packing += time.perf_counter() - t0
         sending.start(flat)
-        sending.wait(keep=IN_FLIGHT)  # (bounded memory: the model may not fit twice)
     sending.wait()
     return packing
 
