@@ -44,6 +44,28 @@ def test_bad_values_name_the_key(override, expected):
     assert expected in str(e.value)
 
 
+def test_cispo_keys_reach_the_loss_and_are_checked():
+    alg = load_config(
+        None,
+        ["algorithm.policy_loss=cispo", "algorithm.cispo_clip_low=0.5",
+         "algorithm.cispo_clip_high=2.0"],
+    ).algorithm
+    opts = alg.policy_loss_options
+    assert (alg.policy_loss, opts.cispo_clip_low, opts.cispo_clip_high) == ("cispo", 0.5, 2.0)
+    default = load_config(None, ["algorithm.policy_loss=cispo"]).algorithm.policy_loss_options
+    assert (default.cispo_clip_low, default.cispo_clip_high) == (1.0, 4.0)
+    for override, expected in [
+        ("algorithm.cispo_clip_low=1.5", "algorithm.cispo_clip_low=1.5; accepted: 0 <= "),
+        ("algorithm.cispo_clip_low=-0.1", "algorithm.cispo_clip_low=-0.1; accepted: 0 <= "),
+        ("algorithm.cispo_clip_high=0", "algorithm.cispo_clip_high=0.0; accepted: > 0"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert expected in str(e.value)
+    with pytest.raises(ConfigError, match="algorithm.dual_clip=3.0 with algorithm.policy_loss=c"):
+        load_config(None, ["algorithm.policy_loss=cispo", "algorithm.dual_clip=3.0"])
+
+
 def test_override_syntax():
     with pytest.raises(ConfigError, match="expected key=value"):
         apply_override({}, "trainer.steps")

@@ -441,7 +441,8 @@ def test_trainer_time_keys_are_checked(override, key):
 def test_an_unknown_policy_loss_is_refused_naming_the_registry():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["algorithm.policy_loss=gpso"])
-    assert "algorithm.policy_loss='gpso'" in str(e.value) and "['gspo', 'ppo']" in str(e.value)
+    message = str(e.value)
+    assert "algorithm.policy_loss='gpso'" in message and "['cispo', 'gspo', 'ppo']" in message
     assert load_config(None, ["algorithm.policy_loss=gspo"]).algorithm.policy_loss == "gspo"
 
 

@@ -12,6 +12,7 @@ from megarl.algorithms.losses import (
     PolicyLossOptions,
     ValueLossOptions,
     aggregate,
+    cispo_loss,
     get_policy_loss,
     global_denominators,
     policy_loss,
@@ -226,6 +227,142 @@ def test_gspo_matches_sequence_objective():
     torch.testing.assert_close(lp1.grad, lp2.grad, rtol=1e-12, atol=1e-14)
 
 
+# ---------------------------------------------------------------- CISPO
+def ref_agg_weights(mask, mode, max_len=None):
+    """d aggregate / d value of each token [B][T], in plain python over the global batch."""
+    lengths = [sum(1 for m in row if m) for row in mask]
+    seqs = sum(1 for n in lengths if n)
+    per_row = {
+        "token-mean": lambda n: 1 / sum(lengths),
+        "seq-mean-token-sum": lambda n: 1 / seqs,
+        "seq-mean-token-mean": lambda n: 1 / (n * seqs),
+        "seq-mean-token-sum-norm": lambda n: 1 / (max_len * seqs),
+    }[mode]
+    return [[per_row(n) if m else 0.0 for m in row] for row, n in zip(mask, lengths, strict=True)]
+
+
+def ref_cispo(lp, old, adv, mask, sampler, ref, entropy, *, low, high, correction, coefs, mode):
+    """CISPO's loss and its gradient by lp in plain python, derived by hand: with the detached
+    weight w = clip(exp(lp - old), 1 - low, 1 + high) and the off-policy weight c, a token's
+    loss is -c w A lp (+ the k1 KL kl_coef (lp - ref), - entropy_coef H), so its gradient is
+    -c w A (+ kl_coef), times the token's weight in the aggregate."""
+    entropy_coef, kl_coef = coefs
+    agg_w = ref_agg_weights(mask, mode, max_len=7)
+    loss, grad, clipped = 0.0, [], 0
+    for b in range(len(lp)):
+        row = []
+        for t in range(len(lp[b])):
+            if not mask[b][t]:
+                row.append(0.0)
+                continue
+            ratio = math.exp(lp[b][t] - old[b][t])
+            w = min(max(ratio, 1 - low), 1 + high)
+            clipped += w != ratio
+            c = ref_weight(old, sampler, mask, b, t, *correction)
+            value = -c * w * adv[b][t] * lp[b][t]
+            value += kl_coef * (lp[b][t] - ref[b][t]) - entropy_coef * entropy[b][t]
+            loss += agg_w[b][t] * value
+            row.append(agg_w[b][t] * (-c * w * adv[b][t] + kl_coef))
+        grad.append(row)
+    return loss, torch.tensor(grad), clipped / sum(sum(1 for m in row if m) for row in mask)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("correction", [("none", 0.5, 2.0), ("tis", 0.5, 2.0), ("mis", 0.5, 3.0)])
+@pytest.mark.parametrize("clips", [(1.0, 4.0), (0.2, 0.28), (0.0, 0.5)])
+def test_cispo_matches_reference(mode, correction, clips):
+    """Value and gradient of CISPO (with off-policy weights, entropy and a k1 KL term) against
+    the hand-derived plain-python reference, at three clip ranges and every aggregation."""
+    lp, _old, _adv, mask = _batch(seed=7)
+    g = torch.Generator().manual_seed(11)
+    old = lp + 1.2 * torch.randn(lp.shape, generator=g)  # ratios e^{+-2.4}: both bounds bite
+    adv = torch.randn(lp.shape, generator=g)  # per-token, both signs
+    scale = 0.1 if correction[0] == "mis" else 0.5
+    sampler = old + scale * torch.randn(lp.shape, generator=g)
+    ref, entropy = lp - 0.3 * torch.rand(lp.shape, generator=g), torch.rand(lp.shape, generator=g)
+    kind, low, high = correction
+    opts = PolicyLossOptions(
+        cispo_clip_low=clips[0],
+        cispo_clip_high=clips[1],
+        agg_mode=mode,
+        off_policy=OffPolicyOptions(kind=kind, low=low, high=high),
+        entropy_coef=0.01,
+        kl_coef=0.1,
+        kl_kind="k1",
+    )
+    tokens, seqs = global_denominators([mask])
+    x = lp.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss("cispo")(
+        x,
+        old,
+        adv,
+        mask,
+        opts,
+        global_tokens=tokens,
+        global_seqs=seqs,
+        max_len=7,
+        sampler_logprobs=sampler,
+        entropy=entropy,
+        ref_logprobs=ref,
+    )
+    loss.backward()
+    lists = (t.tolist() for t in (lp, old, adv, mask, sampler, ref, entropy))
+    exp_loss, exp_grad, exp_clip_frac = ref_cispo(
+        *lists, low=clips[0], high=clips[1], correction=correction, coefs=(0.01, 0.1), mode=mode
+    )
+    assert 0 < exp_clip_frac < 1  # some weights clipped, some not: both branches are checked
+    assert loss.item() == pytest.approx(exp_loss, rel=1e-12)
+    torch.testing.assert_close(x.grad, exp_grad, rtol=1e-12, atol=1e-15)
+    assert metrics["clip_frac"].item() == pytest.approx(exp_clip_frac, rel=1e-12)
+    ratio = torch.exp(lp - old)[mask]
+    assert metrics["ratio_max"].item() == pytest.approx(ratio.max().item(), rel=1e-12)
+    assert metrics["ratio_mean"].item() == pytest.approx(ratio.mean().item(), rel=1e-12)
+    assert ("is_weight_mean" in metrics) == (kind != "none") and "dual_clip_frac" not in metrics
+
+
+def test_cispo_keeps_the_gradient_of_a_clipped_token():
+    """The defining property: a token whose ratio is out of range keeps the gradient of its
+    logprob, scaled by the clipped weight, where PPO's gradient there is 0."""
+    # one sequence, 3 tokens; ratios e^{0.5} = 1.65, 1, e^{-0.5} = 0.61; both clip to [0.8, 1.2]
+    lp = torch.tensor([[0.5, 0.0, -0.5]])
+    old, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    cispo = PolicyLossOptions(cispo_clip_low=0.2, cispo_clip_high=0.2)
+    ppo = PolicyLossOptions(clip_low=0.2, clip_high=0.2)
+    for sign in (1.0, -1.0):
+        adv = sign * torch.ones(1, 3)
+        grads = {}
+        for name, opts in (("cispo", cispo), ("ppo", ppo)):
+            x = lp.clone().requires_grad_(True)
+            loss, _ = get_policy_loss(name)(x, old, adv, mask, opts, global_tokens=3)
+            loss.backward()
+            grads[name] = x.grad[0].tolist()
+        # weights 1.2, 1, 0.8: d(-w A lp)/d lp / 3 tokens
+        assert grads["cispo"] == pytest.approx([-sign * 1.2 / 3, -sign / 3, -sign * 0.8 / 3])
+        clipped_token = 0 if sign > 0 else 2  # PPO clips r > 1.2 for A > 0, r < 0.8 for A < 0
+        assert grads["ppo"][clipped_token] == 0.0
+        assert grads["cispo"][clipped_token] != 0.0
+    # A = -1: -(-1) (1.2 * 0.5 + 1 * 0 + 0.8 * -0.5) / 3; both out-of-range weights count
+    value, m = cispo_loss(lp, old, -torch.ones(1, 3), mask, cispo, global_tokens=3)
+    assert value.item() == pytest.approx((1.2 * 0.5 - 0.8 * 0.5) / 3, rel=1e-12)
+    assert m["clip_frac"].item() == pytest.approx(2 / 3)
+    assert m["ratio_max"].item() == pytest.approx(math.exp(0.5), rel=1e-12)
+
+
+def test_cispo_gradient_is_ppos_where_nothing_is_clipped():
+    """Inside the clip range CISPO's gradient -w A d lp is PPO's -A r d lp: the two differ
+    only where a weight is clipped."""
+    lp, old, adv, mask = _batch(seed=3)
+    grads = []
+    wide = {"cispo": PolicyLossOptions(), "ppo": PolicyLossOptions(clip_low=0.99, clip_high=50.0)}
+    for name, opts in wide.items():
+        x = lp.clone().requires_grad_(True)
+        loss, metrics = get_policy_loss(name)(x, old, adv, mask, opts, global_tokens=12)
+        loss.backward()
+        assert metrics["clip_frac"].item() == 0.0
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-15)
+
+
 def test_entropy_and_kl_terms():
     lp, old, adv, mask = _batch()
     ref_lp = lp - 0.1
@@ -266,6 +403,15 @@ def test_policy_loss_errors():
         policy_loss(lp, old, adv, mask, PolicyLossOptions(entropy_coef=0.1), **kw)
     with pytest.raises(ValueError, match="needs global_tokens"):
         policy_loss(lp, old, adv, mask, PolicyLossOptions())
+    with pytest.raises(ValueError, match="dual_clip=3.0 is PPO's cap.*set it to None"):
+        cispo_loss(lp, old, adv, mask, PolicyLossOptions(dual_clip=3.0), **kw)
+    for bad in ({"cispo_clip_low": 1.5}, {"cispo_clip_low": -0.1}, {"cispo_clip_high": 0.0}):
+        with pytest.raises(ValueError, match=r"accepted: 0 <= cispo_clip_low <= 1 and cispo_cl"):
+            cispo_loss(lp, old, adv, mask, PolicyLossOptions(**bad), **kw)
+    with pytest.raises(ValueError, match="sampler_logprobs"):
+        cispo_loss(
+            lp, old, adv, mask, PolicyLossOptions(off_policy=OffPolicyOptions(kind="tis")), **kw
+        )
 
 
 def test_policy_loss_registry():
@@ -279,10 +425,12 @@ def test_policy_loss_registry():
         register_policy_loss("ppo")(policy_loss)
 
 
-def test_empty_mask_is_finite():
+@pytest.mark.parametrize("loss_name", ["ppo", "cispo"])
+def test_empty_mask_is_finite(loss_name):
     lp, old, adv, _ = _batch()
     mask = torch.zeros_like(lp, dtype=torch.bool)
-    loss, metrics = policy_loss(lp, old, adv, mask, PolicyLossOptions(), global_tokens=5)
+    opts = PolicyLossOptions()
+    loss, metrics = get_policy_loss(loss_name)(lp, old, adv, mask, opts, global_tokens=5)
     assert loss.item() == 0.0
     assert all(torch.isfinite(v) for v in metrics.values())
 
@@ -312,21 +460,19 @@ def test_outcome_advantages_broadcast():
     assert per_seq.item() == per_token.item()
 
 
-@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
-def test_garbage_in_padding_does_not_leak(ratio_level):
+@pytest.mark.parametrize("loss_name", ["ppo", "gspo", "cispo"])
+def test_garbage_in_padding_does_not_leak(loss_name):
     """Padding may hold -inf logprobs or NaN values; masked math must ignore it (NaN * 0 = NaN)."""
     lp, old, adv, mask = _batch()
     dirty = lp.masked_fill(~mask, float("-inf"))
     dirty_old = old.masked_fill(~mask, float("nan"))
     dirty_ent = torch.rand(lp.shape).masked_fill(~mask, float("nan"))
-    opts = PolicyLossOptions(
-        ratio_level=ratio_level, entropy_coef=0.01, kl_coef=0.1, agg_mode="seq-mean-token-mean"
-    )
+    opts = PolicyLossOptions(entropy_coef=0.01, kl_coef=0.1, agg_mode="seq-mean-token-mean")
     kw = {"global_tokens": 12, "ref_logprobs": old, "global_seqs": 4}
     results = []
     for a, b, e in ((lp, old, dirty_ent.nan_to_num(0.0)), (dirty, dirty_old, dirty_ent)):
         x = a.clone().requires_grad_(True)
-        loss, metrics = policy_loss(x, b, adv, mask, opts, entropy=e, **kw)
+        loss, metrics = get_policy_loss(loss_name)(x, b, adv, mask, opts, entropy=e, **kw)
         loss.backward()
         results.append((loss, x.grad))
         assert all(torch.isfinite(v) for v in metrics.values()), metrics

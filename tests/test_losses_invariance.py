@@ -2,9 +2,10 @@
 
 A tiny differentiable "model" (`logits = x @ W^T`, `values = x @ w`) produces logprobs,
 entropy and values for a global batch of 8 right-padded sequences of different lengths. For
-every aggregation mode and for PPO (all options on), GSPO and the value loss, the sum of the
-shares over 1, 2 or 4 micro-batches, and over DP=2 gloo ranks (gradients all-reduced with SUM),
-must equal the single micro-batch result: relative error <= 1e-6 (measured ~1e-16 in float64).
+every aggregation mode and for PPO (all options on), GSPO, CISPO (its weights clipped on some
+tokens) and the value loss, the sum of the shares over 1, 2 or 4 micro-batches, and over DP=2
+gloo ranks (gradients all-reduced with SUM), must equal the single micro-batch result: relative
+error <= 1e-6 (measured ~1e-16 in float64).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from megarl.distributed.launch import spawn
 
 B, T, H, V = 8, 6, 4, 5
 MAX_LEN = 8
-LOSSES = ["ppo", "gspo", "value"]
+LOSSES = ["ppo", "gspo", "cispo", "value"]
 RTOL = 1e-6
 
 
@@ -93,7 +94,9 @@ def share(
         PolicyLossOptions(
             clip_low=0.2,
             clip_high=0.28,
-            dual_clip=3.0,
+            dual_clip=None if loss_name == "cispo" else 3.0,
+            cispo_clip_low=0.2,  # tight, so that some of the batch's weights are clipped
+            cispo_clip_high=0.28,
             agg_mode=mode,
             off_policy=OffPolicyOptions(kind="tis", high=2.0),
             entropy_coef=0.01,

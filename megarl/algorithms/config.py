@@ -43,14 +43,21 @@ class AlgorithmConfig:
     scale: str = "group"
     """Advantage scaling: group, batch or none (see megarl.advantage)."""
     policy_loss: str = "ppo"
-    """A registered policy loss (megarl.algorithms.losses): ppo (token-level ratio) or gspo
-    (sequence-level ratio)."""
+    """A registered policy loss (megarl.algorithms.losses): ppo (token-level ratio), gspo
+    (sequence-level ratio) or cispo (MiniMax-M1: the clipped importance weight, detached, on
+    every token's logprob gradient)."""
     clip_low: float = 0.2
-    """PPO clip range below 1 (ratio >= 1 - clip_low)."""
+    """PPO clip range below 1 (ratio >= 1 - clip_low); ppo and gspo."""
     clip_high: float = 0.2
-    """PPO clip range above 1; > clip_low is DAPO's clip-higher."""
+    """PPO clip range above 1; > clip_low is DAPO's clip-higher; ppo and gspo."""
     dual_clip: float | None = None
-    """Dual-clip constant c (> 1) for negative advantages; null = off."""
+    """Dual-clip constant c (> 1) for negative advantages; null = off; ppo and gspo."""
+    cispo_clip_low: float = 1.0
+    """Lower bound of CISPO's importance weight: 1 - cispo_clip_low (0 to 1); the default 1
+    sets none, as MiniMax-M1 does. policy_loss=cispo only."""
+    cispo_clip_high: float = 4.0
+    """Upper bound of CISPO's importance weight: 1 + cispo_clip_high (> 0); the default caps
+    it at 5. policy_loss=cispo only."""
     agg_mode: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean or
     seq-mean-token-sum-norm (see megarl.algorithms.losses)."""
@@ -143,6 +150,7 @@ class AlgorithmConfig:
             raise ConfigError(
                 f"algorithm.policy_loss={self.policy_loss!r}; accepted: {available_policy_losses()}"
             )
+        self._check_cispo()
         if self.scale not in ("group", "batch", "none"):
             raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
         if self.agg_mode not in AGG_MODES:
@@ -159,6 +167,21 @@ class AlgorithmConfig:
             )
         if self.kl_kind not in ("k1", "k2", "k3", "abs"):
             raise ConfigError(f"algorithm.kl_kind={self.kl_kind!r}; accepted: k1, k2, k3, abs")
+
+    def _check_cispo(self) -> None:
+        if not 0.0 <= self.cispo_clip_low <= 1.0:
+            raise ConfigError(
+                f"algorithm.cispo_clip_low={self.cispo_clip_low}; accepted: 0 <= cispo_clip_low "
+                "<= 1 (1 = no lower bound on the importance weight)"
+            )
+        if self.cispo_clip_high <= 0.0:
+            raise ConfigError(f"algorithm.cispo_clip_high={self.cispo_clip_high}; accepted: > 0")
+        if self.policy_loss == "cispo" and self.dual_clip is not None:
+            raise ConfigError(
+                f"algorithm.dual_clip={self.dual_clip} with algorithm.policy_loss=cispo; the dual "
+                "clip caps PPO's clipped surrogate, which CISPO does not have: set "
+                "algorithm.dual_clip to null"
+            )
 
     def _check_preference(self) -> None:
         if self.dpo_loss not in available_preference_losses():
@@ -199,8 +222,9 @@ class AlgorithmConfig:
 
     @property
     def policy_loss_options(self) -> PolicyLossOptions:
-        """clip_low, clip_high, dual_clip, agg_mode, the off-policy correction, entropy_coef and
-        the KL term (its coefficient only when kl_in=loss) as
+        """clip_low, clip_high, dual_clip, cispo_clip_low, cispo_clip_high, agg_mode, the
+        off-policy correction, entropy_coef and the KL term (its coefficient only when
+        kl_in=loss) as
         `megarl.algorithms.losses.PolicyLossOptions`; the ratio level comes with the loss
         `policy_loss` names (`get_policy_loss`)."""
         kl = self.kl_options
@@ -208,6 +232,8 @@ class AlgorithmConfig:
             clip_low=self.clip_low,
             clip_high=self.clip_high,
             dual_clip=self.dual_clip,
+            cispo_clip_low=self.cispo_clip_low,
+            cispo_clip_high=self.cispo_clip_high,
             agg_mode=self.agg_mode,
             off_policy=self.off_policy_options,
             entropy_coef=self.entropy_coef,

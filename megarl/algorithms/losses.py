@@ -126,14 +126,21 @@ class PolicyLossOptions:
     the global denominators are `policy_loss`'s arguments."""
 
     ratio_level: str = "token"
-    """'token' (PPO: one ratio per token) or 'sequence' (GSPO); the registered losses 'ppo' and
-    'gspo' (`get_policy_loss`) set it themselves."""
+    """'token' (PPO: one ratio per token) or 'sequence' (GSPO) for `policy_loss`; the
+    registered losses 'ppo' and 'gspo' (`get_policy_loss`) set it themselves, 'cispo' is
+    token-level and does not read it."""
     clip_low: float = 0.2
-    """Clip range below 1: the ratio is clipped at `1 - clip_low`."""
+    """Clip range below 1: the ratio is clipped at `1 - clip_low` (ppo, gspo)."""
     clip_high: float = 0.2
-    """Clip range above 1: `1 + clip_high`; > clip_low is DAPO's clip-higher."""
+    """Clip range above 1: `1 + clip_high`; > clip_low is DAPO's clip-higher (ppo, gspo)."""
     dual_clip: float | None = None
-    """Dual-clip constant c (> 1): for A < 0 the loss is capped at `-A c`; None = off."""
+    """Dual-clip constant c (> 1): for A < 0 the loss is capped at `-A c`; None = off (ppo,
+    gspo; `cispo_loss` refuses it)."""
+    cispo_clip_low: float = 1.0
+    """CISPO's importance weight is clipped below at `1 - cispo_clip_low` (0 <= it <= 1);
+    1 = no lower bound, as in MiniMax-M1."""
+    cispo_clip_high: float = 4.0
+    """CISPO's importance weight is clipped above at `1 + cispo_clip_high` (> 0)."""
     agg_mode: str = "token-mean"
     """One of `AGG_MODES` (module docstring)."""
     off_policy: OffPolicyOptions = OffPolicyOptions()
@@ -198,28 +205,9 @@ def policy_loss(
         raise ValueError(f"ratio_level must be 'token' or 'sequence'; got {opts.ratio_level!r}")
     if opts.dual_clip is not None and opts.dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None; got {opts.dual_clip!r}")
-    if opts.off_policy.active and sampler_logprobs is None:
-        raise ValueError(
-            f"off-policy correction {opts.off_policy.kind!r} needs sampler_logprobs (the "
-            "behaviour policy's); got None"
-        )
-    if opts.entropy_coef and entropy is None:
-        raise ValueError(f"entropy_coef={opts.entropy_coef} needs the per-token entropy tensor")
-    if opts.kl_coef and ref_logprobs is None:
-        raise ValueError(f"kl_coef={opts.kl_coef} needs ref_logprobs")
-    agg = partial(
-        aggregate,
-        mask=mask,
-        mode=opts.agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        max_len=max_len,
-    )
-    old = old_logprobs.detach()
-    # outcome advantages [B] apply to every token of their sequence
-    adv = advantages.detach()
-    if adv.dim() == 1:
-        adv = adv[:, None].expand_as(logprobs)
+    _check_terms(opts, sampler_logprobs, entropy, ref_logprobs)
+    denominators = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
+    old, adv = _detached(logprobs, old_logprobs, advantages)
     log_ratio = (logprobs - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     if opts.ratio_level == "sequence":
         seq_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
@@ -235,6 +223,106 @@ def policy_loss(
         dual_active = (adv < 0) & (pg > cap)
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
         metrics["dual_clip_frac"] = masked_mean(dual_active.to(pg.dtype), mask)
+    agg = partial(aggregate, mask=mask, mode=opts.agg_mode, **denominators)
+    terms = (sampler_logprobs, entropy, ref_logprobs)
+    return _with_terms(pg, metrics, logprobs, old, ratio, mask, opts, agg, *terms)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    opts: PolicyLossOptions,
+    *,
+    global_tokens: Number | None = None,
+    global_seqs: Number | None = None,
+    max_len: int | None = None,
+    sampler_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update, as a
+    share (see module).
+
+    Shapes and optional terms as in `policy_loss`. Per token, with `r_t = exp(lp_t - old_t)`:
+
+        w_t = sg[clip(r_t, 1 - cispo_clip_low, 1 + cispo_clip_high)]
+        l_t = -w_t * A_t * lp_t,     so  d l_t / d lp_t = -w_t * A_t
+
+    Every token keeps a gradient; the clip only bounds its size, where PPO's clip zeroes the
+    gradient of a clipped token. With no weight clipped the gradient is PPO's (`-A r d lp`);
+    the value is not (it holds `lp`), so compare `pg_loss` across runs of one loss only.
+    Off-policy weights, entropy and KL terms compose as in `policy_loss`; dual_clip and
+    ratio_level do not apply (dual_clip raises). Metrics: those of `policy_loss` but
+    dual_clip_frac, with clip_frac the share of tokens whose weight was clipped.
+    """
+    if opts.dual_clip is not None:
+        raise ValueError(
+            f"dual_clip={opts.dual_clip!r} is PPO's cap on the clipped surrogate; CISPO has no "
+            "such term: set it to None"
+        )
+    if not 0.0 <= opts.cispo_clip_low <= 1.0 or opts.cispo_clip_high <= 0.0:
+        raise ValueError(
+            f"cispo_clip_low={opts.cispo_clip_low!r}, cispo_clip_high={opts.cispo_clip_high!r}; "
+            "accepted: 0 <= cispo_clip_low <= 1 and cispo_clip_high > 0"
+        )
+    _check_terms(opts, sampler_logprobs, entropy, ref_logprobs)
+    denominators = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
+    old, adv = _detached(logprobs, old_logprobs, advantages)
+    valid = mask.bool()
+    ratio = torch.exp((logprobs.detach() - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    low, high = 1.0 - opts.cispo_clip_low, 1.0 + opts.cispo_clip_high
+    # where, not * mask: a NaN weight or -inf logprob in the padding would give 0 * NaN in the
+    # backward pass of the product
+    weight = torch.where(valid, ratio.clamp(low, high), 0.0)
+    pg = -weight * adv * torch.where(valid, logprobs, 0.0)
+    clipped = (ratio < low) | (ratio > high)
+    metrics = {"clip_frac": masked_mean(clipped.to(pg.dtype), mask)}
+    agg = partial(aggregate, mask=mask, mode=opts.agg_mode, **denominators)
+    terms = (sampler_logprobs, entropy, ref_logprobs)
+    return _with_terms(pg, metrics, logprobs, old, ratio, mask, opts, agg, *terms)
+
+
+def _check_terms(opts: PolicyLossOptions, sampler_logprobs, entropy, ref_logprobs) -> None:
+    """The optional tensors that `opts` turns on must be given."""
+    if opts.off_policy.active and sampler_logprobs is None:
+        raise ValueError(
+            f"off-policy correction {opts.off_policy.kind!r} needs sampler_logprobs (the "
+            "behaviour policy's); got None"
+        )
+    if opts.entropy_coef and entropy is None:
+        raise ValueError(f"entropy_coef={opts.entropy_coef} needs the per-token entropy tensor")
+    if opts.kl_coef and ref_logprobs is None:
+        raise ValueError(f"kl_coef={opts.kl_coef} needs ref_logprobs")
+
+
+def _detached(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old logprobs, advantages `[B, T]`), detached; outcome advantages `[B]` apply to every
+    token of their sequence."""
+    adv = advantages.detach()
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(logprobs)
+    return old_logprobs.detach(), adv
+
+
+def _with_terms(
+    pg: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    opts: PolicyLossOptions,
+    agg: Callable[[torch.Tensor], torch.Tensor],
+    sampler_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What every policy loss adds to its per-token loss `pg: [B, T]`: the off-policy weights,
+    the aggregation `agg`, the entropy and KL terms, and the metrics of `ratio: [B, T]`."""
     if sampler_logprobs is not None:
         d = (sampler_logprobs.detach() - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         metrics["mismatch_kl"] = masked_mean(torch.exp(d) - d - 1, mask)
@@ -326,7 +414,8 @@ def available_policy_losses() -> list[str]:
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    """The policy loss registered as `name`: 'ppo' (token ratio) or 'gspo' (sequence ratio)."""
+    """The policy loss registered as `name`: 'ppo' (token ratio), 'gspo' (sequence ratio) or
+    'cispo' (`cispo_loss`: the clipped importance weight, detached)."""
     try:
         return _POLICY_LOSSES[name]
     except KeyError:
@@ -345,3 +434,4 @@ def _at_ratio_level(level: str) -> PolicyLoss:
 
 register_policy_loss("ppo")(_at_ratio_level("token"))
 register_policy_loss("gspo")(_at_ratio_level("sequence"))
+register_policy_loss("cispo")(cispo_loss)
