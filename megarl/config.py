@@ -334,10 +334,26 @@ class RunConfig:
                 f"env.name / env.agent with algorithm.name={self.algorithm.name}: multi-turn "
                 "trajectories are RL rollouts; accepted: grpo or ppo (or env.name: null)"
             )
+        if self.algorithm.dynamic_sampling:
+            self._check_dynamic_sampling()
         try:
             check_rollout_with(self.rollout, self.env, rl=rl, algorithm=self.algorithm.name)
         except RolloutConfigError as e:
             raise ConfigError(str(e)) from None
+
+    def _check_dynamic_sampling(self) -> None:
+        staleness, n = self.rollout.placement.max_staleness, self.rollout.sampling.n
+        if staleness > 0:
+            raise ConfigError(
+                f"algorithm.dynamic_sampling=true with rollout.placement.max_staleness={staleness}:"
+                " requests sent ahead cannot know how many rounds a step takes; accepted: "
+                "max_staleness=0, or algorithm.dynamic_sampling=false"
+            )
+        if n < 2:
+            raise ConfigError(
+                f"algorithm.dynamic_sampling=true with rollout.sampling.n={n}: a group of one "
+                "sample has no reward spread, so every group would be dropped; accepted: n >= 2"
+            )
 
 
 def _field_types(cls) -> dict[str, Any]:

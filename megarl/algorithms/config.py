@@ -30,6 +30,8 @@ from megarl.errors import ConfigError
 ALGORITHMS = ("grpo", "ppo", "sft", "dpo", "rm")
 OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
 """Trained on a fixed dataset by `megarl.trainer.offline`: no rollout engine, no rewards."""
+MAX_ROUNDS = 1024
+"""Most rounds of dynamic sampling per step (`megarl.trainer.seeds.round_seed` spaces them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +101,14 @@ class AlgorithmConfig:
     balance_dp_tokens: bool = False
     """Re-deal each step's samples over the DP ranks after scoring so every rank holds the same
     number of samples and near-equal tokens (`megarl.trainer.balance`); no effect at DP 1."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (grpo only): drop the groups whose samples all got the same
+    reward (their group-relative advantage is zero: no gradient, only cost) and generate further
+    rounds of data.prompts_per_step prompts until that many groups with a reward spread are kept
+    (`megarl.trainer.dynamic_sampling`)."""
+    dynamic_sampling_max_rounds: int = 8
+    """Most rounds of generation per step with dynamic_sampling (1 to 1024); a step that still
+    has fewer than data.prompts_per_step kept groups trains on those and logs a warning."""
     gamma: float = 1.0
     """PPO discount."""
     lam: float = 0.95
@@ -151,6 +161,7 @@ class AlgorithmConfig:
                 f"algorithm.policy_loss={self.policy_loss!r}; accepted: {available_policy_losses()}"
             )
         self._check_cispo()
+        self._check_dynamic_sampling()
         if self.scale not in ("group", "batch", "none"):
             raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
         if self.agg_mode not in AGG_MODES:
@@ -181,6 +192,20 @@ class AlgorithmConfig:
                 f"algorithm.dual_clip={self.dual_clip} with algorithm.policy_loss=cispo; the dual "
                 "clip caps PPO's clipped surrogate, which CISPO does not have: set "
                 "algorithm.dual_clip to null"
+            )
+
+    def _check_dynamic_sampling(self) -> None:
+        if not 1 <= self.dynamic_sampling_max_rounds <= MAX_ROUNDS:
+            raise ConfigError(
+                f"algorithm.dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds}; "
+                f"accepted: 1 to {MAX_ROUNDS}"
+            )
+        if self.dynamic_sampling and self.name != "grpo":
+            # PPO's advantages come from a critic: equal rewards do not make them zero
+            raise ConfigError(
+                f"algorithm.dynamic_sampling=true with algorithm.name={self.name}: a group with "
+                "equal rewards has no gradient only under group-relative advantages; accepted: "
+                "algorithm.name=grpo, or algorithm.dynamic_sampling=false"
             )
 
     def _check_preference(self) -> None:

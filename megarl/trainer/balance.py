@@ -2,8 +2,9 @@
 
 Each DP rank generates its own prompts, so one rank can end a step with most of the long
 responses and hold every other rank at the gradient all-reduce while it finishes. After scoring,
-the samples of a step are re-dealt over the DP ranks: every rank keeps the same number of
-samples (mini-batch splits and megatron's schedules stay as they are) and the token totals
+the samples of a step are re-dealt over the DP ranks: every rank keeps the number of samples it
+held (the same on every rank, except after a short step of dynamic sampling), so mini-batch
+splits and megatron's schedules stay as they are, and the token totals
 (prompt + response) become as equal as a greedy longest-first assignment makes them.
 
 Nothing in the math depends on which rank holds a sample: group advantages are gathered by global
@@ -29,19 +30,28 @@ import torch.distributed as dist
 from megarl.rollout import Samples
 
 
-def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Indices of `lengths` dealt into `parts` lists of `len(lengths) // parts` each, longest
-    first onto the part with the fewest tokens that has room (ties: the lowest part index);
-    each list sorted. Deterministic. Requires `len(lengths) % parts == 0`."""
-    if parts < 1 or len(lengths) % parts:
-        raise ValueError(f"{len(lengths)} samples cannot be dealt equally to {parts} ranks")
-    size = len(lengths) // parts
-    heap = [(0, p) for p in range(parts)]
+def balanced_partition(
+    lengths: Sequence[int], parts: int, sizes: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Indices of `lengths` dealt into `parts` lists of `sizes[p]` each (default: all
+    `len(lengths) // parts`, which must then divide), longest first onto the part with the
+    fewest tokens that has room (ties: the lowest part index); each list sorted.
+    Deterministic."""
+    if sizes is None:
+        if parts < 1 or len(lengths) % parts:
+            raise ValueError(f"{len(lengths)} samples cannot be dealt equally to {parts} ranks")
+        sizes = [len(lengths) // parts] * parts
+    if len(sizes) != parts or sum(sizes) != len(lengths) or min(sizes, default=0) < 0:
+        raise ValueError(
+            f"{len(lengths)} samples cannot be dealt as {list(sizes)} to {parts} parts"
+        )
+    heap = [(0, p) for p in range(parts) if sizes[p] > 0]
+    heapq.heapify(heap)
     out: list[list[int]] = [[] for _ in range(parts)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         tokens, p = heapq.heappop(heap)
         out[p].append(i)
-        if len(out[p]) < size:
+        if len(out[p]) < sizes[p]:
             heapq.heappush(heap, (tokens + lengths[i], p))
     return [sorted(o) for o in out]
 
@@ -55,23 +65,22 @@ def balance_over_dp(
     then the sample's global prompt id (it no longer indexes this rank's prompts); metrics are
     the largest rank's tokens over the mean, before and after."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = len(rollout)
     piece = (rollout, rewards.tolist(), [int(i) for i in group_ids])
     gathered: list = [None] * world
     dist.all_gather_object(gathered, piece, group=group)
-    if any(len(g[0]) != n for g in gathered):
-        raise RuntimeError(f"balance_over_dp: ranks hold {[len(g[0]) for g in gathered]} samples")
+    sizes = [len(g[0]) for g in gathered]
     every = Samples.concat([g[0] for g in gathered])
     every_rewards = [r for g in gathered for r in g[1]]
     every_ids = [i for g in gathered for i in g[2]]
     lengths = [len(p) + len(r) for p, r in zip(every.prompt_ids, every.response_ids, strict=True)]
-    plan = balanced_partition(lengths, world)
+    plan = balanced_partition(lengths, world, sizes)
 
     def imbalance(parts: list[list[int]]) -> float:
         sums = [sum(lengths[i] for i in p) for p in parts]
         return max(sums) / max(sum(sums) / world, 1e-9)
 
-    before = [list(range(r * n, (r + 1) * n)) for r in range(world)]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    before = [list(range(starts[r], starts[r] + sizes[r])) for r in range(world)]
     metrics = {
         "dp_tokens_max_over_mean_before": imbalance(before),
         "dp_tokens_max_over_mean": imbalance(plan),

@@ -33,8 +33,8 @@ from megarl.metrics.sinks import SAMPLES_FILE
 from megarl.metrics.throughput import flops_per_token, precision_mfu
 from megarl.metrics.timer import StageTimer
 from megarl.models.routing import moe_metrics
-from megarl.rollout import SyncStats, logprob_mismatch
-from megarl.trainer import recipe
+from megarl.rollout import Samples, SyncStats, logprob_mismatch
+from megarl.trainer import dynamic_sampling, recipe
 from megarl.trainer.balance import balance_over_dp
 from megarl.trainer.evaluate import evaluate
 from megarl.trainer.experience import (
@@ -49,7 +49,7 @@ from megarl.trainer.faults import RunGuard
 from megarl.trainer.finish import finish, stop_if_diverged
 from megarl.trainer.run import Run
 from megarl.trainer.samples import step_samples
-from megarl.trainer.seeds import step_seed
+from megarl.trainer.seeds import round_seed, step_seed
 from megarl.trainer.stages import RLStage
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
 
@@ -68,10 +68,7 @@ def train(cfg: RunConfig, out_dir: str, job: Job | None = None) -> Run:
         while run.step < cfg.trainer.steps:
             guard.begin_step(run, timer)
             t0 = time.perf_counter()
-            with timer("rollout"):
-                prompts, rollout = generate(run)
-            with timer("reward"):
-                scored = score(run, prompts, rollout)
+            rollout, scored = sample(run, timer)  # generate, score (dynamic sampling: rounds)
             if cfg.algorithm.balance_dp_tokens and run.groups.dp_size > 1:
                 with timer("balance"):
                     rollout, scored = balance(run, rollout, scored)
@@ -111,24 +108,48 @@ def train(cfg: RunConfig, out_dir: str, job: Job | None = None) -> Run:
 
 
 # ---------------------------------------------------------------------- the named steps
-def generate(run: Run):
+def sample(run: Run, timer: StageTimer) -> tuple[Samples, Scored]:
+    """This DP rank's scored samples of the step: `generate`, then the engine sleeps (GPU: frees
+    its weights and KV cache for the trainer) until the next weight sync wakes it, then `score`.
+    With `algorithm.dynamic_sampling`, rounds of generate and score (the engine awake) until the
+    step holds `data.prompts_per_step` groups whose rewards differ
+    (`megarl.trainer.dynamic_sampling`), then the engine sleeps."""
+
+    def one_round(round_: int, release: bool) -> tuple[Samples, Scored]:
+        with timer("rollout"):
+            prompts, rollout = generate(run, round_)
+            if release:
+                run.rollout.release()
+        with timer("reward"):
+            return rollout, score(run, prompts, rollout)
+
+    if not run.cfg.algorithm.dynamic_sampling:
+        return one_round(0, release=True)
+    out = dynamic_sampling.sample_step(run, lambda round_: one_round(round_, release=False))
+    with timer("rollout"):
+        run.rollout.release()
+    return out
+
+
+def generate(run: Run, round_: int = 0) -> tuple[PromptBatch, Samples]:
     """This DP rank's prompts and their samples (each prompt generated once, by the engines of its
-    model-parallel group); then the engine sleeps (GPU: frees its weights and KV cache for the
-    trainer) until the next weight sync wakes it. With `rollout.placement.max_staleness` k > 0 the
-    rollout also learns the next k steps' requests, which it may start generating now."""
+    model-parallel group), drawn with round `round_`'s seed. With `rollout.placement.
+    max_staleness` k > 0 the rollout also learns the next k steps' requests, which it may start
+    generating now."""
     prompts = run.data.dataset.batch(run.data.sampler.next_step())
-    request = step_request(run, prompts, run.step)
+    request = step_request(run, prompts, run.step, round_)
     rollout = run.rollout.generate(*request, upcoming=upcoming_requests(run))
-    run.rollout.release()
     return prompts, rollout
 
 
-def step_request(run: Run, prompts: PromptBatch, step: int) -> tuple[PromptBatch, list[int], int]:
-    """(this DP rank's prompts, their positions in the step's global batch, the step's sampling
-    seed)."""
+def step_request(
+    run: Run, prompts: PromptBatch, step: int, round_: int = 0
+) -> tuple[PromptBatch, list[int], int]:
+    """(this DP rank's prompts, their positions in the step's global batch, the sampling seed of
+    the step's round `round_`: 0 without dynamic sampling)."""
     count = len(prompts.prompt_ids)
     positions = [run.groups.dp_rank * count + j for j in range(count)]  # in the global batch
-    return prompts, positions, step_seed(run.cfg.trainer.seed, step)
+    return prompts, positions, round_seed(run.cfg.trainer.seed, step, round_)
 
 
 def upcoming_requests(run: Run) -> list[tuple[PromptBatch, list[int], int]]:
@@ -302,10 +323,11 @@ def collect_metrics(
         local.add_ratio("kl", kl, valid.sum())
     merged = local.reduce(g.dp)
     merged["reward_std"] = reward_std(r, merged["reward_mean"], g.dp)
-    # every prompt generated once: samples generated in the world = prompts x n
-    generated = torch.tensor([float(run.rollout.samples_generated())], dtype=torch.float64)
-    dist.all_reduce(generated)
-    merged["rollout/samples_generated"] = generated.item()
+    if "rollout/samples_generated" not in merged:  # dynamic sampling counts every round's
+        # every prompt generated once: samples generated in the world = prompts x n
+        generated = torch.tensor([float(run.rollout.samples_generated())], dtype=torch.float64)
+        dist.all_reduce(generated)
+        merged["rollout/samples_generated"] = generated.item()
     out = from_last_stage(merged, g.pp, g.pp_size)  # reaches rank 0 through the pipeline group
     out["time_s"] = {**times, "step": step_s}
     tokens = out.pop("tokens")

@@ -92,7 +92,9 @@ def step_samples(run, rollout, scored: Scored, batch: StepBatch) -> list:
     rows = None
     cp_rank = dist.get_rank(g.cp) if g.cp is not None else 0
     if g.is_last_stage and g.tp_rank == 0 and cp_rank == 0:
-        ids = [int(i) for i in scored.group_ids]
+        # a group id is its dataset row, + k x rows for a row drawn again within the step
+        # (`megarl.trainer.dynamic_sampling.round_group_ids`)
+        ids = [int(i) % run.data.sampler.num_rows for i in scored.group_ids]
         prios = [
             priority(run.cfg.trainer.seed, run.step, p, r)
             for p, r in zip(ids, rollout.response_ids, strict=True)
