@@ -22,7 +22,7 @@ import torch
 
 from megarl.config import ConfigError, load_config
 from megarl.trainer.balance import balanced_partition
-from megarl.trainer.dynamic_sampling import _choose, groups_with_spread, round_group_ids
+from megarl.trainer.dynamic_sampling import choose_groups, groups_with_spread, round_group_ids
 from megarl.trainer.seeds import round_seed, step_seed
 
 
@@ -73,13 +73,13 @@ def test_a_step_trains_the_first_kept_groups_in_stream_order():
     # samples in stream order (n = 2): groups 5, 2, 8 (no spread), 1, 4, 6
     ids = [5, 5, 2, 2, 8, 8, 1, 1, 4, 4, 6, 6]
     keep = [True, True, True, True, False, False, True, True, True, True, True, True]
-    assert _choose(ids, keep, want=3, floor=2) == ([5, 2, 1], 0)
+    assert choose_groups(ids, keep, want=3, floor=2) == ([5, 2, 1], 0)
     # short: three kept groups, fewer than wanted, more than the floor: train those three
-    assert _choose(ids[:8], keep[:8], want=4, floor=2) == ([5, 2, 1], 0)
+    assert choose_groups(ids[:8], keep[:8], want=4, floor=2) == ([5, 2, 1], 0)
     # below the floor: the earliest dropped groups fill up to it, in stream order
     none = [False] * 8
-    assert _choose(ids[:8], none, want=4, floor=2) == ([5, 2], 2)
-    assert _choose(ids[:8], [True, True] + [False] * 6, want=4, floor=3) == ([5, 2, 8], 2)
+    assert choose_groups(ids[:8], none, want=4, floor=2) == ([5, 2], 2)
+    assert choose_groups(ids[:8], [True, True] + [False] * 6, want=4, floor=3) == ([5, 2, 8], 2)
 
 
 def test_rounds_draw_seeds_of_their_own_and_round_zero_is_the_step():
@@ -101,6 +101,61 @@ def test_balance_keeps_unequal_shares():
     assert balanced_partition(lengths, 2) == balanced_partition(lengths, 2, [5, 5])
     with pytest.raises(ValueError, match=r"cannot be dealt as \[6, 3\]"):
         balanced_partition(lengths, 2, [6, 3])
+
+
+# the step's global rounds (P = 4 groups of n = 2 each, group id = 10 x round + place): round 0
+# keeps the groups at places 1, 2, 3, round 1 those at 0 and 1; a spread is rewards (0, 1)
+SPREAD = [[False, True, True, True], [True, True, False, False]]
+
+
+def _round(rnd: int, places: list[int]):
+    from megarl.metrics.reduce import LocalMetrics
+    from megarl.rollout import Samples
+    from megarl.trainer.dynamic_sampling import Round
+    from megarl.trainer.experience import Scored
+
+    ids = [10 * rnd + p for p in places for _ in range(2)]
+    rewards = [float(k) if SPREAD[rnd][p] else 0.5 for p in places for k in range(2)]
+    samples = Samples(
+        prompt_index=[j for j in range(len(places)) for _ in range(2)],
+        prompt_ids=[[i, i] for i in ids],
+        response_ids=[[i, j % 2] for j, i in enumerate(ids)],  # the group, the sample
+        response_logprobs=[[-0.5, -0.25] for _ in ids],
+        finish_reason=["stop"] * len(ids),
+    )
+    r = torch.tensor(rewards)
+    scored = Scored(rewards=r, per_function={"f": 2 * r}, metrics=LocalMetrics(),
+                    group_ids=torch.tensor(ids))  # fmt: skip
+    return Round(samples, scored, groups_with_spread(r, torch.tensor(ids)))
+
+
+def _deal(rank: int, world: int, want: int, floor: int, fill: bool):
+    from megarl.trainer.dynamic_sampling import deal
+
+    share = 4 // world
+    places = list(range(rank * share, (rank + 1) * share))
+    mine, trained, filled = deal(
+        [_round(0, places), _round(1, places)], want, floor, fill=fill, group=None
+    )
+    return (mine.scored.group_ids.tolist(), mine.rollout.response_ids,
+            mine.scored.per_function["f"].tolist(), trained, filled)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_groups_a_step_trains_and_their_deal_do_not_depend_on_the_dp_size():
+    from megarl.distributed.launch import spawn
+
+    (one,) = spawn(_deal, 1, 4, 1, False)
+    # 5 kept: the first 4 in stream order (round 0's 1, 2, 3, then round 1's 0)
+    assert one[0] == [1, 1, 2, 2, 3, 3, 10, 10] and one[3:] == (4, 0)
+    two = spawn(_deal, 2, 4, 2, False)
+    # DP2 ranks generated places 0-1 and 2-3 of each round; they train the DP1 run's groups,
+    # each its contiguous share of stream order, every sample with its own fields
+    assert two[0][0] == [1, 1, 2, 2] and two[1][0] == [3, 3, 10, 10]
+    assert [x for t in two for x in t[1]] == one[1] and [x for t in two for x in t[2]] == one[2]
+    # 5 kept, short of a floor of 6: the first round's dropped group fills the step
+    (fill,) = spawn(_deal, 1, 8, 6, True)
+    assert fill[0] == [0, 0, 1, 1, 2, 2, 3, 3, 10, 10, 11, 11] and fill[3:] == (6, 1)
 
 
 # ------------------------------------------------------------------ (b) the config refusals

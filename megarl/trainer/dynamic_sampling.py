@@ -90,12 +90,15 @@ def round_group_ids(prompts: list[int], seen: Counter, rows: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Round:
-    """One round's samples on this rank, re-labelled with the step's group ids."""
+class Round:
+    """One round's samples on this rank, labelled with the step's group ids."""
 
     rollout: Samples
+    """This rank's samples of the round (`prompt_index`: this rank's prompts)."""
     scored: Scored
-    keep: torch.Tensor  # [B] bool: the sample's group has a reward spread
+    """Their scores; `group_ids` the step's group ids (`round_group_ids`)."""
+    keep: torch.Tensor
+    """[B] bool: the sample's group has a reward spread (`groups_with_spread`)."""
 
 
 def sample_step(run, one_round: Callable[[int], tuple[Samples, Scored]]) -> tuple[Samples, Scored]:
@@ -108,7 +111,7 @@ def sample_step(run, one_round: Callable[[int], tuple[Samples, Scored]]) -> tupl
     want, n = cfg.data.prompts_per_step, cfg.rollout.sampling.n
     floor = g.dp_size * -(-cfg.algorithm.mini_batches // n)  # fewest groups a step can train
     seen: Counter = Counter()
-    rounds: list[_Round] = []
+    rounds: list[Round] = []
     kept = dropped = 0
     generated = 0
     metrics = LocalMetrics()
@@ -126,39 +129,53 @@ def sample_step(run, one_round: Callable[[int], tuple[Samples, Scored]]) -> tupl
         kept, dropped = kept + int(counts[0]), dropped + int(counts[1])
         generated += run.rollout.samples_generated()
         metrics.update(scored.metrics)
-        rounds.append(_Round(rollout, scored, keep))
-    every, rewards, spread, parts = _gather(rounds, kept < floor, g.dp)
-    trained, filled = _choose(every.prompt_index, spread, want, floor)
+        rounds.append(Round(rollout, scored, keep))
+    mine, trained, filled = deal(rounds, want, floor, fill=kept < floor, group=g.dp)
     if kept < want:
         log.warning(
             "dynamic sampling: %d of %d groups with a reward spread after "
             "algorithm.dynamic_sampling_max_rounds=%d rounds; step %d trains %d groups",
-            kept, want, len(rounds), run.step + 1, len(trained),
+            kept, want, len(rounds), run.step + 1, trained,
         )  # fmt: skip
-    rank, world = g.dp_rank, g.dp_size
-    mine = set(trained[rank * len(trained) // world : (rank + 1) * len(trained) // world])
-    rows = [i for i, gid in enumerate(every.prompt_index) if gid in mine]
     total = torch.tensor([float(generated)], dtype=torch.float64)
     dist.all_reduce(total)  # every sample is counted by one rank of the world
     for key, value in (
         ("rollout/rounds", len(rounds)),
         ("rollout/groups_dropped", dropped),
-        ("rollout/groups_trained", len(trained)),
+        ("rollout/groups_trained", trained),
         ("rollout/groups_filled", filled),
         ("rollout/samples_generated", total.item()),
     ):
         metrics.add_same(key, value)
-    ids = [every.prompt_index[i] for i in rows]
+    return mine.rollout, dataclasses.replace(mine.scored, metrics=metrics)
+
+
+def deal(
+    rounds: list[Round], want: int, floor: int, *, fill: bool, group
+) -> tuple[Round, int, int]:
+    """This DP rank's share of the groups a step trains, from every rank's `rounds` (collective
+    over the DP `group`): the first `want` groups with a spread in stream order (round, then
+    rank, then the rank's order), with `fill` the first round's earliest dropped groups up to
+    `floor` groups, dealt in contiguous shares of stream order (rank r of D takes the groups
+    [r T / D, (r + 1) T / D) of the T chosen). Returns (this rank's samples and their scores, in
+    stream order, `prompt_index` and `group_ids` the group ids, its `keep` all true but for
+    filled groups; T; how many of the T were filled)."""
+    every, rewards, spread, parts = _gather(rounds, fill, group)
+    trained, filled = choose_groups(every.prompt_index, spread, want, floor)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = set(trained[rank * len(trained) // world : (rank + 1) * len(trained) // world])
+    rows = [i for i, gid in enumerate(every.prompt_index) if gid in mine]
     scored = Scored(
         rewards=rewards[rows],
         per_function={k: v[rows] for k, v in parts.items()},
-        metrics=metrics,
-        group_ids=torch.tensor(ids, dtype=torch.long),
+        metrics=LocalMetrics(),
+        group_ids=torch.tensor([every.prompt_index[i] for i in rows], dtype=torch.long),
     )
-    return every.take(rows), scored
+    keep = torch.tensor([spread[i] for i in rows], dtype=torch.bool)
+    return Round(every.take(rows), scored, keep), len(trained), filled
 
 
-def _gather(rounds: list[_Round], fill: bool, group) -> tuple:
+def _gather(rounds: list[Round], fill: bool, group) -> tuple:
     """Every rank's kept samples of every round (and with `fill` the first round's dropped ones
     too), in stream order: round, then rank, then the rank's order. Returns (samples, their
     `prompt_index` the group ids; rewards [M]; whether each one's group has a spread [M];
@@ -185,7 +202,7 @@ def _gather(rounds: list[_Round], fill: bool, group) -> tuple:
     return every, rewards, [k for p in ordered for k in p[3]], parts
 
 
-def _choose(ids: list[int], keep: list[bool], want: int, floor: int) -> tuple[list[int], int]:
+def choose_groups(ids: list[int], keep: list[bool], want: int, floor: int) -> tuple[list[int], int]:
     """The group ids a step trains, in stream order, from the samples' group ids `ids` and
     whether their group has a spread (`keep`), both in stream order: the first `want` kept
     groups, then (when fewer than `floor`) the earliest dropped groups up to `floor`. Returns
