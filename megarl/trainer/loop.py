@@ -4,7 +4,8 @@ prompts -> generate (vLLM, n samples each) -> score (reward functions, reward mo
 reference logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy
 (and critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a
 few samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
-(its own metrics record, step 0).
+(its own metrics record, step 0). With `algorithm.dynamic_sampling`, generate and score run in
+rounds until the step holds enough groups whose rewards differ (`megarl.trainer.dynamic_sampling`).
 
 Around it, `megarl.trainer.faults.RunGuard` turns stop requests (SIGTERM, SIGUSR1, the stop
 file, the time limit) into a checkpoint and `RunStopped` at the step boundary, writes the
