@@ -85,6 +85,20 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TeacherConfig:
+    model: str | None = None
+    """The teacher of on-policy distillation (algorithm.name=distill, or algorithm.distill_coef >
+    0): a frozen causal LM that scores every sampled token. A Hugging Face directory, a GGUF file
+    (converted once into $MEGARL_CACHE), a megarl run RUN or checkpoint RUN/checkpoints/step_N
+    (its actor), or a `megarl convert hf-to-mcore` directory; any architecture megarl builds,
+    with the policy's tokenizer. Built frozen at the run's layout and precision; null = none."""
+
+    def __post_init__(self):
+        if self.model is not None and not self.model.strip():
+            raise ConfigError("teacher.model is empty; accepted: a path, or null")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     steps: int = 60
     """Steps to run: RL steps (rollout + update), or optimizer steps of an offline stage."""
@@ -278,6 +292,8 @@ class RunConfig:
     """The RL algorithm: advantages, policy loss and clipping, KL, PPO epochs and batching."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward functions and their weights, and a reward model."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The frozen teacher model of on-policy distillation."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, seeds, checkpoints, resume and export."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -288,7 +304,9 @@ class RunConfig:
     def __post_init__(self):
         fns, rl = self.reward.functions, not self.algorithm.offline
         env_reward = self.env.multi_turn and self.reward.env_weight != 0
-        if rl and not fns and self.reward.model is None and not env_reward:
+        self._check_teacher()
+        distill = self.algorithm.name == "distill"  # its signal is the teacher's, not a reward
+        if rl and not distill and not fns and self.reward.model is None and not env_reward:
             raise ConfigError(
                 "reward: no reward.functions, no reward.model and no environment reward; "
                 "accepted: at least one function, a reward model, or env.name / env.agent "
@@ -340,6 +358,26 @@ class RunConfig:
             check_rollout_with(self.rollout, self.env, rl=rl, algorithm=self.algorithm.name)
         except RolloutConfigError as e:
             raise ConfigError(str(e)) from None
+
+    def _check_teacher(self) -> None:
+        alg = self.algorithm
+        if alg.uses_teacher and self.teacher.model is None:
+            why = (
+                "algorithm.name=distill"
+                if alg.name == "distill"
+                else f"algorithm.distill_coef={alg.distill_coef:g}"
+            )
+            raise ConfigError(
+                f"{why} needs teacher.model; accepted: a teacher model's HF directory, GGUF "
+                "file or megarl checkpoint"
+            )
+        if self.teacher.model is not None and not alg.uses_teacher:
+            raise ConfigError(
+                f"teacher.model={self.teacher.model!r} with algorithm.name={alg.name} and "
+                "algorithm.distill_coef=0: nothing reads the teacher; accepted: "
+                "algorithm.name=distill, algorithm.distill_coef > 0 (grpo, ppo), or "
+                "teacher.model=null"
+            )
 
     def _check_dynamic_sampling(self) -> None:
         staleness, n = self.rollout.placement.max_staleness, self.rollout.sampling.n

@@ -30,7 +30,7 @@ def test_overrides_are_typed():
                                  "algorithm: ["),
         ("trainer.steps=ten", "trainer.steps='ten': expected an integer"),
         ("algorithm.name=kto",
-         "algorithm.name='kto'; accepted: ('grpo', 'ppo', 'sft', 'dpo', 'rm')"),
+         "algorithm.name='kto'; accepted: ('grpo', 'ppo', 'distill', 'sft', 'dpo', 'rm')"),
         ("algorithm.agg_mode=mean", "algorithm.agg_mode='mean'; accepted"),
         ("optim.lr_decay_style=step", "optim.lr_decay_style='step'; accepted"),
         ("bogus=1", "unknown config key bogus; accepted keys: ["),

@@ -207,6 +207,36 @@ def test_rows_are_the_formulas_of_the_meta_counts(llama70b):
         )
 
 
+def test_a_distillation_teacher_is_resident_and_its_pass_counted(llama70b, tmp_path):
+    """A teacher (here the 70B itself, then one with twice the vocabulary) adds its frozen
+    weights, counted per stage by the meta build, to every phase; the logprobs phase holds the
+    larger of the two forward passes."""
+    from megarl.config import load_config
+
+    base = ["model.mcore_ckpt=null", f"model.hf={llama70b}"]
+    without = plan(load_config(EXAMPLE_70B, base), gpus=32, gpu_mem_gib=80)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps({**LLAMA3_70B, "vocab_size": 256_512}))
+    for teacher in (llama70b, str(wide)):
+        cfg = load_config(
+            EXAMPLE_70B, [*base, "algorithm.distill_coef=1", f"teacher.model={teacher}"]
+        )
+        p = plan(cfg, gpus=32, gpu_mem_gib=80)
+        for stage, alone in zip(p.stages, without.stages, strict=True):
+            rows = {r.name: r.nbytes for r in stage.rows}
+            if teacher == llama70b:  # the same shape, the same layout: the reference's count
+                assert rows["teacher weights"] == rows["reference weights"]
+            for phase in ("rollout", "train", "sync"):
+                assert stage.peak(phase) == alone.peak(phase) + rows["teacher weights"]
+        last = {r.name: r.nbytes for r in p.stages[-1].rows}
+        policy = {r.name: r.nbytes for r in without.stages[-1].rows}["logprob pass"]
+        if teacher == llama70b:
+            assert last["logprob pass"] == policy
+        else:
+            assert last["logprob pass (the teacher's, the larger)"] > policy
+
+
 # ------------------------------------------------------------------ (c) megatron's schedule
 @pytest.mark.parametrize("pp,vpp,micro", [(4, None, 8), (4, None, 2), (4, 5, 8), (4, 2, 1)])
 def test_in_flight_passes_follow_megatrons_warm_up(pp, vpp, micro):

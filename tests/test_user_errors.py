@@ -122,7 +122,7 @@ BATCH = {
     "wrong-type": (_args("--set", "rollout.sampling.temperature=hot"),
                    ["rollout.sampling.temperature='hot'", "a number"]),
     "bad-value": (_args("--set", "algorithm.name=kto"),
-                  ["algorithm.name='kto'", "'grpo', 'ppo', 'sft'"]),
+                  ["algorithm.name='kto'", "'grpo', 'ppo', 'distill', 'sft'"]),
     "missing-config": (_args("/no/such/config.yaml"), ["/no/such/config.yaml does not exist"]),
     "missing-tokenizer": (_args("--set", "model.tokenizer=/no/tok"),
                           ["model.tokenizer='/no/tok' does not exist"]),

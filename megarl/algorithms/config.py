@@ -27,7 +27,8 @@ from megarl.algorithms.preference import (
 )
 from megarl.errors import ConfigError
 
-ALGORITHMS = ("grpo", "ppo", "sft", "dpo", "rm")
+ALGORITHMS = ("grpo", "ppo", "distill", "sft", "dpo", "rm")
+RL_ALGORITHMS = ("grpo", "ppo", "distill")
 OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
 """Trained on a fixed dataset by `megarl.trainer.offline`: no rollout engine, no rewards."""
 MAX_ROUNDS = 1024
@@ -37,7 +38,9 @@ MAX_ROUNDS = 1024
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """grpo (no critic; group-relative advantages), ppo (critic + GAE), or an offline stage on
+    """grpo (no critic; group-relative advantages), ppo (critic + GAE), distill (on-policy
+    distillation: each sampled token's advantage is the teacher's logprob of it less the
+    student's, from teacher.model; no reward needed), or an offline stage on
     a fixed dataset: sft (supervised fine-tuning), dpo (preference pairs; variants in
     algorithm.dpo_loss) or rm (a reward model from preference pairs, Bradley-Terry)."""
     advantage: str = "grpo"
@@ -109,6 +112,12 @@ class AlgorithmConfig:
     dynamic_sampling_max_rounds: int = 8
     """Most rounds of generation per step with dynamic_sampling (1 to 1024); a step that still
     has fewer than data.prompts_per_step kept groups trains on those and logs a warning."""
+    distill_coef: float = 0.0
+    """grpo / ppo: weight of the on-policy distillation term (teacher logprob - student logprob
+    per sampled token, from teacher.model) added to each token's advantage; 0 = off. With
+    name=distill the advantage is that term alone."""
+    distill_clip: float | None = None
+    """Bound c on the distillation term: clipped to [-c, c] per token (> 0); null = unclipped."""
     gamma: float = 1.0
     """PPO discount."""
     lam: float = 0.95
@@ -162,6 +171,7 @@ class AlgorithmConfig:
             )
         self._check_cispo()
         self._check_dynamic_sampling()
+        self._check_distill()
         if self.scale not in ("group", "batch", "none"):
             raise ConfigError(f"algorithm.scale={self.scale!r}; accepted: group, batch, none")
         if self.agg_mode not in AGG_MODES:
@@ -208,6 +218,20 @@ class AlgorithmConfig:
                 "algorithm.name=grpo, or algorithm.dynamic_sampling=false"
             )
 
+    def _check_distill(self) -> None:
+        if self.distill_coef < 0:
+            raise ConfigError(f"algorithm.distill_coef={self.distill_coef}; accepted: >= 0")
+        if self.distill_coef and self.name not in ("grpo", "ppo"):
+            raise ConfigError(
+                f"algorithm.distill_coef={self.distill_coef:g} with algorithm.name={self.name}: "
+                "the term is added to grpo / ppo advantages (distill uses it alone); accepted: "
+                "algorithm.distill_coef=0"
+            )
+        if self.distill_clip is not None and self.distill_clip <= 0:
+            raise ConfigError(
+                f"algorithm.distill_clip={self.distill_clip}; accepted: > 0, or null (unclipped)"
+            )
+
     def _check_preference(self) -> None:
         if self.dpo_loss not in available_preference_losses():
             raise ConfigError(
@@ -233,7 +257,13 @@ class AlgorithmConfig:
         (kl_coef > 0), or for a reference-based preference loss (dpo, all but simpo)."""
         if self.name == "dpo":
             return get_preference_loss(self.dpo_loss).reference
-        return self.name in ("grpo", "ppo") and self.kl_coef > 0
+        return self.name in RL_ALGORITHMS and self.kl_coef > 0
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the run builds the teacher (teacher.model): distill, or a distillation term
+        in grpo / ppo."""
+        return self.name == "distill" or self.distill_coef > 0
 
     @property
     def offline(self) -> bool:

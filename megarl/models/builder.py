@@ -18,7 +18,7 @@ from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig
 from megarl.models.lora import LoraConfig, apply_lora, check_lora
 from megarl.models.specs import block_spec, require_transformer_engine
 
-ROLES = ("actor", "reference", "critic", "reward")
+ROLES = ("actor", "reference", "critic", "reward", "teacher")
 SCALAR_ROLES = ("critic", "reward")
 """Roles whose output layer is a scalar head (`ValueHead`) instead of the LM head."""
 
@@ -159,7 +159,7 @@ def build_model(
     ddp_config=None,
     frozen: bool | None = None,
 ) -> list[torch.nn.Module]:
-    """Build this rank's chunks of `role` (actor, reference, critic or reward).
+    """Build this rank's chunks of `role` (actor, reference, critic, reward or teacher).
 
     Requires megatron's parallel state (see `Topology.initialize`). Trainable roles are wrapped in
     megatron `DistributedDataParallel` with `ddp_config` (default: distributed-optimizer buckets,
@@ -171,7 +171,9 @@ def build_model(
     if role not in ROLES:
         raise ValueError(f"role={role!r}; accepted: {ROLES}")
     use_te = resolve_use_te(precision, build, gpu=gpu)
-    replay = build.routing_replay and role not in SCALAR_ROLES
+    # the sampler's routes are the policy's: the actor and its initial copy replay them, not a
+    # scalar-head model or a teacher of another architecture
+    replay = build.routing_replay and role in ("actor", "reference")
     config = transformer_config(arch, parallel, precision, gpu=gpu, routing_replay=replay)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     if frozen is None:

@@ -6,12 +6,13 @@ rank's model on the meta device (`megarl.trainer.dry_run`), and every stage gets
 one GPU holds (`formulas`) and the peak of each phase of an RL step:
 
     rollout   vLLM awake (weights + KV cache) beside the trainer's resident models
-    logprobs  vLLM asleep; a forward pass without grad (old / reference logprobs)
+    logprobs  vLLM asleep; a forward pass without grad (old / reference / teacher logprobs)
     train     activations of the micro-batches in flight + the loss over the vocabulary
     sync      vLLM's weights woken up and written, KV cache still freed
 
 "Resident" = actor weights, its fp32 grad buffer and Adam state (sharded over DP by the
-DistributedOptimizer), the reference's weights, the critic's three, and the CUDA runtime.
+DistributedOptimizer), the reference's weights, the critic's three, a distillation teacher's
+weights, and the CUDA runtime.
 With LoRA (`model.lora`) the base is frozen: the grad buffer and Adam hold the adapters only,
 there is no reference copy (the reference is the base, adapters off), and a merging sync
 (`model.lora.merge: true`) holds a merged copy of every adapted weight
@@ -132,6 +133,8 @@ def count_params(cfg: RunConfig, world: int, dry_run) -> tuple[Shape, object]:
         largest_adapted=(
             tuple(max(c.largest_adapted for c in r.chunks) for r in runs) if lora else ()
         ),
+        teacher=tuple(r.teacher_params for r in runs) if first.teacher_arch is not None else None,
+        teacher_arch=first.teacher_arch,
     ), first.topo
 
 
@@ -199,6 +202,9 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
                 f"{c:,} x ({e} + 4) B + {per_text} {shard}",
             )
         )
+    if shape.teacher is not None:
+        t = shape.teacher[r]
+        rows.append(Row("teacher weights", t * e, f"{t:,} x {e} B (frozen)"))
     if device == "gpu":
         rows.append(Row("CUDA runtime", RUNTIME_GPU, "context, NCCL, workspaces (assumed)"))
 
@@ -245,16 +251,7 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
                 ("train",),
             )
         )
-        work, work_text = fm.forward_working_bytes_per_token(arch, elem=e, tp=topo.tp)
-        scratch, scratch_text = fm.vocab_scratch_bytes(entropy=False)
-        rows.append(
-            Row(
-                "logprob pass",
-                (lg + work) * tokens + scratch,
-                f"({lg_text} + {work_text}) per token, no grad; + {scratch_text}",
-                ("logprobs",),
-            )
-        )
+        rows.append(_logprob_pass(cfg, arch, shape, topo, tokens, e))
     if prec.fp8 and not prec.fp8_param:
         rows.append(
             Row(
@@ -272,6 +269,30 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
         layers=sum(shape.layers[r]),
         rows=tuple(rows),
     )
+
+
+def _logprob_pass(cfg, arch, shape: Shape, topo, tokens: int, e: int) -> Row:
+    """The forward pass without grad of the logprobs phase: the policy's (old / reference
+    logprobs), or a distillation teacher's when that is larger (one pass at a time)."""
+
+    def one(model, vocab: int) -> tuple[float, str]:
+        lg, lg_text = fm.logits_bytes_per_token(
+            vocab, tp=topo.tp, elem=e, packed=cfg.algorithm.pack_sequences
+        )
+        work, work_text = fm.forward_working_bytes_per_token(model, elem=e, tp=topo.tp)
+        scratch, scratch_text = fm.vocab_scratch_bytes(entropy=False)
+        text = f"({lg_text} + {work_text}) per token, no grad; + {scratch_text}"
+        return (lg + work) * tokens + scratch, text
+
+    nbytes, text = one(arch, shape.padded_vocab)
+    name = "logprob pass"
+    if shape.teacher_arch is not None:
+        t = shape.teacher_arch
+        vocab = t.padded_vocab_size(cfg.model.make_vocab_size_divisible_by, topo.tp)
+        t_bytes, t_text = one(t, vocab)
+        if t_bytes > nbytes:
+            nbytes, text, name = t_bytes, t_text, "logprob pass (the teacher's, the larger)"
+    return Row(name, nbytes, text, ("logprobs",))
 
 
 def _lora_rows(

@@ -58,6 +58,10 @@ class Shape:
     """LoRA: elements of the adapted base weights per stage (the sync's merged copies)."""
     largest_adapted: tuple[int, ...] = ()
     """LoRA: elements of the largest adapted weight per stage."""
+    teacher: tuple[int, ...] | None = None
+    """The distillation teacher's parameters per stage (frozen); None without one."""
+    teacher_arch: object | None = None
+    """The teacher's `ModelArch` (its logprob pass's size); None without one."""
 
 
 @dataclass(frozen=True)

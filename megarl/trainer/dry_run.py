@@ -40,6 +40,7 @@ from megarl.models.hf_config import (
 from megarl.models.lora import LoraConfig, apply_lora, check_lora, te_refusal
 from megarl.rollout import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
+from megarl.trainer.teacher import teacher_arch
 
 # parameter names -> the part of the model they belong to (GPTModel's attribute names)
 PARTS = (
@@ -91,6 +92,10 @@ class DryRun:
     critic_trained: int | None
     """The critic's parameters with gradients and Adam state: all, or with
     `model.critic_lora` its adapters and value head."""
+    teacher_params: int | None
+    """The distillation teacher's parameters on this rank (frozen); None without one."""
+    teacher_arch: ModelArch | None
+    """The teacher's architecture (`teacher.model`); None without one."""
     model_params: int
     dtype: str
     notes: list[str]
@@ -171,6 +176,12 @@ class DryRun:
             lines.append(
                 f"  critic   {self.critic_params:,} (the actor's trunk with a value head{trained})"
             )
+        if self.teacher_params is not None:
+            t = self.teacher_arch
+            lines.append(
+                f"  teacher  {self.teacher_params:,} (frozen; {t.family}, {t.num_layers} layers, "
+                f"hidden {t.hidden_size}, vocab {t.vocab_size})"
+            )
         lines += self.notes
         return "\n".join(lines) + "\n"
 
@@ -196,12 +207,19 @@ def dry_run(
         )
     world_size, rank = where.world, where.rank  # the trainers' own world
     check_shape_source(cfg)
-    arch = load_arch(cfg)
+    arch, tarch = load_arch(cfg), teacher_arch(cfg)
     try:
         topo = Topology.for_model(cfg.parallel, world_size, arch)
         topo.check_training(arch)
     except TopologyError as e:  # name the config section, as a real run does
         raise TopologyError(f"parallel: {e}") from e
+    if tarch is not None:  # built at the run's layout, as `megarl.trainer.recipe` checks
+        try:
+            Topology.for_model(cfg.parallel, world_size, tarch).check_training(tarch)
+        except TopologyError as e:
+            raise TopologyError(
+                f"teacher.model: parallel: {e} (it is built at the run's layout)"
+            ) from e
     if cfg.precision.fp8 is not None:
         check_fp8_shapes(arch, cfg.parallel, cfg.precision)
     # the real run's check (megarl.models.builder) for local layers: the ones built here
@@ -238,6 +256,10 @@ def dry_run(
                     for n, p in c.named_parameters()
                     if n.startswith(("lora.", "output_layer."))
                 )
+        teacher = None
+        if tarch is not None:
+            tconfig = transformer_config(tarch, cfg.parallel, precision, gpu=False)
+            teacher = sum(c.total for c in _count(_build(tarch, tconfig, build, "teacher"), tarch))
     finally:
         from megatron.core import parallel_state as ps
 
@@ -254,6 +276,8 @@ def dry_run(
         chunks=chunks,
         critic_params=critic,
         critic_trained=critic_trained,
+        teacher_params=teacher,
+        teacher_arch=tarch,
         model_params=num_params(arch),
         dtype=cfg.precision.dtype,
         notes=_notes(cfg, job_world),
@@ -374,6 +398,8 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
             models.append(f"reference = the actor with its adapters off (no copy; {why})")
         else:
             models.append(f"reference (frozen, actor's shape; {why})")
+    if cfg.algorithm.uses_teacher:
+        models.append(f"teacher (frozen; teacher.model={cfg.teacher.model})")
     if cfg.algorithm.offline:
         models.append(f"no rollout engine (offline stage algorithm.name={cfg.algorithm.name})")
     if cfg.algorithm.name == "ppo":

@@ -1,4 +1,5 @@
-"""From rollouts to a training batch: collate, forward passes (old / reference logprobs, values).
+"""From rollouts to a training batch: collate, forward passes (old / reference / teacher
+logprobs, values).
 
 The step's data is one `StepBatch` (the collated tensors, then the fields the named steps of
 `megarl.trainer.loop` set: forward passes, advantages) and its rewards one `Scored`. All
@@ -71,6 +72,10 @@ class StepBatch:
     `megarl.trainer.update.recompute_old_logprobs`)."""
     ref_logprobs: torch.Tensor | None = None
     """[B, S] float32: the reference model's logprobs (when there is a reference)."""
+    teacher_logprobs: torch.Tensor | None = None
+    """[B, S] float32: the distillation teacher's logprobs (when there is a teacher)."""
+    teacher_top1: torch.Tensor | None = None
+    """[B, S] float32: 1 where the sampled token is the teacher's argmax."""
     old_values: torch.Tensor | None = None
     """[B, S] float32: the critic's values at rollout (PPO)."""
     advantages: torch.Tensor | None = None
@@ -155,7 +160,26 @@ def forward_logprobs(
         )
         return torch.zeros(()), {"index": mb["index"], "logprobs": lp.detach()}
 
-    return _forward_only(chunks, batch, loss_fn, "logprobs", groups, micro)
+    out = _forward_only(chunks, batch, loss_fn, ("logprobs",), groups, micro)
+    return None if out is None else out[0]
+
+
+def forward_teacher(
+    chunks, batch: dict, *, micro: MicroBatching, vocab_size: int, groups, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """The teacher's logprobs of `targets` and whether each is its argmax (1.0 / 0.0), both
+    [B, S] float32 on the last PP stage ((None, None) elsewhere), no grad. `vocab_size`: the
+    teacher's. The sampler's MoE routes are the policy's, so they are not passed on."""
+
+    def loss_fn(mb, logits):
+        kw = dict(vocab_size=vocab_size, tp_group=groups.tp)
+        lp = forward.token_logprobs(mb, logits, temperature=temperature, **kw)
+        top1 = forward.token_top1(mb, logits, **kw)
+        return torch.zeros(()), {"index": mb["index"], "logprobs": lp.detach(), "top1": top1}
+
+    fields = {k: v for k, v in batch.items() if k != "routed_experts"}
+    out = _forward_only(chunks, fields, loss_fn, ("logprobs", "top1"), groups, micro)
+    return (None, None) if out is None else out
 
 
 def forward_values(chunks, batch: dict, *, micro: MicroBatching, groups) -> torch.Tensor | None:
@@ -166,14 +190,16 @@ def forward_values(chunks, batch: dict, *, micro: MicroBatching, groups) -> torc
         v = forward.per_token(mb, values.squeeze(-1))
         return torch.zeros(()), {"index": mb["index"], "values": v.detach()}
 
-    return _forward_only(chunks, batch, loss_fn, "values", groups, micro)
+    out = _forward_only(chunks, batch, loss_fn, ("values",), groups, micro)
+    return None if out is None else out[0]
 
 
 def _forward_only(
-    chunks, batch: dict, loss_fn, key: str, groups, micro: MicroBatching
-) -> torch.Tensor | None:
-    """`loss_fn`'s per-row output `key` over the whole batch, [B, S] on the last PP stage (None
-    elsewhere): the batch split into micro-batches, run forward-only through megatron."""
+    chunks, batch: dict, loss_fn, keys: tuple[str, ...], groups, micro: MicroBatching
+) -> tuple[torch.Tensor, ...] | None:
+    """`loss_fn`'s per-row outputs `keys` over the whole batch, each [B, S] float32 on the last
+    PP stage (None elsewhere): the batch split into micro-batches, run forward-only through
+    megatron."""
     mbs = split_micro_batches(batch, micro)
     with torch.no_grad():
         out = forward.forward_backward(
@@ -181,7 +207,7 @@ def _forward_only(
         )
     if not groups.is_last_stage:
         return None
-    return _assemble(out, key, batch["tokens"].shape)
+    return tuple(_assemble(out, key, batch["tokens"].shape) for key in keys)
 
 
 def final_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

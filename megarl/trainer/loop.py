@@ -1,11 +1,12 @@
 """The RL loop. One step:
 
 prompts -> generate (vLLM, n samples each) -> score (reward functions, reward model) -> old /
-reference logprobs and values (megatron forward) -> advantages (gathered across DP) -> policy
-(and critic) update -> weight sync into vLLM -> metrics (+ held-out evaluation when due, and a
-few samples) -> checkpoint. With evaluation on, the policy is evaluated once before the first step
-(its own metrics record, step 0). With `algorithm.dynamic_sampling`, generate and score run in
-rounds until the step holds enough groups whose rewards differ (`megarl.trainer.dynamic_sampling`).
+reference / teacher logprobs and values (megatron forward) -> advantages (gathered across DP;
+distill: teacher - student per token) -> policy (and critic) update -> weight sync into vLLM ->
+metrics (+ held-out evaluation when due, and a few samples) -> checkpoint. With evaluation on,
+the policy is evaluated once before the first step (its own metrics record, step 0). With
+`algorithm.dynamic_sampling`, generate and score run in rounds until the step holds enough
+groups whose rewards differ (`megarl.trainer.dynamic_sampling`).
 
 Around it, `megarl.trainer.faults.RunGuard` turns stop requests (SIGTERM, SIGUSR1, the stop
 file, the time limit) into a checkpoint and `RunStopped` at the step boundary, writes the
@@ -22,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megarl.algorithms.distill import distill_advantages
 from megarl.algorithms.distributed_advantage import gae_advantages, gather_advantages
 from megarl.algorithms.kl import apply_kl_penalty, kl_penalty
 from megarl.config import RunConfig
@@ -44,6 +46,7 @@ from megarl.trainer.experience import (
     build_batch,
     final_token_rewards,
     forward_logprobs,
+    forward_teacher,
     forward_values,
 )
 from megarl.trainer.faults import RunGuard
@@ -52,6 +55,7 @@ from megarl.trainer.run import Run
 from megarl.trainer.samples import step_samples
 from megarl.trainer.seeds import round_seed, step_seed
 from megarl.trainer.stages import RLStage
+from megarl.trainer.teacher import teacher_metrics
 from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
 
 log = logging.getLogger("megarl")
@@ -185,8 +189,9 @@ def score(run: Run, prompts, rollout) -> Scored:
 
 
 def forward_passes(run: Run, batch: StepBatch) -> None:
-    """Old-policy (when the update needs them first: `recompute_old_logprobs`) and reference
-    logprobs, and critic values, into `batch`'s fields (last PP stage; None elsewhere)."""
+    """Old-policy (when the update needs them first: `recompute_old_logprobs`), reference and
+    teacher logprobs, and critic values, into `batch`'s fields (last PP stage; None
+    elsewhere)."""
     g, m = run.groups, run.models
     split = dict(micro=run.micro_batching, groups=g)
     kw = dict(
@@ -198,6 +203,10 @@ def forward_passes(run: Run, batch: StepBatch) -> None:
     with m.reference_policy() as reference:
         if reference is not None:
             batch.ref_logprobs = forward_logprobs(reference, batch.fields(), **kw)
+    if m.teacher is not None:
+        batch.teacher_logprobs, batch.teacher_top1 = forward_teacher(
+            m.teacher, batch.fields(), **{**kw, "vocab_size": m.archs["teacher"].vocab_size}
+        )
     if m.critic is not None:
         batch.old_values = forward_values(m.critic.chunks, batch.fields(), **split)
 
@@ -221,12 +230,45 @@ def balance(run: Run, rollout, scored: Scored):
 
 def advantages(run: Run, batch: StepBatch, scored: Scored) -> None:
     """`batch.advantages` [B, S]. GRPO family: group-relative, gathered across DP by global
-    prompt id (`scored.group_ids`). PPO: GAE with the critic, and `batch.returns`."""
+    prompt id (`scored.group_ids`). PPO: GAE with the critic, and `batch.returns`. Distill: the
+    teacher's logprob less the student's per sampled token (`megarl.algorithms.distill`), which
+    `algorithm.distill_coef` > 0 adds, weighted, to either of the others."""
     alg, g = run.cfg.algorithm, run.groups
-    mask = batch.loss_mask
+    if alg.name == "distill":
+        if g.is_last_stage:
+            batch.advantages = _distill_term(run, batch)
+        return
     if alg.name == "ppo":
-        if not g.is_last_stage:
-            return
+        _gae(run, batch, scored)
+    else:
+        adv = gather_advantages(
+            scored.rewards,
+            scored.group_ids,
+            estimator=alg.advantage,
+            num_generations=run.cfg.rollout.sampling.n,
+            scale=alg.scale,
+            group=g.dp,
+        )
+        batch.advantages = adv[:, None] * batch.loss_mask
+    if alg.distill_coef and g.is_last_stage:
+        batch.advantages = batch.advantages + alg.distill_coef * _distill_term(run, batch)
+
+
+def _distill_term(run: Run, batch: StepBatch) -> torch.Tensor:
+    """[B, S]: clip(teacher - student logprob) on sampled tokens (last PP stage)."""
+    return distill_advantages(
+        batch.teacher_logprobs,
+        batch.old_logprobs,
+        batch.loss_mask,
+        clip=run.cfg.algorithm.distill_clip,
+    )
+
+
+def _gae(run: Run, batch: StepBatch, scored: Scored) -> None:
+    """PPO: `batch.advantages` and `batch.returns` from GAE over the critic's values, the
+    reward on each sequence's last token (less the KL penalty with `algorithm.kl_in: reward`)."""
+    alg, g, mask = run.cfg.algorithm, run.groups, batch.loss_mask
+    if g.is_last_stage:
         token_rewards = final_token_rewards(scored.rewards, mask)
         kl = alg.kl_options
         if kl.in_reward:
@@ -241,16 +283,6 @@ def advantages(run: Run, batch: StepBatch, scored: Scored) -> None:
         batch.advantages, batch.returns = gae_advantages(
             token_rewards, batch.old_values, mask, alg.gae_options, group=g.dp
         )
-        return
-    adv = gather_advantages(
-        scored.rewards,
-        scored.group_ids,
-        estimator=alg.advantage,
-        num_generations=run.cfg.rollout.sampling.n,
-        scale=alg.scale,
-        group=g.dp,
-    )
-    batch.advantages = adv[:, None] * mask
 
 
 def update(run: Run, batch: StepBatch) -> LocalMetrics:
@@ -322,6 +354,8 @@ def collect_metrics(
         if batch.ref_logprobs is not None:
             kl = kl_penalty(old, batch.ref_logprobs, "k3")[valid].double().sum()
         local.add_ratio("kl", kl, valid.sum())
+        if batch.teacher_logprobs is not None:
+            local.update(teacher_metrics(batch.teacher_logprobs, old, batch.teacher_top1, mask))
     merged = local.reduce(g.dp)
     merged["reward_std"] = reward_std(r, merged["reward_mean"], g.dp)
     if "rollout/samples_generated" not in merged:  # dynamic sampling counts every round's

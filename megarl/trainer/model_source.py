@@ -51,7 +51,7 @@ def resolve_model(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> RunCon
     rank."""
     m = cfg.model
     if m.hf is not None and os.path.isfile(m.hf):
-        m = dataclasses.replace(m, hf=_gguf_on_rank0(m.hf))
+        m = dataclasses.replace(m, hf=gguf_on_rank0(m.hf))
     if m.mcore_ckpt is not None:
         try:
             source = open_checkpoint(m.mcore_ckpt, roles)
@@ -79,15 +79,16 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _gguf_on_rank0(path: str) -> str:
-    """The cached HF directory of GGUF file `path`, converted by global rank 0 only."""
+def gguf_on_rank0(path: str, key: str = "model.hf") -> str:
+    """The cached HF directory of GGUF file `path` (named by config key `key`), converted by
+    global rank 0 only. Collective."""
     box: list = [None, None, False]  # (directory, error message, a user error?)
     failed = None
     if _rank() == 0:
         try:
             box[0] = cached_hf_dir(path)
         except Exception as e:  # noqa: BLE001 - every rank raises it below (none waits forever)
-            failed, box[1], box[2] = e, f"model.hf={path!r}: {e}", isinstance(e, UserError)
+            failed, box[1], box[2] = e, f"{key}={path!r}: {e}", isinstance(e, UserError)
     if dist.is_initialized() and dist.get_world_size() > 1:
         # the others wait here while rank 0 converts: a big file takes longer than the default
         # group's timeout (NCCL: 10 minutes), so the wait is on a gloo group of its own
@@ -100,9 +101,9 @@ def _gguf_on_rank0(path: str) -> str:
         raise ConfigError(box[1]) if box[2] else RuntimeError(f"on rank 0: {box[1]}")
     if not os.path.isfile(os.path.join(box[0], "config.json")):
         raise ConfigError(
-            f"model.hf={path!r}: rank {_rank()} does not see the converted directory {box[0]}; "
+            f"{key}={path!r}: rank {_rank()} does not see the converted directory {box[0]}; "
             f"MEGARL_CACHE ({cache_root()}) must be shared by every node, or convert ahead with "
-            "`megarl convert gguf-to-hf` and set model.hf to the directory"
+            f"`megarl convert gguf-to-hf` and set {key} to the directory"
         )
     return box[0]
 

@@ -5,6 +5,8 @@
 - critic (PPO): trainable, with a scalar value head; from the actor's trunk and a zero head
   (`model.critic_init: actor`), or from a reward model's trunk and score head
   (`model.critic_init: reward_model` or a directory; then its shape is that model's);
+- teacher: a frozen causal LM of any shape that scores the sampled tokens (on-policy
+  distillation: `teacher.model`, `megarl.trainer.teacher`);
 - reward: a reward model (a scalar score head), frozen and resident in an RL run that scores
   with it (`reward.model`; its shape may differ from the actor's), or the trained role of
   `algorithm.name: rm` (from `model.*`: a reward model's trunk and head, or a causal LM's trunk
@@ -43,6 +45,7 @@ from megarl.rewards.model import (
     same_vocabulary,
 )
 from megarl.trainer.seeds import score_head_seed
+from megarl.trainer.teacher import TeacherSource, open_teacher
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
     from megarl.distributed.topology import Groups
 
 log = logging.getLogger("megarl")
-ROLE_ORDER = ("actor", "reference", "critic", "reward")
+ROLE_ORDER = ("actor", "reference", "critic", "reward", "teacher")
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Models:
     reward: Trained | list | None = None
     """The reward model (a scalar score head on the last pipeline stage): frozen chunks when an
     RL run scores with it, `Trained` when `algorithm.name: rm` trains it; None without one."""
+    teacher: list | None = None
+    """Frozen chunks of the distillation teacher (`teacher.model`); None without one."""
     archs: dict[str, ModelArch] = field(default_factory=dict)
     """{role: the architecture it was built from} for every role built."""
 
@@ -119,11 +124,13 @@ def build_models(
     critic: bool = False,
     reward: ScalarModelSource | None = None,
     critic_source: ScalarModelSource | None = None,
+    teacher: TeacherSource | None = None,
 ) -> Models:
-    """The actor (with its starting weights), and the reference / critic / reward model when
-    asked, each built by its role's function. `updates`: optimizer steps the LR schedules span;
-    `reward`: the frozen reward model's source; `critic_source`: where the critic starts when
-    not from the actor (`model.critic_init`)."""
+    """The actor (with its starting weights), and the reference / critic / reward model /
+    teacher when asked, each built by its role's function. `updates`: optimizer steps the LR
+    schedules span; `reward`: the frozen reward model's source; `critic_source`: where the
+    critic starts when not from the actor (`model.critic_init`); `teacher`: the distillation
+    teacher's source."""
     make = _maker(cfg, gpu)
     actor = build_actor(cfg, arch, make, updates)
     frozen_rm = build_reward(make, reward) if reward is not None else None
@@ -139,6 +146,10 @@ def build_models(
         models.archs["critic"] = arch if critic_source is None else critic_source.arch
     if reward is not None:
         models.archs["reward"] = reward.arch
+    if teacher is not None:
+        models.teacher = make("teacher", teacher.arch, frozen=True)
+        teacher.load_into(models.teacher)
+        models.archs["teacher"] = teacher.arch
     return models
 
 
@@ -295,34 +306,43 @@ def full_precision_masters(
         load_initial_weights(cfg, arch, chunks, roles, into=write)
 
 
-# ---------------------------------------------------------------------- scalar models' sources
+# ---------------------------------------------------------------------- other models' sources
 @dataclass(frozen=True)
-class ScalarSources:
-    """The scalar-head models an RL run reads besides the policy, described from their small
-    files (`megarl.rewards.model`): none unless `reward.model` / `model.critic_init` name one."""
+class ModelSources:
+    """The models an RL run reads besides the policy, described from their small files: none
+    unless `reward.model` / `model.critic_init` (scalar heads, `megarl.rewards.model`) or
+    `teacher.model` (`megarl.trainer.teacher`) name one."""
 
     reward: ScalarModelSource | None = None
     """The reward model of `reward.model`."""
     critic: ScalarModelSource | None = None
     """Where the PPO critic starts when not from the actor (`model.critic_init`)."""
+    teacher: TeacherSource | None = None
+    """The distillation teacher of `teacher.model`."""
 
     def archs(self) -> dict[str, ModelArch]:
         """{config key: architecture} of each, checked against the run's layout."""
-        return {s.key: s.arch for s in (self.reward, self.critic) if s is not None}
+        out = {s.key: s.arch for s in (self.reward, self.critic) if s is not None}
+        if self.teacher is not None:
+            out["teacher.model"] = self.teacher.arch
+        return out
 
 
-def scalar_sources(cfg: RunConfig) -> ScalarSources:
-    """The reward model and the critic's start that `cfg` names (`ScalarSources`)."""
+def model_sources(cfg: RunConfig) -> ModelSources:
+    """The reward model, the critic's start and the teacher that `cfg` names (`ModelSources`).
+    Collective when the teacher is a GGUF file."""
     rm = open_scalar_model(cfg.reward.model, "reward.model") if cfg.reward.model else None
+    teacher = open_teacher(cfg) if cfg.algorithm.uses_teacher else None
     init = cfg.model.critic_init
     if cfg.algorithm.name != "ppo" or init == "actor":
-        return ScalarSources(rm, None)
+        return ModelSources(rm, None, teacher)
     if init == "reward_model":
-        return ScalarSources(rm, rm)
-    return ScalarSources(rm, open_scalar_model(init, "model.critic_init", ("reward", "critic")))
+        return ModelSources(rm, rm, teacher)
+    critic = open_scalar_model(init, "model.critic_init", ("reward", "critic"))
+    return ModelSources(rm, critic, teacher)
 
 
-def check_scalar_tokenizers(cfg: RunConfig, tokenizer, sources: ScalarSources):
+def check_scalar_tokenizers(cfg: RunConfig, tokenizer, sources: ModelSources):
     """(the reward model's tokenizer, whether it is the policy's: `megarl.rewards.model`), or
     None without a reward model, after checking that a critic started from a reward model reads
     the policy's tokens."""
@@ -359,7 +379,7 @@ def check_scalar_tokenizers(cfg: RunConfig, tokenizer, sources: ScalarSources):
 def build_reward_model(
     cfg: RunConfig,
     models: Models,
-    sources: ScalarSources,
+    sources: ModelSources,
     rm_tokenizer,
     groups: Groups,
     pad_to: int,

@@ -54,6 +54,7 @@ from megarl.trainer.model_source import keep_tokenizer, load_arch, resolve_model
 from megarl.trainer.models import build_reward_model, check_scalar_tokenizers
 from megarl.trainer.run import Data, Run
 from megarl.trainer.stages import Stage
+from megarl.trainer.teacher import check_teacher
 
 log = logging.getLogger("megarl")
 
@@ -69,13 +70,15 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage, job: Job | None = None
     cfg = resolve_model(cfg, stage.sources)
     source_arch = load_arch(cfg, stage.sources)  # what model.* holds
     stage.check(cfg, source_arch)
-    sources = stage.scalar_sources(cfg)  # a reward model, a critic's start: small files only
+    sources = stage.model_sources(cfg)  # a reward model, a critic's start, a teacher: small files
     topo, groups = build_topology(cfg, source_arch, world, out_dir, sources.archs())
     tokenizer = load_tokenizer(cfg, out_dir)
     arch = stage.model_arch(source_arch, tokenizer)  # what the stage builds (a reward model)
     if stage.role == "actor":
         check_policy_arch(cfg, arch)
     rm_tokenizer = check_scalar_tokenizers(cfg, tokenizer, sources)
+    if sources.teacher is not None:
+        check_teacher(cfg, sources.teacher, tokenizer)
     data = build_data(cfg, stage, tokenizer, groups, arch)
     cfg = stage.resolve(cfg, data.dataset)
     if stage.engine:

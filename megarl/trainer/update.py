@@ -49,8 +49,10 @@ def recompute_old_logprobs(alg) -> bool:
     then weighs each token by exp(those logprobs - the sampler's), which the update's forward
     provides as well. The pass is kept when something reads the old logprobs before the
     update or across optimizer steps: several epochs or mini-batches, the KL penalty in the
-    reward."""
-    return alg.ppo_epochs > 1 or alg.mini_batches > 1 or alg.kl_options.in_reward
+    reward, the distillation advantage (teacher - student logprob)."""
+    return (
+        alg.ppo_epochs > 1 or alg.mini_batches > 1 or alg.kl_options.in_reward or alg.uses_teacher
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

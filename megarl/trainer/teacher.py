@@ -1,0 +1,177 @@
+"""The teacher of on-policy distillation (`teacher.model`, read when `algorithm.name: distill`
+or `algorithm.distill_coef` > 0): a frozen causal LM that scores every token the student
+sampled.
+
+- `open_teacher(cfg)`: the `TeacherSource` from the teacher's small files (a GGUF file is
+  converted once, by global rank 0, into the cache: collective); a reward model, a missing path
+  or files that do not fit their config are refused naming `teacher.model`.
+- `check_teacher(cfg, source, tokenizer)`: the teacher reads the policy's token ids (the same
+  vocabulary; both tokenizers named when not) and holds the longest sampled sequence.
+- `teacher_metrics`: `distill/reverse_kl` (the k1 estimate of KL(student || teacher) per sampled
+  token) and `distill/agreement` (the share of sampled tokens that are the teacher's argmax).
+
+It is built frozen at the run's layout and precision (`megarl.trainer.models.build_teacher`);
+its logprobs come from `megarl.trainer.experience.forward_teacher`, the advantage from
+`megarl.algorithms.distill`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megarl.checkpoint.reader import has_tokenizer, load_into, open_checkpoint
+from megarl.convert.gguf import gguf_hf_config, is_gguf
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.mapping import check_hf_names
+from megarl.convert.sharded import load_hf_sharded
+from megarl.data.tokenizer import load_tokenizer
+from megarl.errors import ConfigError, UserError
+from megarl.metrics.reduce import LocalMetrics
+from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.rewards.model import same_vocabulary
+from megarl.trainer.model_source import gguf_on_rank0
+
+KEY = "teacher.model"
+_ACCEPTED = (
+    "a Hugging Face causal-LM directory (config.json + *.safetensors + tokenizer files), a GGUF "
+    "file, a megarl run RUN or checkpoint RUN/checkpoints/step_N (its actor), or a `megarl "
+    "convert hf-to-mcore` directory"
+)
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    """The teacher, described from its small files."""
+
+    path: str
+    """The HF directory (a GGUF file's converted one) or the checkpoint directory."""
+    arch: ModelArch
+    hf: bool
+    """An HF directory (else a megarl checkpoint, `checkpoint`)."""
+    checkpoint: object | None
+    """`megarl.checkpoint.reader.CheckpointSource` of a megarl checkpoint."""
+    tokenizer_dir: str | None
+
+    def describe(self) -> str:
+        return f"{KEY}={self.path}"
+
+    def load_into(self, chunks: list) -> None:
+        """Fill this rank's `chunks` (built from `arch`), reading only this rank's shards
+        (collective for a megarl checkpoint)."""
+        if self.hf:
+            load_hf_sharded(chunks, self.arch, self.path)
+        else:
+            load_into(chunks, self.checkpoint)
+
+
+def open_teacher(cfg) -> TeacherSource | None:
+    """The `TeacherSource` of `teacher.model`, None without one. Collective when it names a GGUF
+    file (every rank calls it)."""
+    path = cfg.teacher.model
+    if path is None:
+        return None
+    if os.path.isfile(path):
+        if not is_gguf(path):
+            raise ConfigError(f"{KEY}={path!r} is a file but not GGUF; accepted: {_ACCEPTED}")
+        path = gguf_on_rank0(path, KEY)
+    elif not os.path.isdir(path):
+        raise ConfigError(f"{KEY}={path!r} does not exist; accepted: {_ACCEPTED}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        arch = arch_from_hf(path, where=f"{KEY}={path}")
+        if arch.score_head:
+            raise ConfigError(
+                f"{KEY}={path!r} is a reward model (a score head, no LM head); the teacher gives "
+                f"a logprob per token; accepted: {_ACCEPTED}"
+            )
+        try:
+            lazy = LazyHFTensors(path)
+            check_hf_names(arch, lazy.names, shape_of=lazy.shape)
+        except UserError as e:
+            raise ConfigError(f"{KEY}={path!r}: {e}") from e
+        return TeacherSource(path, arch, True, None, path if has_tokenizer(path) else None)
+    try:
+        source = open_checkpoint(path, ("actor",))
+    except UserError as e:
+        raise ConfigError(f"{KEY}={path!r}: {e}; accepted: {_ACCEPTED}") from e
+    if source.value_head:
+        raise ConfigError(
+            f"{KEY}={path!r}: {source.describe()} has a scalar head, not an LM head; accepted: "
+            f"{_ACCEPTED}"
+        )
+    return TeacherSource(source.path, source.arch, False, source, source.tokenizer_dir)
+
+
+def teacher_arch(cfg) -> ModelArch | None:
+    """The teacher's architecture from its small files alone (a GGUF file's metadata, not
+    converted): what a dry run and `megarl plan` read. None when the run has no teacher."""
+    path = cfg.teacher.model
+    if path is None or not cfg.algorithm.uses_teacher:
+        return None
+    if os.path.isfile(path) and is_gguf(path):
+        return arch_from_hf(gguf_hf_config(path), where=f"{KEY}={path}")
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"{KEY}={path!r} does not exist on this machine; the dry run reads the teacher's "
+            f"shape from it (config.json, trainer_state.json or megarl_model.json, or a GGUF "
+            f"file's metadata). Accepted: {_ACCEPTED}"
+        )
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return arch_from_hf(path, where=f"{KEY}={path}")
+    try:
+        return open_checkpoint(path, ("actor",)).arch
+    except UserError as e:
+        raise ConfigError(f"{KEY}={path!r}: {e}; accepted: {_ACCEPTED}") from e
+
+
+def check_teacher(cfg, source: TeacherSource, tokenizer) -> None:
+    """Refuse (`ConfigError` naming `teacher.model`) a teacher that cannot score the policy's
+    samples: another vocabulary (both tokenizers named), no tokenizer files to check it by, or
+    fewer positions than the longest sampled sequence."""
+    policy_dir = cfg.model.tokenizer or cfg.model.hf or cfg.model.mcore_ckpt
+    if source.tokenizer_dir is None:
+        raise ConfigError(
+            f"{source.describe()} keeps no tokenizer files (tokenizer.json / "
+            "tokenizer_config.json), so it cannot be checked to read the policy's token ids; "
+            f"accepted: a teacher directory holding the tokenizer it was trained with ({_ACCEPTED})"
+        )
+    theirs = load_tokenizer(source.tokenizer_dir)
+    if not same_vocabulary(theirs, tokenizer):
+        raise ConfigError(
+            f"{source.describe()}: its tokenizer ({source.tokenizer_dir}, {len(theirs)} tokens) "
+            f"is not the policy's ({policy_dir}, {len(tokenizer)} tokens, or other ids); the "
+            "teacher scores the student's token ids, so both must map every token to the same "
+            "id. Accepted: a teacher trained with the policy's tokenizer"
+        )
+    if source.arch.vocab_size < len(tokenizer):
+        raise ConfigError(
+            f"{source.describe()}: vocab_size {source.arch.vocab_size} is smaller than the "
+            f"policy's tokenizer ({len(tokenizer)} tokens)"
+        )
+    longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens
+    if longest > source.arch.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_prompt_length + rollout.sampling.max_tokens = {longest} exceeds the "
+            f"max_position_embeddings of {source.describe()} "
+            f"({source.arch.max_position_embeddings})"
+        )
+
+
+def teacher_metrics(
+    teacher_logprobs: torch.Tensor,
+    student_logprobs: torch.Tensor,
+    teacher_top1: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> LocalMetrics:
+    """`distill/reverse_kl`: mean over sampled tokens of student - teacher logprob (the k1
+    estimate of KL(student || teacher)); `distill/agreement`: the share of sampled tokens that
+    are the teacher's argmax. All [B, S]; `teacher_top1` 1.0 where the sampled token is the
+    teacher's argmax."""
+    valid = loss_mask.bool()
+    out = LocalMetrics()
+    gap = (student_logprobs.double() - teacher_logprobs.double())[valid]
+    out.add_ratio("distill/reverse_kl", gap.sum(), valid.sum())
+    out.add_ratio("distill/agreement", teacher_top1.double()[valid].sum(), valid.sum())
+    return out
