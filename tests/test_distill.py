@@ -176,6 +176,28 @@ def test_teacher_refusals(teacher_dir, tmp_path):
         _checked(other)
 
 
+def test_a_gguf_teacher_is_converted_once_and_checked_by_its_own_tokenizer(tmp_path, monkeypatch):
+    """`teacher.model: FILE.gguf`: the dry run reads its metadata only; the run converts it
+    into the cache and reads the converted directory; its byte-level tokenizer is not the toy
+    one (refused), and is accepted beside a policy with that tokenizer."""
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.trainer.teacher import teacher_arch
+    from tests.gguf_files import write_tiny_llama
+
+    path = str(tmp_path / "teacher.gguf")
+    write_tiny_llama(path)
+    monkeypatch.setenv("MEGARL_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(None, ["algorithm.name=distill", f"teacher.model={path}"])
+    shape = teacher_arch(cfg)
+    assert not (tmp_path / "cache").exists()
+    source = open_teacher(cfg)
+    assert source.hf and source.path.startswith(str(tmp_path / "cache"))
+    assert source.arch == shape
+    with pytest.raises(ConfigError, match="is not the policy's"):
+        check_teacher(cfg, source, toy_tokenizer())
+    check_teacher(cfg, source, load_tokenizer(source.path))
+
+
 # ----------------------------------------------------------------------------- end to end
 def _captured_run(out, *overrides, nproc: int = 1) -> tuple[list[dict], list[dict]]:
     """(each step's batch after the advantages, metrics.jsonl) of a `megarl train`-equivalent

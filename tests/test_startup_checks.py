@@ -151,11 +151,19 @@ def frozen_copies_job(rank: int, world: int) -> dict:
 
     builder.build_gpt_chunk = planting
     reference = builder.build_model(arch, cfg.parallel, cfg.precision, role="reference")
+    teacher = builder.build_model(arch, cfg.parallel, cfg.precision, role="teacher", frozen=True)
     actor = builder.build_model(arch, cfg.parallel, cfg.precision, role="actor")
     actor_kept = copy_problems("actor", actor)  # before its optimizer is built
     build_optimizer(actor, cfg.optim, dtype="bf16")
+    from megarl.trainer.invariants import model_problems
+    from megarl.trainer.models import Models
+
+    clean = model_problems(Models(teacher=teacher))
+    next(teacher[0].parameters()).main_grad = torch.zeros(1)  # a frozen teacher with a buffer
     return {
         "reference": copy_problems("reference", reference),
+        "teacher": clean,
+        "teacher_with_grad": model_problems(Models(teacher=teacher)),
         "actor_before_optimizer": len(actor_kept),
         "actor": copy_problems("actor", actor),
     }
@@ -164,7 +172,8 @@ def frozen_copies_job(rank: int, world: int) -> dict:
 def test_no_model_keeps_the_preserved_init_once_built():
     r = spawn(frozen_copies_job, 1, timeout=600)[0]
     assert r["actor_before_optimizer"] == 2 * TINY_LLAMA["num_hidden_layers"]  # it was planted
-    assert r["reference"] == [] and r["actor"] == [], r
+    assert r["reference"] == [] and r["actor"] == [] and r["teacher"] == [], r
+    assert len(r["teacher_with_grad"]) == 1 and "teacher" in r["teacher_with_grad"][0], r
 
 
 def invariants_job(rank: int, world: int) -> dict:

@@ -8,9 +8,9 @@ in every run):
   Transformer-Engine preserves on FP8 parameters, a load that bypassed the optimizer) would be
   written into the weights by the first optimizer step;
 - no parameter keeps Transformer-Engine's host copy of its initial value once the masters are set,
-  and a frozen parameter (the reference, a frozen reward model, a LoRA model's base) holds
-  nothing only training uses: no gradient, no DDP grad buffer (`main_grad`), no master
-  (`main_param`).
+  and a frozen parameter (the reference, a frozen reward model, a distillation teacher, a LoRA
+  model's base) holds nothing only training uses: no gradient, no DDP grad buffer
+  (`main_grad`), no master (`main_param`).
 
 Each failure is a one-line `InvariantError` naming the role and the tensor. The comparison is
 elementwise on each rank's own shards (one pass over the masters, on their device). Every rank
@@ -67,7 +67,7 @@ def model_problems(models: Models) -> list[str]:
     out = []
     for role, trained in models.trained().items():
         out += master_problems(role, trained.chunks, trained.opt)
-    frozen = {"reference": models.reference}
+    frozen = {"reference": models.reference, "teacher": models.teacher}
     if isinstance(models.reward, list):
         frozen["reward"] = models.reward
     for role, model in {**{r: m.chunks for r, m in models.trained().items()}, **frozen}.items():
