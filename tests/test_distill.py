@@ -160,7 +160,7 @@ def test_teacher_refusals(teacher_dir, tmp_path):
         return path
 
     rm = variant("rm", architectures=["LlamaForSequenceClassification"], num_labels=1)
-    with pytest.raises(ConfigError, match="is a reward model"):
+    with pytest.raises(ConfigError, match="SequenceClassification, without an LM head"):
         _checked(rm)
     short = variant("short", max_position_embeddings=16)
     with pytest.raises(ConfigError, match=r"= 24 exceeds the max_position_embeddings of .*\(16\)"):

@@ -27,6 +27,7 @@ EXAMPLES = {
     "grpo_smollm2_retry_cpu.yaml": (1, "smollm2-135m-instruct"),
     "sft_smollm2_tools_cpu.yaml": (1, "smollm2-135m-instruct"),
     "grpo_smollm2_tools_cpu.yaml": (1, "smollm2-135m-instruct"),
+    "distill_smollm2_arith_cpu.yaml": (1, "smollm2-135m-instruct"),
     "grpo_qwen2.5_7b_gsm8k.yaml": (8, "qwen2.5-7b-instruct"),
     "grpo_qwen3_30b_a3b_ep8.yaml": (8, "qwen3-30b-a3b"),
     "grpo_llama3_70b_fp8.yaml": (32, "llama3-70b-instruct"),
@@ -38,6 +39,8 @@ EXAMPLES = {
 WITHOUT_EARLIER_RUNS = {
     "ppo_rm_copy_cpu.yaml": ["reward.model=null", "model.critic_init=actor"],
 }
+# a teacher from an earlier stage's run: the dry run reads the shipped shape of that model
+TEACHERS = {"distill_smollm2_arith_cpu.yaml": "examples/models/smollm2-135m-instruct"}
 
 
 def test_every_example_is_covered():
@@ -60,6 +63,8 @@ def _args(name: str) -> list[str]:
         args += [a for kv in WITHOUT_EARLIER_RUNS.get(name, []) for a in ("--set", kv)]
     elif model is not None:
         args += ["--set", "model.mcore_ckpt=null", "--set", f"model.hf=examples/models/{model}"]
+    if name in TEACHERS:
+        args += ["--set", f"teacher.model={TEACHERS[name]}"]
     return ["train", *args]
 
 

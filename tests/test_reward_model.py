@@ -158,3 +158,13 @@ def test_converter_round_trip_of_a_sequence_classifier_is_bit_exact(reference, t
         assert cfg["num_labels"] == 1 and cfg["pad_token_id"] == rw.MODELS[name]
         # transformers scores the exported directory exactly as the original
         assert torch.equal(rw.hf_scores(str(back), rw.MODELS[name]), scores[name])
+
+
+def test_a_causal_lm_is_refused_as_a_reward_model(tmp_path):
+    from megarl.config import ConfigError
+    from megarl.rewards.model import open_scalar_model
+    from tests.distill_teacher import write_teacher
+
+    lm = write_teacher(str(tmp_path / "lm"))
+    with pytest.raises(ConfigError, match="is a LlamaForCausalLM, without a scalar score head"):
+        open_scalar_model(lm, "reward.model")

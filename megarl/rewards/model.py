@@ -28,6 +28,7 @@ float64); a step's scores update them first and are then mapped to (score - mean
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -36,16 +37,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.reader import has_tokenizer, load_into, open_checkpoint
-from megarl.convert.hf_io import LazyHFTensors
-from megarl.convert.mapping import check_hf_names
-from megarl.convert.sharded import load_hf_sharded
+from megarl.checkpoint.reader import ModelFiles, open_model_files
 from megarl.data.batch import MicroBatching, collate_sequences, split_micro_batches
 from megarl.data.dataset import prompt_text
 from megarl.data.tokenizer import load_tokenizer
-from megarl.errors import ConfigError, UserError
+from megarl.errors import ConfigError
 from megarl.models import forward
-from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.models.hf_config import ModelArch
 
 log = logging.getLogger("megarl")
 
@@ -70,36 +68,8 @@ def score_positions(ids: list[list[int]], pad_token_id: int | None) -> list[int]
 
 
 # ---------------------------------------------------------------------- where it comes from
-@dataclass(frozen=True)
-class ScalarModelSource:
-    """A model with a scalar head (a reward model) to build from, checked from its small files:
-    `reward.model`, or a directory of `model.critic_init`."""
-
-    key: str
-    """The config key that names it (for messages)."""
-    path: str
-    arch: ModelArch
-    """Its architecture (`score_head` set: built with a scalar head)."""
-    hf: bool
-    """An HF directory (else a megarl checkpoint, `checkpoint`)."""
-    checkpoint: object | None
-    """`megarl.checkpoint.reader.CheckpointSource` of a megarl checkpoint."""
-    tokenizer_dir: str | None
-
-    def describe(self) -> str:
-        return f"{self.key}={self.path}"
-
-    def load_into(self, chunks: list) -> None:
-        """Fill this rank's `chunks` (built from `arch` with a scalar head), reading only this
-        rank's shards (collective for a megarl checkpoint)."""
-        if self.hf:
-            load_hf_sharded(chunks, self.arch, self.path)
-        else:
-            load_into(chunks, self.checkpoint)
-
-
 def open_scalar_model(path: str, key: str, roles: tuple[str, ...] = ("reward",)):
-    """`ScalarModelSource` of the directory `path` named by config key `key`; a megarl trainer
+    """`ModelFiles` of the directory `path` named by config key `key`; a megarl trainer
     checkpoint is read as the first of `roles` it holds. Raises a `UserError` naming the key
     when `path` is not a reward model megarl can build (a causal LM, num_labels != 1, an
     architecture megarl does not build, HF tensors that do not fit the config)."""
@@ -107,37 +77,14 @@ def open_scalar_model(path: str, key: str, roles: tuple[str, ...] = ("reward",))
     if not os.path.isdir(path):
         what = "is not a directory" if os.path.exists(path) else "does not exist"
         raise ConfigError(f"{key}={path!r} {what}; accepted: {_ACCEPTED}")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        arch = arch_from_hf(path, where=f"{key}={path}")
-        if not arch.score_head:
-            archs = arch.hf_config.get("architectures") or [arch.family]
-            raise ConfigError(
-                f"{key}={path!r} is a {archs[0]} (an LM head), not a reward model; accepted: "
-                f"{_ACCEPTED}"
-            )
-        try:
-            lazy = LazyHFTensors(path)
-            check_hf_names(arch, lazy.names, shape_of=lazy.shape)
-        except UserError as e:
-            raise ConfigError(f"{key}={path!r}: {e}") from e
-        tok = path if has_tokenizer(path) else None
-        return ScalarModelSource(key, path, arch, True, None, tok)
-    try:
-        source = open_checkpoint(path, roles)
-    except UserError as e:
-        raise ConfigError(f"{key}={path!r}: {e}; accepted: {_ACCEPTED}") from e
-    if not source.value_head:
-        raise ConfigError(
-            f"{key}={path!r}: {source.describe()} has an LM head, not a scalar score head "
-            f"(roles in it: {list(source.roles)}); accepted: {_ACCEPTED}"
-        )
-    arch = source.arch
-    if not arch.score_head:  # a critic's trunk (a causal LM's config)
-        arch = arch.as_classifier(arch.hf_config.get("pad_token_id"))
-    return ScalarModelSource(key, source.path, arch, False, source, source.tokenizer_dir)
+    files = open_model_files(path, key, roles, scalar_head=True, accepted=_ACCEPTED)
+    if not files.arch.score_head:  # a critic's trunk (a causal LM's config)
+        arch = files.arch.as_classifier(files.arch.hf_config.get("pad_token_id"))
+        files = dataclasses.replace(files, arch=arch)
+    return files
 
 
-def reward_tokenizer(source: ScalarModelSource, policy_tokenizer):
+def reward_tokenizer(source: ModelFiles, policy_tokenizer):
     """(the reward model's tokenizer, whether the policy's token ids can be scored as they are:
     the same vocabulary, special tokens and chat template)."""
     if source.tokenizer_dir is None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.reader import load_into, open_checkpoint
+from megarl.checkpoint.reader import ModelFiles, load_into, open_checkpoint
 from megarl.config import ConfigError, RunConfig
 from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.peft import load_peft
@@ -39,13 +39,12 @@ from megarl.models.hf_config import ModelArch
 from megarl.models.optim import build_optimizer, main_param_writer
 from megarl.rewards.model import (
     RewardModel,
-    ScalarModelSource,
     open_scalar_model,
     reward_tokenizer,
     same_vocabulary,
 )
 from megarl.trainer.seeds import score_head_seed
-from megarl.trainer.teacher import TeacherSource, open_teacher
+from megarl.trainer.teacher import open_teacher
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -122,9 +121,9 @@ def build_models(
     updates: int,
     reference: bool = False,
     critic: bool = False,
-    reward: ScalarModelSource | None = None,
-    critic_source: ScalarModelSource | None = None,
-    teacher: TeacherSource | None = None,
+    reward: ModelFiles | None = None,
+    critic_source: ModelFiles | None = None,
+    teacher: ModelFiles | None = None,
 ) -> Models:
     """The actor (with its starting weights), and the reference / critic / reward model /
     teacher when asked, each built by its role's function. `updates`: optimizer steps the LR
@@ -226,7 +225,7 @@ def build_critic(
     arch: ModelArch,
     actor: Trained,
     updates: int,
-    source: ScalarModelSource | None,
+    source: ModelFiles | None,
     reward: list | None,
 ) -> Trained:
     """From the actor's trunk (zero head), or from `source` (a reward model: trunk and head),
@@ -244,7 +243,7 @@ def build_critic(
     return Trained(chunks, opt, sched)
 
 
-def build_reward(make, source: ScalarModelSource) -> list:
+def build_reward(make, source: ModelFiles) -> list:
     """The frozen reward model of an RL run: `source`'s trunk and score head."""
     chunks = make("reward", source.arch, frozen=True)
     source.load_into(chunks)
@@ -313,11 +312,11 @@ class ModelSources:
     unless `reward.model` / `model.critic_init` (scalar heads, `megarl.rewards.model`) or
     `teacher.model` (`megarl.trainer.teacher`) name one."""
 
-    reward: ScalarModelSource | None = None
+    reward: ModelFiles | None = None
     """The reward model of `reward.model`."""
-    critic: ScalarModelSource | None = None
+    critic: ModelFiles | None = None
     """Where the PPO critic starts when not from the actor (`model.critic_init`)."""
-    teacher: TeacherSource | None = None
+    teacher: ModelFiles | None = None
     """The distillation teacher of `teacher.model`."""
 
     def archs(self) -> dict[str, ModelArch]:

@@ -2,7 +2,7 @@
 or `algorithm.distill_coef` > 0): a frozen causal LM that scores every token the student
 sampled.
 
-- `open_teacher(cfg)`: the `TeacherSource` from the teacher's small files (a GGUF file is
+- `open_teacher(cfg)`: the `ModelFiles` from the teacher's small files (a GGUF file is
   converted once, by global rank 0, into the cache: collective); a reward model, a missing path
   or files that do not fit their config are refused naming `teacher.model`.
 - `check_teacher(cfg, source, tokenizer)`: the teacher reads the policy's token ids (the same
@@ -18,15 +18,11 @@ its logprobs come from `megarl.trainer.experience.forward_teacher`, the advantag
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
-from megarl.checkpoint.reader import has_tokenizer, load_into, open_checkpoint
+from megarl.checkpoint.reader import ModelFiles, open_checkpoint, open_model_files
 from megarl.convert.gguf import gguf_hf_config, is_gguf
-from megarl.convert.hf_io import LazyHFTensors
-from megarl.convert.mapping import check_hf_names
-from megarl.convert.sharded import load_hf_sharded
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError, UserError
 from megarl.metrics.reduce import LocalMetrics
@@ -42,33 +38,8 @@ _ACCEPTED = (
 )
 
 
-@dataclass(frozen=True)
-class TeacherSource:
-    """The teacher, described from its small files."""
-
-    path: str
-    """The HF directory (a GGUF file's converted one) or the checkpoint directory."""
-    arch: ModelArch
-    hf: bool
-    """An HF directory (else a megarl checkpoint, `checkpoint`)."""
-    checkpoint: object | None
-    """`megarl.checkpoint.reader.CheckpointSource` of a megarl checkpoint."""
-    tokenizer_dir: str | None
-
-    def describe(self) -> str:
-        return f"{KEY}={self.path}"
-
-    def load_into(self, chunks: list) -> None:
-        """Fill this rank's `chunks` (built from `arch`), reading only this rank's shards
-        (collective for a megarl checkpoint)."""
-        if self.hf:
-            load_hf_sharded(chunks, self.arch, self.path)
-        else:
-            load_into(chunks, self.checkpoint)
-
-
-def open_teacher(cfg) -> TeacherSource | None:
-    """The `TeacherSource` of `teacher.model`, None without one. Collective when it names a GGUF
+def open_teacher(cfg) -> ModelFiles | None:
+    """The `ModelFiles` of `teacher.model`, None without one. Collective when it names a GGUF
     file (every rank calls it)."""
     path = cfg.teacher.model
     if path is None:
@@ -79,29 +50,8 @@ def open_teacher(cfg) -> TeacherSource | None:
         path = gguf_on_rank0(path, KEY)
     elif not os.path.isdir(path):
         raise ConfigError(f"{KEY}={path!r} does not exist; accepted: {_ACCEPTED}")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        arch = arch_from_hf(path, where=f"{KEY}={path}")
-        if arch.score_head:
-            raise ConfigError(
-                f"{KEY}={path!r} is a reward model (a score head, no LM head); the teacher gives "
-                f"a logprob per token; accepted: {_ACCEPTED}"
-            )
-        try:
-            lazy = LazyHFTensors(path)
-            check_hf_names(arch, lazy.names, shape_of=lazy.shape)
-        except UserError as e:
-            raise ConfigError(f"{KEY}={path!r}: {e}") from e
-        return TeacherSource(path, arch, True, None, path if has_tokenizer(path) else None)
-    try:
-        source = open_checkpoint(path, ("actor",))
-    except UserError as e:
-        raise ConfigError(f"{KEY}={path!r}: {e}; accepted: {_ACCEPTED}") from e
-    if source.value_head:
-        raise ConfigError(
-            f"{KEY}={path!r}: {source.describe()} has a scalar head, not an LM head; accepted: "
-            f"{_ACCEPTED}"
-        )
-    return TeacherSource(source.path, source.arch, False, source, source.tokenizer_dir)
+    files = open_model_files(path, KEY, ("actor",), scalar_head=False, accepted=_ACCEPTED)
+    return files
 
 
 def teacher_arch(cfg) -> ModelArch | None:
@@ -126,7 +76,7 @@ def teacher_arch(cfg) -> ModelArch | None:
         raise ConfigError(f"{KEY}={path!r}: {e}; accepted: {_ACCEPTED}") from e
 
 
-def check_teacher(cfg, source: TeacherSource, tokenizer) -> None:
+def check_teacher(cfg, source: ModelFiles, tokenizer) -> None:
     """Refuse (`ConfigError` naming `teacher.model`) a teacher that cannot score the policy's
     samples: another vocabulary (both tokenizers named), no tokenizer files to check it by, or
     fewer positions than the longest sampled sequence."""
