@@ -290,3 +290,39 @@ def test_a_run_resumed_at_dp2_trains_the_groups_of_the_straight_dp1_run(runs):
         for key in ("loss", "kl", "entropy"):  # the update, up to the order of float sums
             assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
     assert {k: v for k, v in _groups(dp1).items() if k[0] > 1} == _groups(dp2)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_separate_engines_draw_and_train_the_colocated_runs_groups(runs, tmp_path):
+    """One trainer rank and one engine rank (staleness 0), steps 1-2: the same rounds, groups,
+    rewards and samples as the colocated DP1 run."""
+    from tests.test_trainer_e2e import _train
+
+    dp1, _ = runs
+    sep = tmp_path / "separate"
+    _train(sep, *DS, "trainer.steps=2", SEPARATE, "rollout.placement.ranks=1", nproc=2)
+    for a, b in zip(_rows(dp1)[:2], _rows(sep), strict=True):
+        for key in ("rollout/rounds", "rollout/groups_dropped", "rollout/groups_trained"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        for key in ("reward_mean", "reward_std", "loss", "kl"):
+            assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
+    assert {k: v for k, v in _groups(dp1).items() if k[0] <= 2} == _groups(sep)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_multi_turn_trajectories_are_dropped_and_refilled_by_their_reward_spread(tmp_path):
+    """Trajectories of up to 3 turns (`tests.envs_for_tests:CopyAgain`), 3 steps: every trained
+    group's rewards differ, and some step needed a second round."""
+    from tests.test_multi_turn_e2e import ENV
+    from tests.test_trainer_e2e import _train
+
+    out = tmp_path / "multi_turn"
+    _train(out, *ENV, *DS, "trainer.steps=3", "rollout.sampling.n=3")
+    rows = _rows(out)
+    assert max(r["rollout/rounds"] for r in rows) == 2, rows
+    assert max(r["rollout/turns"] for r in rows) > 1, rows
+    groups = _groups(out)
+    assert len(groups) == sum(int(r["rollout/groups_trained"]) for r in rows)
+    assert all(len({x[1] for x in v}) > 1 for v in groups.values()), groups
