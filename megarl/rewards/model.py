@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.reader import ModelFiles, open_model_files
+from megarl.convert.model_files import ModelFiles, open_model_files
 from megarl.data.batch import MicroBatching, collate_sequences, split_micro_batches
 from megarl.data.dataset import prompt_text
 from megarl.data.tokenizer import load_tokenizer

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.reader import ModelFiles, load_into, open_checkpoint
+from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.config import ConfigError, RunConfig
 from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.model_files import ModelFiles
 from megarl.convert.peft import load_peft
 from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
 from megarl.models import lora

@@ -21,8 +21,9 @@ import os
 
 import torch
 
-from megarl.checkpoint.reader import ModelFiles, open_checkpoint, open_model_files
+from megarl.checkpoint.reader import open_checkpoint
 from megarl.convert.gguf import gguf_hf_config, is_gguf
+from megarl.convert.model_files import ModelFiles, open_model_files
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError, UserError
 from megarl.metrics.reduce import LocalMetrics
