@@ -306,11 +306,13 @@ class RunConfig:
         env_reward = self.env.multi_turn and self.reward.env_weight != 0
         self._check_teacher()
         distill = self.algorithm.name == "distill"  # its signal is the teacher's, not a reward
-        if rl and not distill and not fns and self.reward.model is None and not env_reward:
+        scored = self.reward.model is not None or self.reward.judge.model is not None
+        if rl and not distill and not fns and not scored and not env_reward:
             raise ConfigError(
-                "reward: no reward.functions, no reward.model and no environment reward; "
-                "accepted: at least one function, a reward model, or env.name / env.agent "
-                f"with reward.env_weight != 0 (got {self.reward.env_weight:g})"
+                "reward: no reward.functions, no reward.model, no reward.judge.model and no "
+                "environment reward; accepted: at least one function, a reward model, a judge, "
+                "or env.name / env.agent with reward.env_weight != 0 "
+                f"(got {self.reward.env_weight:g})"
             )
         init = self.model.critic_init
         if init != "actor" and self.algorithm.name != "ppo":

@@ -229,6 +229,7 @@ ROLLOUT_LAYERS = {
     "metrics": {"metrics", "multi_turn"},
     "placement": {"placement", "engine", "sync", "multi_turn", "agents", "metrics"},
     "build": {"build", "engine", "multi_turn", "placement"},
+    "judge": {"judge", "engine"},
 }
 """What each part of the rollout (a folder, or a module beside them) may import besides
 `BASE`: the engine knows no placement and no weight transfer; multi-turn knows no engine (it

@@ -25,6 +25,7 @@ EXAMPLES = {
     "grpo_moe_tiny_cpu.yaml": (2, None),
     "grpo_smollm2_arith_cpu.yaml": (1, "smollm2-135m-instruct"),
     "grpo_smollm2_retry_cpu.yaml": (1, "smollm2-135m-instruct"),
+    "grpo_smollm2_judge_cpu.yaml": (1, "smollm2-135m-instruct"),
     "sft_smollm2_tools_cpu.yaml": (1, "smollm2-135m-instruct"),
     "grpo_smollm2_tools_cpu.yaml": (1, "smollm2-135m-instruct"),
     "distill_smollm2_arith_cpu.yaml": (1, "smollm2-135m-instruct"),
@@ -83,3 +84,8 @@ def test_example_dry_run_at_its_world_size(name, dry_runs):
     assert ok, text[-3000:]
     assert f"= {world} rank{'s' if world > 1 else ''}" in text, text
     assert "Traceback" not in text
+
+
+def test_the_judge_example_names_its_judge_engine(dry_runs):
+    ok, text, _ = dry_runs["grpo_smollm2_judge_cpu.yaml"]
+    assert ok and "judge on a vLLM engine of its own (reward.judge.model=models/smollm2)" in text

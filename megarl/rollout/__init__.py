@@ -5,7 +5,8 @@ Its parts, each a folder (`tests/test_architecture.py` keeps their import rules)
 - `sync`: Megatron -> engine weight transfer behind one interface (`WeightSender`);
 - `multi_turn`: trajectories with an environment, over a small generator protocol, and the
   two schedulers; `agents`: the OpenAI-compatible endpoint and agent trajectories;
-- `placement`: where engines run; colocated and separate drive one `RolloutWorker`.
+- `placement`: where engines run; colocated and separate drive one `RolloutWorker`;
+- `judge`: a judge model's engine beside the policy's (`reward.judge`).
 
 This module is the API the trainer uses: `RolloutComponent` (`api`), the `Samples` record,
 `RolloutConfig`, `build_rollout` / `resolve` (`build`), the sample metrics and the engine
@@ -35,6 +36,7 @@ _LAZY = {
     "build_rollout": "megarl.rollout.build",
     "resolve": "megarl.rollout.build",
     "check_kv_cache": "megarl.rollout.engine.checks",
+    "JudgeEngine": "megarl.rollout.judge",
     "load_trajectories": "megarl.rollout.placement.worker",
     "engine_ranks": "megarl.rollout.placement.separate",
     "serve": "megarl.rollout.placement.engine_rank",
@@ -45,6 +47,7 @@ _LAZY = {
 
 __all__ = [
     "EngineConfig",
+    "JudgeEngine",
     "PlacementConfig",
     "RolloutComponent",
     "RolloutConfig",

@@ -400,6 +400,10 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
             models.append(f"reference (frozen, actor's shape; {why})")
     if cfg.algorithm.uses_teacher:
         models.append(f"teacher (frozen; teacher.model={cfg.teacher.model})")
+    if cfg.reward.judge.model is not None and not cfg.algorithm.offline:
+        models.append(
+            f"judge on a vLLM engine of its own (reward.judge.model={cfg.reward.judge.model})"
+        )
     if cfg.algorithm.offline:
         models.append(f"no rollout engine (offline stage algorithm.name={cfg.algorithm.name})")
     if cfg.algorithm.name == "ppo":

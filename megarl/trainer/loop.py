@@ -51,6 +51,7 @@ from megarl.trainer.experience import (
 )
 from megarl.trainer.faults import RunGuard
 from megarl.trainer.finish import finish, stop_if_diverged
+from megarl.trainer.judge import trace_judge
 from megarl.trainer.run import Run
 from megarl.trainer.samples import step_samples
 from megarl.trainer.seeds import round_seed, step_seed
@@ -177,8 +178,11 @@ def score(run: Run, prompts, rollout) -> Scored:
     less `reward.truncated_penalty` for responses cut without EOS; each function's mean over the
     samples it applies to (None = not applicable) as metrics, the reward model's as `reward/rm`;
     each function's value per sample ({name: [B]}, NaN where it does not apply, the reward
-    model's raw score as "rm": `samples.jsonl`); and each sample's global prompt id."""
+    model's raw score as "rm", the judge's as "judge": `samples.jsonl`; the judge's prompts and
+    answers: `trace_judge`); and each sample's global prompt id."""
     scores = run.scorer.score(prompts, rollout, rollout.completions(run.tokenizer))
+    if scores.verdicts is not None:
+        trace_judge(run, prompts, rollout, scores.verdicts)
     group_ids = torch.tensor([prompts.indices[i] for i in rollout.prompt_index])
     return Scored(
         rewards=scores.total,

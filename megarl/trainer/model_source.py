@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megarl.checkpoint.files import copy_tokenizer_files
 from megarl.checkpoint.reader import TRAINER, open_checkpoint
 from megarl.config import ConfigError, RunConfig
-from megarl.convert.gguf import cache_root, cached_hf_dir, gguf_hf_config
+from megarl.convert.gguf import cache_root, cached_hf_dir, gguf_hf_config, is_gguf
 from megarl.errors import UserError
 from megarl.models.hf_config import ModelArch, arch_from_hf
 
@@ -106,6 +106,19 @@ def gguf_on_rank0(path: str, key: str = "model.hf") -> str:
             f"`megarl convert gguf-to-hf` and set {key} to the directory"
         )
     return box[0]
+
+
+def local_model_path(path: str, key: str, accepted: str) -> str:
+    """`path` (named by config key `key`) as a directory: a GGUF file converted once by global
+    rank 0 (`gguf_on_rank0`: collective), a directory as it is; another file or a missing path
+    is refused with `accepted`."""
+    if os.path.isfile(path):
+        if not is_gguf(path):
+            raise ConfigError(f"{key}={path!r} is a file but not GGUF; accepted: {accepted}")
+        return gguf_on_rank0(path, key)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} does not exist; accepted: {accepted}")
+    return path
 
 
 def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:

@@ -50,6 +50,7 @@ from megarl.rewards.scorer import Scorer, load_functions
 from megarl.trainer.evaluate import Evaluator
 from megarl.trainer.faults import collective_timeout
 from megarl.trainer.invariants import check_models
+from megarl.trainer.judge import find_judge, open_judge
 from megarl.trainer.model_source import keep_tokenizer, load_arch, resolve_model
 from megarl.trainer.models import build_reward_model, check_scalar_tokenizers
 from megarl.trainer.run import Data, Run
@@ -79,6 +80,7 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage, job: Job | None = None
     rm_tokenizer = check_scalar_tokenizers(cfg, tokenizer, sources)
     if sources.teacher is not None:
         check_teacher(cfg, sources.teacher, tokenizer)
+    judge_files = find_judge(cfg, gpu=device.use_gpu()) if stage.engine else None
     data = build_data(cfg, stage, tokenizer, groups, arch)
     cfg = stage.resolve(cfg, data.dataset)
     if stage.engine:
@@ -126,7 +128,10 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage, job: Job | None = None
             system_prompt=cfg.data.system_prompt,
         )
         reward_model = build_reward_model(cfg, models, sources, rm_tokenizer, groups, run.pad_to)
-        run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer)
+        judge = open_judge(
+            cfg, judge_files, out_dir, dtype=cfg.precision.dtype, gpu=device.use_gpu()
+        )
+        run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer, judge)
         if data.held_out is not None:
             run.evaluator = Evaluator(
                 cfg, data.held_out, run.rollout, tokenizer, run.scorer, groups

@@ -29,7 +29,7 @@ from megarl.errors import ConfigError, UserError
 from megarl.metrics.reduce import LocalMetrics
 from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.rewards.model import same_vocabulary
-from megarl.trainer.model_source import gguf_on_rank0
+from megarl.trainer.model_source import local_model_path
 
 KEY = "teacher.model"
 _ACCEPTED = (
@@ -45,12 +45,7 @@ def open_teacher(cfg) -> ModelFiles | None:
     path = cfg.teacher.model
     if path is None:
         return None
-    if os.path.isfile(path):
-        if not is_gguf(path):
-            raise ConfigError(f"{KEY}={path!r} is a file but not GGUF; accepted: {_ACCEPTED}")
-        path = gguf_on_rank0(path, KEY)
-    elif not os.path.isdir(path):
-        raise ConfigError(f"{KEY}={path!r} does not exist; accepted: {_ACCEPTED}")
+    path = local_model_path(path, KEY, _ACCEPTED)
     files = open_model_files(path, KEY, ("actor",), scalar_head=False, accepted=_ACCEPTED)
     return files
 
