@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megarl.plan.formulas import PHASES, gib
 from megarl.plan.records import Plan, StagePlan
-from megarl.plan.timing import StageCosts, layouts, predict
+from megarl.plan.timing import StageCosts, checks, layouts, predict
 
 
 def describe(plan: Plan) -> str:
@@ -118,6 +118,7 @@ def describe_timing(costs: StageCosts, devices: int) -> str:
     lines += ["", f"fastest: {what}: {best.step:.2f} s/step, {base / best.step:.2f}x colocated"]
     if c.measured:
         lines += ["", "measured vs predicted:"]
+    placed = {id(k.measured): k.right_placement for k in checks(c)}
     for m in c.measured:
         n = m.devices or devices
         p = predict(c, n, m.engines, m.max_staleness)
@@ -131,9 +132,11 @@ def describe_timing(costs: StageCosts, devices: int) -> str:
             got, want, unit = p.step, m.step_s, "s/step"
         else:
             got, want, unit = col / p.step, m.speedup, "x colocated"
+        rank = placed.get(id(m))
+        ranked = "" if rank is None else f", {'right' if rank else 'WRONG'} placement"
         lines.append(
             f"  {where} on {n}: measured {want:.2f} {unit}, predicted {got:.2f} "
-            f"({(got - want) / want * 100:+.0f}%){f'  [{m.source}]' if m.source else ''}"
+            f"({(got - want) / want * 100:+.0f}%{ranked}){f'  [{m.source}]' if m.source else ''}"
         )
     return "\n".join(lines) + "\n"
 

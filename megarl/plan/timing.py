@@ -22,11 +22,20 @@ trains, and the sync holds both sides:
 
     step = sync_separate + max(generate(E), trainer'(N - E) + other)
 
+With partial rollouts (`partial_rollout: true`: a generation cut by a weight update resumes
+after it, as verl's fully_async does) the engines never wait for a step's longest samples, which
+finish in a later step: generation is throughput-bound,
+
+    generate(E) = W / E,   from   generate(n) = T + W / n
+
+fitted to the colocated generation times (least squares over the known device counts, T >= 0;
+T is the long tail, the latency of the longest samples, which no device count shortens; with one
+known count T = `generate_tail_s`, default 0). A synchronous step always waits for its tail.
+
 trainer' is the trainer's work when separate (default: the same as colocated; a trainer that
 takes the engines' logprobs as the old ones skips a forward pass). In this steady-state model
 every k >= 1 gives the same step time: a larger k only absorbs step-to-step variation of the
-generation time, which the model leaves out; so does any partial rollout (cutting the longest
-generations short), which the model cannot see.
+generation time, which the model leaves out.
 
 generate(n) and trainer(n) are curves through the times known at some device counts: a power law
 through the two nearest known points (beyond the known range, the nearest segment's), or
@@ -71,6 +80,10 @@ STATED_KEYS = {
     "sync_s": "seconds of the colocated weight sync; default 0",
     "separate_sync_s": "seconds of a sync to separate engines; default: sync_s",
     "samples_per_step": "samples per step (throughput column); default: none printed",
+    "partial_rollout": "generations cut by a weight update resume after it (throughput-bound "
+    "generation when generating ahead); default false",
+    "generate_tail_s": "seconds of the colocated generation no device count shortens (the "
+    "longest samples); default: fitted to the colocated counts, 0 with one count",
     "engine_multiple": "engine devices come in multiples of this (vLLM TP x instances); default 1",
     "trainer_multiple": "trainer devices come in multiples of this (TP x PP x CP); default 1",
     "measured": "published results to check the model on: a list of {devices, engines, "
@@ -125,6 +138,9 @@ class StageCosts:
     """None: not measured; the colocated sync is assumed (said in the plan)."""
     separate_trainer: Curve | None = None
     samples_per_step: int | None = None
+    partial_rollout: bool = False
+    generate_tail: float | None = None
+    """Stated T of generate(n) = T + W / n; None: fitted (module docstring)."""
     engine_multiple: int = 1
     trainer_multiple: int = 1
     measured: tuple[Measured, ...] = ()
@@ -133,6 +149,23 @@ class StageCosts:
     @property
     def sync_separate(self) -> float:
         return self.sync if self.separate_sync is None else self.separate_sync
+
+    def tail_and_work(self) -> tuple[float, float]:
+        """(T, W) of generate(n) = T + W / n (module docstring)."""
+        pts = self.generate.points
+        if self.generate_tail is not None or len(pts) == 1:
+            tail = self.generate_tail or 0.0
+            return tail, statistics.median((t - tail) * n for n, t in pts)
+        xs, ys = [1 / n for n, _ in pts], [t for _, t in pts]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        work = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+            (x - mx) ** 2 for x in xs
+        )
+        tail = my - work * mx
+        if tail < 0 or work <= 0:  # no tail visible: the work through the origin
+            tail = 0.0
+            work = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+        return tail, work
 
 
 @dataclass(frozen=True)
@@ -156,11 +189,45 @@ def predict(c: StageCosts, devices: int, engines: int, max_staleness: int) -> La
         return Layout(0, devices, 0, g, t, s, g + t + c.other + s)
     trainer = c.separate_trainer or c.trainer
     g, t, s = c.generate.at(engines), trainer.at(devices - engines), c.sync_separate
+    if max_staleness >= 1 and c.partial_rollout:
+        g = c.tail_and_work()[1] / engines
     if max_staleness == 0:
         step = g + t + c.other + s
     else:
         step = s + max(g, t + c.other)
     return Layout(engines, devices - engines, max_staleness, g, t, s, step)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A measured separate layout against its prediction."""
+
+    measured: Measured
+    predicted: float
+    """Predicted step seconds (or speedup, when `measured.speedup` is stated)."""
+    error: float
+    """(predicted - measured) / measured."""
+    right_placement: bool | None
+    """Whether the plan ranks it against colocated on the same devices as measured; None when
+    no colocated step there is stated."""
+
+
+def checks(c: StageCosts) -> list[Check]:
+    """Every measured separate layout of `c` against its prediction (colocated entries serve
+    as the placement's reference)."""
+    colocated = {m.devices: m.step_s for m in c.measured if m.engines == 0 and m.step_s}
+    out = []
+    for m in c.measured:
+        if m.engines == 0:
+            continue
+        p = predict(c, m.devices, m.engines, m.max_staleness).step
+        col = predict(c, m.devices, 0, 0).step
+        got, want = (p, m.step_s) if m.step_s is not None else (col / p, m.speedup)
+        right = None
+        if m.devices in colocated and m.step_s is not None:
+            right = (p < col) == (m.step_s < colocated[m.devices])
+        out.append(Check(m, got, (got - want) / want, right))
+    return out
 
 
 def splits(c: StageCosts, devices: int) -> list[int]:
@@ -346,6 +413,8 @@ def _stated(path: str) -> StageCosts:
         sync=float(raw.get("sync_s", 0.0)),
         separate_sync=raw.get("separate_sync_s"),
         samples_per_step=raw.get("samples_per_step"),
+        partial_rollout=bool(raw.get("partial_rollout", False)),
+        generate_tail=raw.get("generate_tail_s"),
         engine_multiple=int(raw.get("engine_multiple", 1)),
         trainer_multiple=int(raw.get("trainer_multiple", 1)),
         measured=tuple(measured),
