@@ -172,7 +172,7 @@ def test_an_environment_or_agent_reward_alone_is_accepted(env):
 
 
 def test_no_reward_at_all_is_refused():
-    with pytest.raises(ConfigError, match="no reward.functions, no reward.model, no reward.judge.model"):
+    with pytest.raises(ConfigError, match="no reward.functions, no reward.model, no reward.judge"):
         load_config(None, ENV_ONLY)
 
 
