@@ -151,12 +151,20 @@ PUBLISHED = {
     "fully_async_policy 16:16": (0.89, True),
     "fully_async_policy 32:32": (0.48, True),
     "fully_async_policy 64:64": (-0.04, True),
+    "streaming, staleness 0, 64:64": (0.28, True),
+    "staleness 0.1, 64:64": (-0.16, True),
+    "staleness 0.3, 64:64": (-0.01, True),
+    "require_batches 4 ablation, 64:64": (0.16, True),
 }
+ABLATIONS = {"streaming, staleness 0, 64:64", "staleness 0.1, 64:64", "staleness 0.3, 64:64",
+             "require_batches 4 ablation, 64:64"}
+"""verl's ablations, all at the 64:64 split of 128 GPUs."""
 
 
 def test_every_published_run_is_predicted_from_colocated_inputs_and_scored_as_documented(capsys):
     """Hits and misses alike: the table is printed; each run's error (to 1 point) and placement
-    are the documented ones, and so are the median error (48%) and the placements (4 of 5)."""
+    are the documented ones, and so are the median |error| (48% over the five splits' main runs,
+    16% over all nine runs) and the placements (8 of 9)."""
     rows = []
     for path in PEERS:
         c = load_costs([path])
@@ -174,9 +182,11 @@ def test_every_published_run_is_predicted_from_colocated_inputs_and_scored_as_do
             placement = "right" if k.right_placement else "WRONG"
             print(f"| {name} | {k.measured.source} | {k.measured.step_s:.1f} | "
                   f"{k.predicted:.1f} | {k.error:+.0%} | {placement} |")
-    errors = sorted(abs(k.error) for _, k in rows)
-    assert len(rows) == 5 and errors[2] == pytest.approx(0.48, abs=0.01)
-    assert sum(k.right_placement for _, k in rows) == 4
+    main = sorted(abs(k.error) for _, k in rows if k.measured.source not in ABLATIONS)
+    assert len(main) == 5 and main[2] == pytest.approx(0.48, abs=0.01)
+    every = sorted(abs(k.error) for _, k in rows)
+    assert len(every) == 9 and every[4] == pytest.approx(0.16, abs=0.01)
+    assert sum(k.right_placement for _, k in rows) == 8
 
 
 @pytest.mark.parametrize("path", PEERS, ids=[os.path.basename(p) for p in PEERS])
