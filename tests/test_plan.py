@@ -237,6 +237,33 @@ def test_a_distillation_teacher_is_resident_and_its_pass_counted(llama70b, tmp_p
             assert last["logprob pass (the teacher's, the larger)"] > policy
 
 
+def test_a_judge_engine_is_held_in_every_phase(llama70b, tmp_path):
+    """`reward.judge`: on GPU its share of the device in every phase (it never sleeps), refused
+    beside separate engines; on CPU its weights (from its config.json) and its KV cache."""
+    from megarl.config import ConfigError, load_config
+    from megarl.models.builder import num_params
+    from megarl.models.hf_config import arch_from_hf
+    from tests.test_judge import JUDGE
+
+    base = ["model.mcore_ckpt=null", f"model.hf={llama70b}"]
+    without = plan(load_config(EXAMPLE_70B, base), gpus=32, gpu_mem_gib=80)
+    judged = [*base, f"reward.judge.model={llama70b}", "reward.judge.gpu_memory_utilization=0.2"]
+    p = plan(load_config(EXAMPLE_70B, judged), gpus=32, gpu_mem_gib=80)
+    for stage, alone in zip(p.stages, without.stages, strict=True):
+        judge = {r.name: r.nbytes for r in stage.rows}["judge vLLM engine"]
+        assert judge == 0.2 * 80 * 2**30
+        for phase in ("rollout", "logprobs", "train", "sync"):
+            assert stage.peak(phase) == alone.peak(phase) + judge
+    (tmp_path / "config.json").write_text(json.dumps(JUDGE))
+    separate = ["reward.judge.model=" + str(tmp_path), "rollout.placement.mode=separate"]
+    with pytest.raises(ConfigError, match="separate on GPU: not built"):
+        plan(load_config(None, separate), gpus=2, gpu_mem_gib=80)
+    cpu = ["reward.judge.model=" + str(tmp_path), "reward.judge.kv_cache_memory_bytes=1048576"]
+    p = plan(load_config(None, cpu), gpus=1, gpu_mem_gib=24, device="cpu")
+    rows = {r.name: r.nbytes for r in p.stages[0].rows}
+    assert rows["judge vLLM engine"] == num_params(arch_from_hf(str(tmp_path))) * 4 + 2**20
+
+
 # ------------------------------------------------------------------ (c) megatron's schedule
 @pytest.mark.parametrize("pp,vpp,micro", [(4, None, 8), (4, None, 2), (4, 5, 8), (4, 2, 1)])
 def test_in_flight_passes_follow_megatrons_warm_up(pp, vpp, micro):

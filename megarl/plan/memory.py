@@ -12,7 +12,8 @@ one GPU holds (`formulas`) and the peak of each phase of an RL step:
 
 "Resident" = actor weights, its fp32 grad buffer and Adam state (sharded over DP by the
 DistributedOptimizer), the reference's weights, the critic's three, a distillation teacher's
-weights, and the CUDA runtime.
+weights, and the CUDA runtime; a judge's vLLM engine (`reward.judge`) is held in every phase
+(`megarl.plan.engines`).
 With LoRA (`model.lora`) the base is frozen: the grad buffer and Adam hold the adapters only,
 there is no reference copy (the reference is the base, adapters off), and a merging sync
 (`model.lora.merge: true`) holds a merged copy of every adapted weight
@@ -33,18 +34,16 @@ from megarl.dtypes import BYTES
 from megarl.models.builder import num_params
 from megarl.models.forward import sequence_multiple
 from megarl.models.lora import te_refusal
+from megarl.plan import engines
 from megarl.plan import formulas as fm
 from megarl.plan.formulas import gib
-from megarl.plan.records import ALL, HEADROOM, Plan, Row, Shape, StagePlan
+from megarl.plan.records import HEADROOM, Plan, Row, Shape, StagePlan
 from megarl.trainer.dry_run import dry_run
 from megarl.trainer.model_source import check_shape_source, load_arch
 
 RUNTIME_GPU = 2 * fm.GiB
 """CUDA context, NCCL communicators' buffers, cuBLAS / Transformer-Engine workspaces: an
 assumption (H100 context ~0.5 GiB, NCCL ~0.5-1 GiB), not measured on CPU."""
-SYNC_BUCKET = 256 * 2**20
-VLLM_ACTIVATIONS = 1 * fm.GiB
-"""vLLM's forward-pass working memory when its KV cache is set in bytes (an assumption)."""
 
 
 def plan(
@@ -262,7 +261,8 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
                 ("train",),
             )
         )
-    rows += _vllm_rows(cfg, arch, device, gpu_mem, e)
+    rows += engines.vllm_rows(cfg, arch, device, gpu_mem, e)
+    rows += engines.judge_rows(cfg, device, gpu_mem, e)
     return StagePlan(
         pp_rank=r,
         rank=r * topo.world_size // topo.pp,
@@ -321,59 +321,6 @@ def _lora_rows(
     if cfg.model.lora.merge:  # the sync sends W + scale B A (`megarl.models.lora.merged`)
         merged, text = fm.lora_merged_bytes(shape.adapted[r], shape.largest_adapted[r], elem=e)
         rows.append(Row("LoRA merged weights", merged, text, ("sync",)))
-    return rows
-
-
-def _vllm_rows(cfg, arch, device: str, gpu_mem: float, e: int) -> list[Row]:
-    ro = cfg.rollout.engine
-    weights = num_params(arch) * e / ro.tensor_parallel
-    kv_tok = fm.kv_bytes_per_token(arch, elem=e, vllm_tp=ro.tensor_parallel)
-    sleeps = device == "gpu" and ro.sleep_between_steps
-    awake = ("rollout",) if sleeps else ALL
-    rows = []
-    if device == "gpu" and ro.kv_cache_memory_bytes is None:
-        budget = ro.gpu_memory_utilization * gpu_mem
-        kv_tokens = max(0, budget - weights - VLLM_ACTIVATIONS) / kv_tok
-        rows.append(
-            Row(
-                "vLLM (awake)",
-                budget,
-                f"gpu_memory_utilization {ro.gpu_memory_utilization} x GPU: weights "
-                f"{gib(weights)} (TP {ro.tensor_parallel}) + KV ~{kv_tokens:,.0f} tokens "
-                f"at {kv_tok:,} B",
-                awake,
-            )
-        )
-    else:
-        kv = ro.kv_cache_memory_bytes or (256 * 2**20 if device == "cpu" else 0)
-        extra = VLLM_ACTIVATIONS if device == "gpu" else 0
-        rows.append(
-            Row(
-                "vLLM (awake)",
-                weights + kv + extra,
-                f"weights {gib(weights)} + KV cache {gib(kv)} ({kv // kv_tok:,} tokens"
-                f" at {kv_tok:,} B){' + 1 GiB working memory' if extra else ''}",
-                awake,
-            )
-        )
-    if sleeps:
-        rows.append(
-            Row(
-                "vLLM weights (woken for sync)",
-                weights,
-                f"{num_params(arch):,} params x {e} B / vLLM TP {ro.tensor_parallel}",
-                ("sync",),
-            )
-        )
-    # allocated once by the colocated sync; dense GPU parameters need no staging
-    if device == "gpu":
-        rows.append(
-            Row(
-                "weight-sync buffers",
-                2 * SYNC_BUCKET,
-                "send + receive buffers of one 256 MiB bucket (megarl.rollout.sync.colocated)",
-            )
-        )
     return rows
 
 
@@ -502,7 +449,7 @@ def _smaller_vllm(cfg, arch, worst: StagePlan, result: Plan) -> str:
     seq = cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens
     need = (
         num_params(arch) * e / ro.tensor_parallel
-        + VLLM_ACTIVATIONS
+        + engines.VLLM_ACTIVATIONS
         + seq * fm.kv_bytes_per_token(arch, elem=e, vllm_tp=ro.tensor_parallel)
     )
     if room >= need:

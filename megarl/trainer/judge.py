@@ -1,5 +1,6 @@
 """The judge of `reward.judge` (a generative model whose answer is the reward).
 
+- `judge_arch(cfg)`: its shape from its small files (`megarl plan`); `refuse_separate_gpu`.
 - `find_judge(cfg)`, before any model is built: the judge's files (an HF causal-LM directory
   with its tokenizer, or a GGUF file converted once by global rank 0: collective) and its
   tokenizer. A reward model, a megarl checkpoint or a directory without a tokenizer is refused
@@ -19,9 +20,11 @@ import os
 import torch.distributed as dist
 
 from megarl import rollout as rollout_api
+from megarl.convert.gguf import gguf_hf_config, is_gguf
 from megarl.convert.model_files import open_model_files
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError
+from megarl.models.hf_config import ModelArch, arch_from_hf
 from megarl.rewards.judge import Judge, Verdicts
 from megarl.trainer.model_source import local_model_path
 
@@ -32,13 +35,9 @@ _ACCEPTED = (
 )
 
 
-def find_judge(cfg, *, gpu: bool) -> tuple[str, object] | None:
-    """(the judge's HF directory, its tokenizer); None without `reward.judge.model`. Collective
-    when it names a GGUF file (every rank calls it)."""
-    path = cfg.reward.judge.model
-    if path is None:
-        return None
-    if gpu and cfg.rollout.placement.mode == "separate":
+def refuse_separate_gpu(cfg) -> None:
+    """A judge beside separate engines on GPU is not built: refused naming the keys."""
+    if cfg.reward.judge.model is not None and cfg.rollout.placement.mode == "separate":
         # vLLM's groups are process-wide and its first engine in a process builds them over
         # every rank of the job (vllm/distributed/parallel_state.py, init_distributed_environment)
         raise ConfigError(
@@ -46,6 +45,30 @@ def find_judge(cfg, *, gpu: bool) -> tuple[str, object] | None:
             "would be the trainer ranks' first vLLM engine, whose groups span the engine ranks "
             "too); accepted: rollout.placement.mode=colocated, or no judge"
         )
+
+
+def judge_arch(cfg) -> ModelArch:
+    """The judge's architecture from its small files alone (config.json, or a GGUF file's
+    metadata, not converted): what `megarl plan` reads."""
+    path = cfg.reward.judge.model
+    if os.path.isfile(path) and is_gguf(path):
+        return arch_from_hf(gguf_hf_config(path), where=f"{KEY}={path}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"{KEY}={path!r}: no config.json here; the plan reads the judge's shape from it (or "
+            f"a GGUF file's metadata). Accepted: {_ACCEPTED}"
+        )
+    return arch_from_hf(path, where=f"{KEY}={path}")
+
+
+def find_judge(cfg, *, gpu: bool) -> tuple[str, object] | None:
+    """(the judge's HF directory, its tokenizer); None without `reward.judge.model`. Collective
+    when it names a GGUF file (every rank calls it)."""
+    path = cfg.reward.judge.model
+    if path is None:
+        return None
+    if gpu:
+        refuse_separate_gpu(cfg)
     path = local_model_path(path, KEY, _ACCEPTED)
     files = open_model_files(path, KEY, ("actor",), scalar_head=False, accepted=_ACCEPTED)
     if not files.hf:
