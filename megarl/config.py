@@ -21,6 +21,7 @@ import yaml
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.data.dataset import DataConfig
 from megarl.distributed.topology import ParallelConfig
+from megarl.dtypes import BYTES
 from megarl.envs.config import EnvConfig
 from megarl.errors import ConfigError
 from megarl.metrics.sinks import WANDB_MODES
@@ -91,11 +92,19 @@ class TeacherConfig:
     0): a frozen causal LM that scores every sampled token. A Hugging Face directory, a GGUF file
     (converted once into $MEGARL_CACHE), a megarl run RUN or checkpoint RUN/checkpoints/step_N
     (its actor), or a `megarl convert hf-to-mcore` directory; any architecture megarl builds,
-    with the policy's tokenizer. Built frozen at the run's layout and precision; null = none."""
+    with the policy's tokenizer. Built frozen at the run's layout; null = none."""
+    dtype: str | None = None
+    """The teacher's parameter and compute dtype (fp32, bf16, fp16); null = precision.dtype. A
+    bf16 teacher beside an fp32 student holds half the weights' bytes; its logprobs are taken in
+    fp32 from its logits. The run's other precision settings (FP8) apply to it as they are."""
 
     def __post_init__(self):
         if self.model is not None and not self.model.strip():
             raise ConfigError("teacher.model is empty; accepted: a path, or null")
+        if self.dtype is not None and self.dtype not in BYTES:
+            raise ConfigError(
+                f"teacher.dtype={self.dtype!r}; accepted: {sorted(BYTES)}, or null (the run's)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,6 +388,11 @@ class RunConfig:
                 "algorithm.distill_coef=0: nothing reads the teacher; accepted: "
                 "algorithm.name=distill, algorithm.distill_coef > 0 (grpo, ppo), or "
                 "teacher.model=null"
+            )
+        if self.teacher.dtype is not None and self.teacher.model is None:
+            raise ConfigError(
+                f"teacher.dtype={self.teacher.dtype} without teacher.model; accepted: "
+                "teacher.dtype=null, or a teacher"
             )
 
     def _check_dynamic_sampling(self) -> None:

@@ -31,6 +31,7 @@ from tests.test_multi_turn_e2e import ENV
 from tests.test_trainer_e2e import ROOT, _port
 
 TOL = 1e-5  # fp32 megatron against fp32 transformers, same weights
+BF16_GAP = 0.1  # a bf16 teacher against fp32 transformers: mean |logprob gap| per token
 
 JOB = r"""
 import sys, torch, torch.distributed as dist
@@ -116,6 +117,9 @@ def test_a_policy_gradient_on_the_advantage_lowers_the_reverse_kl():
         (["algorithm.distill_coef=-1"], "distill_coef=-1.0; accepted: >= 0"),
         (["algorithm.distill_clip=0"], "distill_clip=0.0; accepted: > 0"),
         (["teacher.model=' '"], "teacher.model is empty"),
+        (["teacher.dtype=bf16"], "teacher.dtype=bf16 without teacher.model"),
+        (["algorithm.name=distill", "teacher.model=/x", "teacher.dtype=int8"],
+         "teacher.dtype='int8'; accepted: "),
     ],
 )
 def test_config_refusals(overrides, message):
@@ -308,3 +312,23 @@ def test_grpo_with_a_clipped_distillation_term(teacher_dir, tmp_path):
         want = (group[:, None] + coef * term) * mask
         assert (b["advantages"] - want).abs().max() <= TOL
         assert (term.abs() * mask).max() == clip  # the clip bites
+
+
+@pytest.mark.slow
+def test_a_bf16_teacher_beside_an_fp32_student(teacher_dir, tmp_path):
+    """`teacher.dtype: bf16`: the teacher's logprobs move off transformers' fp32 forward by
+    bf16's rounding (not fp32's ~1e-7) and stay near it; the student's stay the sampler's."""
+    batches, _ = _captured_run(
+        tmp_path / "run",
+        "algorithm.name=distill",
+        f"teacher.model={teacher_dir}",
+        "teacher.dtype=bf16",
+        "reward.functions=[]",
+        "reward.weights=null",
+    )
+    for b in batches:
+        mask = b["loss_mask"].bool()
+        lp, _ = teacher_logprobs(teacher_dir, b["tokens"])
+        gap = (b["teacher_logprobs"] - lp)[mask].abs()
+        assert 1e-4 < float(gap.mean()) < BF16_GAP, float(gap.mean())
+        assert (b["old_logprobs"] - b["sampler_logprobs"])[mask].abs().max() <= 1e-4

@@ -237,6 +237,21 @@ def test_a_distillation_teacher_is_resident_and_its_pass_counted(llama70b, tmp_p
             assert last["logprob pass (the teacher's, the larger)"] > policy
 
 
+def test_a_teacher_in_its_own_dtype_holds_its_own_bytes(llama70b):
+    """`teacher.dtype: fp32` beside a bf16 run: twice the teacher's weight bytes."""
+    from megarl.config import load_config
+
+    base = ["model.mcore_ckpt=null", f"model.hf={llama70b}", "algorithm.distill_coef=1"]
+    base += [f"teacher.model={llama70b}"]
+    rows = []
+    for extra in ([], ["teacher.dtype=fp32"]):
+        cfg = load_config(EXAMPLE_70B, [*base, *extra])
+        assert cfg.precision.dtype == "bf16"
+        p = plan(cfg, gpus=32, gpu_mem_gib=80)
+        rows.append({r.name: r.nbytes for r in p.stages[0].rows}["teacher weights"])
+    assert rows[1] == 2 * rows[0]
+
+
 def test_a_judge_engine_is_held_in_every_phase(llama70b, tmp_path):
     """`reward.judge`: on GPU its share of the device in every phase (it never sleeps), refused
     beside separate engines; on CPU its weights (from its config.json) and its KV cache."""

@@ -202,8 +202,8 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
             )
         )
     if shape.teacher is not None:
-        t = shape.teacher[r]
-        rows.append(Row("teacher weights", t * e, f"{t:,} x {e} B (frozen)"))
+        t, te = shape.teacher[r], BYTES[cfg.teacher.dtype or cfg.precision.dtype]
+        rows.append(Row("teacher weights", t * te, f"{t:,} x {te} B (frozen)"))
     if device == "gpu":
         rows.append(Row("CUDA runtime", RUNTIME_GPU, "context, NCCL, workspaces (assumed)"))
 
@@ -275,7 +275,7 @@ def _logprob_pass(cfg, arch, shape: Shape, topo, tokens: int, e: int) -> Row:
     """The forward pass without grad of the logprobs phase: the policy's (old / reference
     logprobs), or a distillation teacher's when that is larger (one pass at a time)."""
 
-    def one(model, vocab: int) -> tuple[float, str]:
+    def one(model, vocab: int, e: int = e) -> tuple[float, str]:
         lg, lg_text = fm.logits_bytes_per_token(
             vocab, tp=topo.tp, elem=e, packed=cfg.algorithm.pack_sequences
         )
@@ -289,7 +289,7 @@ def _logprob_pass(cfg, arch, shape: Shape, topo, tokens: int, e: int) -> Row:
     if shape.teacher_arch is not None:
         t = shape.teacher_arch
         vocab = t.padded_vocab_size(cfg.model.make_vocab_size_divisible_by, topo.tp)
-        t_bytes, t_text = one(t, vocab)
+        t_bytes, t_text = one(t, vocab, BYTES[cfg.teacher.dtype or cfg.precision.dtype])
         if t_bytes > nbytes:
             nbytes, text, name = t_bytes, t_text, "logprob pass (the teacher's, the larger)"
     return Row(name, nbytes, text, ("logprobs",))

@@ -399,7 +399,8 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
         else:
             models.append(f"reference (frozen, actor's shape; {why})")
     if cfg.algorithm.uses_teacher:
-        models.append(f"teacher (frozen; teacher.model={cfg.teacher.model})")
+        own = f", teacher.dtype={cfg.teacher.dtype}" if cfg.teacher.dtype else ""
+        models.append(f"teacher (frozen; teacher.model={cfg.teacher.model}{own})")
     if cfg.reward.judge.model is not None and not cfg.algorithm.offline:
         models.append(
             f"judge on a vLLM engine of its own (reward.judge.model={cfg.reward.judge.model})"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -147,7 +147,7 @@ def build_models(
     if reward is not None:
         models.archs["reward"] = reward.arch
     if teacher is not None:
-        models.teacher = make("teacher", teacher.arch, frozen=True)
+        models.teacher = make("teacher", teacher.arch, frozen=True, dtype=cfg.teacher.dtype)
         teacher.load_into(models.teacher)
         models.archs["teacher"] = teacher.arch
     return models
@@ -188,9 +188,11 @@ def _maker(cfg: RunConfig, gpu: bool):
         lora_seed=cfg.trainer.seed,
     )
 
-    def make(role: str, arch: ModelArch, frozen: bool | None = None) -> list:
+    def make(role: str, arch: ModelArch, frozen: bool | None = None, dtype=None) -> list:
+        """`dtype`: the role's own (`teacher.dtype`), else `precision.dtype`."""
+        precision = cfg.precision if dtype is None else replace(cfg.precision, dtype=dtype)
         return build_model(
-            arch, cfg.parallel, cfg.precision, role=role, build=build, gpu=gpu, frozen=frozen
+            arch, cfg.parallel, precision, role=role, build=build, gpu=gpu, frozen=frozen
         )
 
     return make
