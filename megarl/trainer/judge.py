@@ -20,13 +20,12 @@ import os
 import torch.distributed as dist
 
 from megarl import rollout as rollout_api
-from megarl.convert.gguf import gguf_hf_config, is_gguf
 from megarl.convert.model_files import open_model_files
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import ConfigError
-from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.models.hf_config import ModelArch
 from megarl.rewards.judge import Judge, Verdicts
-from megarl.trainer.model_source import local_model_path
+from megarl.trainer.model_source import arch_from_small_files, local_model_path
 
 KEY = "reward.judge.model"
 _ACCEPTED = (
@@ -48,17 +47,8 @@ def refuse_separate_gpu(cfg) -> None:
 
 
 def judge_arch(cfg) -> ModelArch:
-    """The judge's architecture from its small files alone (config.json, or a GGUF file's
-    metadata, not converted): what `megarl plan` reads."""
-    path = cfg.reward.judge.model
-    if os.path.isfile(path) and is_gguf(path):
-        return arch_from_hf(gguf_hf_config(path), where=f"{KEY}={path}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(
-            f"{KEY}={path!r}: no config.json here; the plan reads the judge's shape from it (or "
-            f"a GGUF file's metadata). Accepted: {_ACCEPTED}"
-        )
-    return arch_from_hf(path, where=f"{KEY}={path}")
+    """The judge's architecture from its small files alone: what `megarl plan` reads."""
+    return arch_from_small_files(cfg.reward.judge.model, KEY, _ACCEPTED)
 
 
 def find_judge(cfg, *, gpu: bool) -> tuple[str, object] | None:

@@ -121,6 +121,28 @@ def local_model_path(path: str, key: str, accepted: str) -> str:
     return path
 
 
+def arch_from_small_files(
+    path: str, key: str, accepted: str, roles: tuple[str, ...] = ("actor",)
+) -> ModelArch:
+    """The architecture of the model at `path` (named by config key `key`) from its small files
+    alone: a GGUF file's metadata (not converted), config.json, or a megarl checkpoint's own
+    records (the first of `roles`): what a dry run and `megarl plan` read."""
+    if os.path.isfile(path) and is_gguf(path):
+        return arch_from_hf(gguf_hf_config(path), where=f"{key}={path}")
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"{key}={path!r} does not exist on this machine; the dry run and the plan read its "
+            f"shape from it (config.json, trainer_state.json or megarl_model.json, or a GGUF "
+            f"file's metadata). Accepted: {accepted}"
+        )
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return arch_from_hf(path, where=f"{key}={path}")
+    try:
+        return open_checkpoint(path, roles).arch
+    except UserError as e:
+        raise ConfigError(f"{key}={path!r}: {e}; accepted: {accepted}") from e
+
+
 def load_arch(cfg: RunConfig, roles: tuple[str, ...] = ("actor",)) -> ModelArch:
     """The model's architecture from its small files: `model.config`, `model.hf`'s config.json
     (a GGUF file not converted yet, as in a dry run: its metadata), or the checkpoint of

@@ -17,19 +17,15 @@ its logprobs come from `megarl.trainer.experience.forward_teacher`, the advantag
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from megarl.checkpoint.reader import open_checkpoint
-from megarl.convert.gguf import gguf_hf_config, is_gguf
 from megarl.convert.model_files import ModelFiles, open_model_files
 from megarl.data.tokenizer import load_tokenizer
-from megarl.errors import ConfigError, UserError
+from megarl.errors import ConfigError
 from megarl.metrics.reduce import LocalMetrics
-from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.models.hf_config import ModelArch
 from megarl.rewards.model import same_vocabulary
-from megarl.trainer.model_source import local_model_path
+from megarl.trainer.model_source import arch_from_small_files, local_model_path
 
 KEY = "teacher.model"
 _ACCEPTED = (
@@ -56,20 +52,7 @@ def teacher_arch(cfg) -> ModelArch | None:
     path = cfg.teacher.model
     if path is None or not cfg.algorithm.uses_teacher:
         return None
-    if os.path.isfile(path) and is_gguf(path):
-        return arch_from_hf(gguf_hf_config(path), where=f"{KEY}={path}")
-    if not os.path.isdir(path):
-        raise ConfigError(
-            f"{KEY}={path!r} does not exist on this machine; the dry run reads the teacher's "
-            f"shape from it (config.json, trainer_state.json or megarl_model.json, or a GGUF "
-            f"file's metadata). Accepted: {_ACCEPTED}"
-        )
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return arch_from_hf(path, where=f"{KEY}={path}")
-    try:
-        return open_checkpoint(path, ("actor",)).arch
-    except UserError as e:
-        raise ConfigError(f"{KEY}={path!r}: {e}; accepted: {_ACCEPTED}") from e
+    return arch_from_small_files(path, KEY, _ACCEPTED)
 
 
 def check_teacher(cfg, source: ModelFiles, tokenizer) -> None:
