@@ -184,6 +184,9 @@ def test_judge_file_refusals(judge_dir, tmp_path):
     assert find_judge(load_config(None, separate), gpu=False)[0] == judge_dir
     with pytest.raises(ConfigError, match="separate on GPU: not built"):
         find_judge(load_config(None, separate), gpu=True)
+    tp2 = [f"reward.judge.model={judge_dir}", "rollout.engine.tensor_parallel=2"]
+    with pytest.raises(ConfigError, match="tensor_parallel=2 on GPU: not built"):
+        find_judge(load_config(None, tp2), gpu=True)
 
 
 # ----------------------------------------------------------------------- the judge's engine

@@ -7,7 +7,7 @@ from megarl.models.builder import num_params
 from megarl.plan import formulas as fm
 from megarl.plan.formulas import gib
 from megarl.plan.records import ALL, Row
-from megarl.trainer.judge import judge_arch, refuse_separate_gpu
+from megarl.trainer.judge import judge_arch, refuse_on_gpu
 
 SYNC_BUCKET = 256 * 2**20
 VLLM_ACTIVATIONS = 1 * fm.GiB
@@ -77,7 +77,7 @@ def judge_rows(cfg, device: str, gpu_mem: float, e: int) -> list[Row]:
     if jc.model is None or cfg.algorithm.offline:
         return []
     if device == "gpu":
-        refuse_separate_gpu(cfg)
+        refuse_on_gpu(cfg)
         budget = jc.gpu_memory_utilization * gpu_mem
         text = f"reward.judge.gpu_memory_utilization {jc.gpu_memory_utilization} x GPU"
         return [Row("judge vLLM engine", budget, text, ALL)]

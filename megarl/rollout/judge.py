@@ -4,9 +4,10 @@ prompts under a time limit.
 
 Placement: every trainer process holds one and judges the samples it scores, so the policy's
 engines (colocated or separate) never switch weights. CPU: a TP=1 engine with its own KV cache.
-GPU (not run yet): it takes `gpu_memory_utilization` of the device and the TP of the policy's
-colocated engines (vLLM's groups are process-wide: a second engine of another TP fails
-`ensure_model_parallel_initialized`, vllm/distributed/parallel_state.py:2392).
+GPU (not run yet): it takes `gpu_memory_utilization` of the device; TP=1 beside colocated TP=1
+engines only (vLLM's groups are process-wide: a second engine of another TP fails
+`ensure_model_parallel_initialized`, vllm/distributed/parallel_state.py:2392; the trainer
+refuses the other layouts).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class JudgeEngine:
         max_model_len: int,
         kv_cache_memory_bytes: int,
         gpu_memory_utilization: float,
-        tensor_parallel: int = 1,
         dtype: str = "fp32",
     ):
         """`model_dir`: the judge's HF directory; `out_dir`: the run's (the engine reads its
@@ -52,7 +52,6 @@ class JudgeEngine:
             stop_token_ids=resolve_stop_tokens(None, tokenizer, self.arch.hf_config, [model_dir]),
         )  # fmt: skip
         cfg = EngineConfig(
-            tensor_parallel=tensor_parallel,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             sleep_between_steps=False,

@@ -1,6 +1,6 @@
 """The judge of `reward.judge` (a generative model whose answer is the reward).
 
-- `judge_arch(cfg)`: its shape from its small files (`megarl plan`); `refuse_separate_gpu`.
+- `judge_arch(cfg)`: its shape from its small files (`megarl plan`); `refuse_on_gpu`.
 - `find_judge(cfg)`, before any model is built: the judge's files (an HF causal-LM directory
   with its tokenizer, or a GGUF file converted once by global rank 0: collective) and its
   tokenizer. A reward model, a megarl checkpoint or a directory without a tokenizer is refused
@@ -34,9 +34,22 @@ _ACCEPTED = (
 )
 
 
-def refuse_separate_gpu(cfg) -> None:
-    """A judge beside separate engines on GPU is not built: refused naming the keys."""
-    if cfg.reward.judge.model is not None and cfg.rollout.placement.mode == "separate":
+def refuse_on_gpu(cfg) -> None:
+    """The GPU layouts a judge is not built for, refused naming the keys: beside separate
+    engines, or beside colocated engines of vLLM TP > 1."""
+    if cfg.reward.judge.model is None:
+        return
+    tp = cfg.rollout.engine.tensor_parallel
+    if cfg.rollout.placement.mode == "colocated" and tp > 1:
+        # vLLM's groups are process-wide: a second engine must have the first one's TP
+        # (ensure_model_parallel_initialized, vllm/distributed/parallel_state.py:2392), and a TP
+        # instance's ranks submit the same requests, where each rank judges its own samples
+        raise ConfigError(
+            f"{KEY} with rollout.engine.tensor_parallel={tp} on GPU: not built (the judge's "
+            "engine would share the policy engines' TP groups, whose ranks hold different "
+            "samples); accepted: rollout.engine.tensor_parallel=1, or no judge"
+        )
+    if cfg.rollout.placement.mode == "separate":
         # vLLM's groups are process-wide and its first engine in a process builds them over
         # every rank of the job (vllm/distributed/parallel_state.py, init_distributed_environment)
         raise ConfigError(
@@ -58,7 +71,7 @@ def find_judge(cfg, *, gpu: bool) -> tuple[str, object] | None:
     if path is None:
         return None
     if gpu:
-        refuse_separate_gpu(cfg)
+        refuse_on_gpu(cfg)
     path = local_model_path(path, KEY, _ACCEPTED)
     files = open_model_files(path, KEY, ("actor",), scalar_head=False, accepted=_ACCEPTED)
     if not files.hf:
@@ -75,22 +88,18 @@ def find_judge(cfg, *, gpu: bool) -> tuple[str, object] | None:
     return files.path, load_tokenizer(files.tokenizer_dir)
 
 
-def open_judge(cfg, found, out_dir: str, *, dtype: str, gpu: bool) -> Judge | None:
+def open_judge(cfg, found, out_dir: str, *, dtype: str) -> Judge | None:
     """The judge of `found` (`find_judge`) with its engine started; None when `found` is.
     Collective (every rank calls it)."""
     if found is None:
         return None
     jc = cfg.reward.judge
     path, tokenizer = found
-    # vLLM's groups belong to the process: a second engine must have the first one's TP
-    # (ensure_model_parallel_initialized asserts it, vllm/distributed/parallel_state.py:2392)
-    colocated = cfg.rollout.placement.mode == "colocated"
-    tp = cfg.rollout.engine.tensor_parallel if gpu and colocated else 1
     engine = rollout_api.JudgeEngine(
         path, out_dir, tokenizer=tokenizer, max_tokens=jc.max_tokens,
         temperature=jc.temperature, max_model_len=jc.max_model_len,
         kv_cache_memory_bytes=jc.kv_cache_memory_bytes,
-        gpu_memory_utilization=jc.gpu_memory_utilization, tensor_parallel=tp, dtype=dtype,
+        gpu_memory_utilization=jc.gpu_memory_utilization, dtype=dtype,
     )  # fmt: skip
     return Judge(jc, tokenizer, engine.generate)
 

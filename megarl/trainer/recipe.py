@@ -128,9 +128,7 @@ def build_run(cfg: RunConfig, out_dir: str, stage: Stage, job: Job | None = None
             system_prompt=cfg.data.system_prompt,
         )
         reward_model = build_reward_model(cfg, models, sources, rm_tokenizer, groups, run.pad_to)
-        judge = open_judge(
-            cfg, judge_files, out_dir, dtype=cfg.precision.dtype, gpu=device.use_gpu()
-        )
+        judge = open_judge(cfg, judge_files, out_dir, dtype=cfg.precision.dtype)
         run.scorer = Scorer(functions, cfg.reward, reward_model, tokenizer, judge)
         if data.held_out is not None:
             run.evaluator = Evaluator(
