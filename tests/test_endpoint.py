@@ -13,6 +13,7 @@ engine itself runs) and each session's tokens are checked against them.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -103,6 +104,7 @@ def engine():
     """One vLLM engine for the module, in this process, on a one-rank gloo group."""
     import torch.distributed as dist
 
+    saved = dict(os.environ)  # vLLM writes to it (VLLM_DIST_IDENT, ...): the next modules run here
     made = not dist.is_initialized()
     if made:
         dist.init_process_group(
@@ -119,6 +121,8 @@ def engine():
         eng.close()
         if made:
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def env_cfg(**kw):

@@ -192,15 +192,33 @@ def test_judge_file_refusals(judge_dir, tmp_path):
 # ----------------------------------------------------------------------- the judge's engine
 @pytest.fixture(scope="module")
 def engine(judge_dir, tmp_path_factory):
+    """The judge's engine in this process, on a one-rank gloo group of its own; the process's
+    environment (vLLM writes to it) and default group are as they were afterwards, for the
+    modules that run next in this worker."""
+    import torch.distributed as dist
+
+    from megarl.distributed.launch import free_port
     from megarl.rollout import JudgeEngine
 
+    saved = dict(os.environ)
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
     e = JudgeEngine(
         judge_dir, str(tmp_path_factory.mktemp("judge_run")), tokenizer=toy_tokenizer(),
         max_tokens=12, temperature=0.0, max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
         gpu_memory_utilization=0.1,
     )  # fmt: skip
-    yield e
-    e.close()
+    try:
+        yield e
+    finally:
+        e.close()
+        if made:
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_the_judge_engine_answers_as_transformers_with_the_judge_weights(engine, judge_dir):

@@ -260,10 +260,9 @@ def test_a_judge_engine_is_held_in_every_phase(llama70b, tmp_path):
     from megarl.models.hf_config import arch_from_hf
     from tests.test_judge import JUDGE
 
-    base = ["model.mcore_ckpt=null", f"model.hf={llama70b}"]
-    without = plan(load_config(EXAMPLE_70B, base), gpus=32, gpu_mem_gib=80)
-    judged = [*base, f"reward.judge.model={llama70b}", "reward.judge.gpu_memory_utilization=0.2"]
-    p = plan(load_config(EXAMPLE_70B, judged), gpus=32, gpu_mem_gib=80)
+    without = plan(load_config(None, []), gpus=2, gpu_mem_gib=80)  # colocated, vLLM TP 1
+    judged = [f"reward.judge.model={llama70b}", "reward.judge.gpu_memory_utilization=0.2"]
+    p = plan(load_config(None, judged), gpus=2, gpu_mem_gib=80)
     for stage, alone in zip(p.stages, without.stages, strict=True):
         judge = {r.name: r.nbytes for r in stage.rows}["judge vLLM engine"]
         assert judge == 0.2 * 80 * 2**30
