@@ -13,7 +13,6 @@ engine itself runs) and each session's tokens are checked against them.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import urllib.error
@@ -22,7 +21,6 @@ import urllib.request
 import pytest
 
 from megarl.data.toy import toy_tokenizer
-from megarl.distributed.launch import free_port
 from megarl.envs.config import EnvConfig
 from megarl.envs.tool_calls import ToolSetupError
 from megarl.models.hf_config import arch_from_hf
@@ -36,6 +34,7 @@ from megarl.rollout.multi_turn.trajectory import TurnLimits
 from megarl.rollout.multi_turn.waves import WaveBatcher
 from megarl.rollout.seeds import turn_seed
 from tests.sync_workers import LLAMA, model_dir
+from tests.tiny import vllm_in_this_process
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -101,28 +100,17 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine():
-    """One vLLM engine for the module, in this process, on a one-rank gloo group."""
-    import torch.distributed as dist
-
-    saved = dict(os.environ)  # vLLM writes to it (VLLM_DIST_IDENT, ...): the next modules run here
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    """One vLLM engine for the module, in this process (`tests.tiny.vllm_in_this_process`)."""
+    with vllm_in_this_process():
+        register_digits_parser()
+        cfg = SamplingConfig(n=1, max_tokens=6, stop_token_ids=STOP, seed=7)
+        eng = RolloutEngine(
+            model_dir(HF), arch_from_hf(HF), cfg, EngineConfig(kv_cache_memory_bytes=64 * 2**20)
         )
-    register_digits_parser()
-    cfg = SamplingConfig(n=1, max_tokens=6, stop_token_ids=STOP, seed=7)
-    eng = RolloutEngine(
-        model_dir(HF), arch_from_hf(HF), cfg, EngineConfig(kv_cache_memory_bytes=64 * 2**20)
-    )
-    try:
-        yield eng
-    finally:
-        eng.close()
-        if made:
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
+        try:
+            yield eng
+        finally:
+            eng.close()
 
 
 def env_cfg(**kw):

