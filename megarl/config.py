@@ -70,6 +70,12 @@ class ModelConfig:
     critic_lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters on the PPO critic, its value head trained in full (docs/lora.md): rank,
     alpha, dropout, targets; rank 0 = the critic trains in full."""
+    expert_bias_update_rate: float = 0.0
+    """MoE routers with an expert bias (GLM-4.5, DeepSeek-V3, Kimi-K2): DeepSeek's aux-loss-free
+    update, bias += rate x sign(mean load - expert load) after every optimizer step (DeepSeek-V3
+    pretrained with 0.001). Default 0: frozen, the released routing balance kept through RL, and
+    the sampler routes with the same bias as the trainer (the bias is synced with the weights
+    either way)."""
 
     def __post_init__(self):
         given = [k for k in ("hf", "mcore_ckpt", "config") if getattr(self, k)]
@@ -77,6 +83,11 @@ class ModelConfig:
             raise ConfigError(
                 f"model: exactly one of model.hf, model.mcore_ckpt, model.config must be set; "
                 f"got {given or 'none'}"
+            )
+        if not self.expert_bias_update_rate >= 0:
+            raise ConfigError(
+                f"model.expert_bias_update_rate={self.expert_bias_update_rate}; accepted: a "
+                "number >= 0 (0 = the expert bias frozen)"
             )
         if not self.critic_init.strip():
             raise ConfigError(

@@ -108,3 +108,20 @@ def parity(rank, world, archs: dict, states: dict, layout: dict, batch: dict, nu
             "update_ok": bool(ok),
         }
     return results
+
+
+def expert_bias_after_step(rank, world, hf: dict, state: dict, layout: dict, batch: dict, rate):
+    """The routers' expert biases after one forward-backward of an actor built with
+    `expert_bias_update_rate=rate` (megatron moves them in `finalize_model_grads`)."""
+    from megarl.models.builder import BuildConfig
+
+    arch, par, groups = _setup(hf, layout, world)
+    build = BuildConfig(expert_bias_update_rate=rate)
+    model = build_model(arch, par, PrecisionConfig(), role="actor", build=build)
+    load_full_state(model, state)
+    wire_grad_finalization(model)
+    mbs = _micro_batches(batch, groups, 2)
+    loss_fn = _loss_fn(arch, groups, batch["mask"].sum())
+    forward.forward_backward(model, mbs, loss_fn, forward_only=False, dp_size=groups.dp_size)
+    full = gather_full_state(model)
+    return {k: v for k, v in full.items() if k.endswith("router.expert_bias")}

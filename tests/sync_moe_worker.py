@@ -19,7 +19,7 @@ import time
 import torch
 
 from tests import sync_workers as w
-from tests.tiny import TINY_QWEN3_MOE
+from tests.tiny import TINY_DEEPSEEK_V3, TINY_GLM4_MOE, TINY_QWEN3_MOE
 from tests.vllm_targets import (
     compare_bitwise,
     dense_state,
@@ -40,7 +40,12 @@ MIXTRAL = {
 }
 for k in ("num_experts", "moe_intermediate_size", "norm_topk_prob", "head_dim"):
     MIXTRAL.pop(k, None)
-ARCHS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+ARCHS = {
+    "qwen3_moe": QWEN3_MOE,
+    "mixtral": MIXTRAL,
+    "glm4_moe": {**TINY_GLM4_MOE, "vocab_size": w.TOKENS_VOCAB},
+    "deepseek_v3": {**TINY_DEEPSEEK_V3, "vocab_size": w.TOKENS_VOCAB},
+}
 LAYOUTS = {
     2: [
         {},  # EP1, DP2: each rank a whole copy, the sync is local
@@ -100,6 +105,8 @@ def job(rank: int, world: int) -> dict:
             ours = engine.call(dense_state)
             out = {"stats": stats, "plan_seconds": plan_s, "pieces": len(ws.plan.pieces)}
             out["staged"] = ws.staged
+            out["write"] = ws.write
+            out["derived"] = engine.call(derived_params)
             out["reloads_in_vllm_config"] = engine.call(reloads)
             sampled = engine.generate(w.prompts_for(3), seed=11)
             pad = groups.tp_size if layout.get("sequence_parallel") else 1
@@ -220,6 +227,13 @@ def broken_mapping(chunks, arch, engine, groups, ref: dict, full_hf: dict, rank:
     finally:
         moe_layout.expert_pieces = pieces_fn
     return out
+
+
+def derived_params(worker) -> tuple[str, ...]:
+    """The parameters vLLM derives at load (MLA's absorbed projections), as the plan sees them."""
+    from megarl.rollout.engine.vllm_layout import describe_model
+
+    return describe_model(worker.model_runner.get_model(), tp_rank=0, tp_size=1).derived
 
 
 def results(world: int) -> list[dict]:

@@ -17,7 +17,8 @@ def job(rank: int, world: int, dtype: str) -> dict:
 
     from megarl.distributed import ParallelConfig, Topology
     from megarl.models.forward import causal_mask
-    from megarl.models.hf_config import PrecisionConfig, arch_from_hf, transformer_config
+    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+    from megarl.models.mcore_config import transformer_config
     from megarl.models.specs import sdpa_attention_class
     from tests.tiny import TINY_LLAMA
 
@@ -68,7 +69,8 @@ def packed_job(rank: int, world: int, dtype: str) -> dict:
 
     from megarl.distributed import ParallelConfig, Topology
     from megarl.models.forward import causal_mask
-    from megarl.models.hf_config import PrecisionConfig, arch_from_hf, transformer_config
+    from megarl.models.hf_config import PrecisionConfig, arch_from_hf
+    from megarl.models.mcore_config import transformer_config
     from megarl.models.specs import sdpa_attention_class
     from tests.tiny import TINY_LLAMA
 

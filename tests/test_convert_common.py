@@ -20,6 +20,46 @@ _BASE = dict(
     tie_word_embeddings=False,
 )
 
+# the 2026 MoE families: sigmoid routing with an expert bias, shared experts, a dense first layer;
+# GLM-4.5 with partial rotary, q/k norms and QKV biases; DeepSeek-V3 with multi-latent attention
+# (q LoRA, a decoupled rotary key of its own width, values narrower than keys) and group-limited
+# routing (2 groups, 1 chosen)
+_SIGMOID_MOE = dict(
+    _BASE,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+GLM4_MOE = dict(
+    _SIGMOID_MOE,
+    architectures=["Glm4MoeForCausalLM"],
+    model_type="glm4_moe",
+    head_dim=32,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    n_group=1,
+    topk_group=1,
+)
+DEEPSEEK_V3 = dict(
+    _SIGMOID_MOE,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    num_key_value_heads=4,
+    n_group=2,
+    topk_group=1,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    num_nextn_predict_layers=0,
+)
+
 # name -> HF config; together: every family, tied/untied, MHA/GQA/MQA, biases, q/k norms, rope
 # scaling llama3/linear, head_dim != hidden/heads, both MoE on-disk formats
 CASES: dict[str, dict] = {
@@ -89,6 +129,8 @@ CASES: dict[str, dict] = {
         num_experts_per_tok=2,
         rope_theta=1000000.0,
     ),
+    "glm4_moe": dict(GLM4_MOE, num_hidden_layers=4),
+    "deepseek_v3": dict(DEEPSEEK_V3, num_hidden_layers=4),
 }
 
 
@@ -104,6 +146,9 @@ def make_hf_dir(cfg: dict, path: str, seed: int = 0, dtype=torch.float32) -> str
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # chooses experts: make it matter
+                b.copy_(0.1 * torch.randn_like(b))
     model.to(dtype).save_pretrained(path)
     _write_tokenizer(path)
     return path

@@ -17,7 +17,7 @@ from megarl.models.hf_config import arch_from_hf
 from tests.test_convert_common import CASES, convert_worker, layouts_worker, make_hf_dir
 
 pytestmark = pytest.mark.slow
-TOL = 1e-4
+TOL = 1e-5
 
 
 @pytest.fixture(scope="module")

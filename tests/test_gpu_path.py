@@ -153,7 +153,7 @@ def test_sequence_multiple_pads_for_fp8_and_sequence_parallel():
 
 def test_fp8_refuses_weight_shapes_that_cannot_be_padded():
     from megarl.distributed import ParallelConfig
-    from megarl.models.hf_config import check_fp8_shapes
+    from megarl.models.mcore_config import check_fp8_shapes
 
     fp8 = PrecisionConfig(dtype="bf16", fp8="hybrid")
     arch = arch_from_hf({**TINY_LLAMA, "intermediate_size": 136})

@@ -1,14 +1,11 @@
 """HF config -> ModelArch -> TransformerConfig, and the errors for configs we cannot map."""
 
 import pytest
+import torch
 
 from megarl.distributed import ParallelConfig
-from megarl.models.hf_config import (
-    ModelConfigError,
-    PrecisionConfig,
-    arch_from_hf,
-    transformer_config,
-)
+from megarl.models.hf_config import ModelConfigError, PrecisionConfig, arch_from_hf
+from megarl.models.mcore_config import transformer_config
 from tests.tiny import TINY_LLAMA, TINY_MIXTRAL, TINY_QWEN3
 
 
@@ -76,3 +73,107 @@ def test_top1_renormalised_moe_is_refused():
     # top-1 without renormalisation (weight p: megatron's pre-softmax routing) is accepted
     arch = arch_from_hf({**TINY_QWEN3_MOE, "num_experts_per_tok": 1, "norm_topk_prob": False})
     assert (arch.moe_topk, arch.moe_norm_topk_prob) == (1, False)
+
+
+# ------------------------------------------------------------------ the 2026 MoE families
+def test_sigmoid_moe_families_map_to_megatrons_router():
+    """GLM-4.5 and DeepSeek-V3: sigmoid routing with an expert bias, group-limited top-k, the
+    routed scaling factor, shared experts and dense first layers reach megatron's config."""
+    from tests.test_convert_common import DEEPSEEK_V3, GLM4_MOE
+
+    ds = arch_from_hf(DEEPSEEK_V3)
+    assert (ds.moe_score, ds.moe_expert_bias, ds.moe_groups, ds.moe_group_topk) == (
+        "sigmoid",
+        True,
+        2,
+        1,
+    )
+    assert (ds.moe_scaling, ds.moe_shared_intermediate_size, ds.dense_layers) == (2.5, 32, 1)
+    assert ds.mla.qk_head_dim == 32 and ds.head_dim == 32 and ds.num_key_value_heads == 4
+    cfg = transformer_config(ds, ParallelConfig(), PrecisionConfig(), gpu=False)
+    assert cfg.multi_latent_attention and (cfg.qk_head_dim, cfg.qk_pos_emb_head_dim) == (16, 16)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.v_head_dim, cfg.rope_type) == (
+        48,
+        32,
+        24,
+        "rope",
+    )
+    assert cfg.moe_layer_freq == [0, 1] and cfg.moe_router_score_function == "sigmoid"
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (2, 1)
+    assert cfg.moe_router_enable_expert_bias and cfg.moe_router_bias_update_rate == 0.0
+    assert cfg.moe_router_topk_scaling_factor == 2.5
+    assert cfg.moe_shared_expert_intermediate_size == 32
+    rate = transformer_config(
+        ds, ParallelConfig(), PrecisionConfig(), gpu=False, expert_bias_rate=1e-3
+    )
+    assert rate.moe_router_bias_update_rate == 1e-3
+    glm = arch_from_hf(GLM4_MOE)
+    assert (glm.rotary_fraction, glm.qk_norm, glm.qkv_bias, glm.moe_groups) == (0.5, True, True, 1)
+    cfg = transformer_config(glm, ParallelConfig(), PrecisionConfig(), gpu=False)
+    assert cfg.moe_router_num_groups is None and not cfg.multi_latent_attention
+
+
+def test_yarn_reaches_multi_latent_attention():
+    from tests.test_convert_common import DEEPSEEK_V3
+
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    yarn.update(beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+    arch = arch_from_hf({**DEEPSEEK_V3, "rope_scaling": yarn})
+    cfg = transformer_config(arch, ParallelConfig(), PrecisionConfig(), gpu=False)
+    assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.original_max_position_embeddings) == (
+        "yarn",
+        4.0,
+        64,
+    )
+    assert (cfg.mscale, cfg.mscale_all_dim) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        ({"rope_interleave": False}, "rope_interleave=false is not supported"),
+        ({"attention_bias": True}, "attention_bias=true with multi-latent attention"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+        ({"n_group": 2, "topk_group": 2, "num_experts_per_tok": 2}, "by its top two"),
+        ({"n_group": 3}, "n_group dividing n_routed_experts"),
+        ({"first_k_dense_replace": 4}, "at least one MoE layer"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4, "mscale": 0.7}},
+            "mscale != 1 without mscale_all_dim",
+        ),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8}}, "accepted: 'yarn', 'default'"),
+    ],
+)
+def test_deepseek_v3_configs_megatron_cannot_express_are_refused(change, expected):
+    from tests.test_convert_common import DEEPSEEK_V3
+
+    with pytest.raises(ModelConfigError, match=expected):
+        arch_from_hf({**DEEPSEEK_V3, **change})
+
+
+def test_num_params_equals_the_mapped_hf_tensors():
+    """The analytic count (memory plans, MFU) against the mapping's shapes, every family."""
+    from megarl.convert.mapping import hf_shapes_for
+    from megarl.models.builder import num_params
+    from tests.test_convert_common import CASES
+
+    for name, hf in CASES.items():
+        arch = arch_from_hf(hf)
+        want = sum(torch.Size(s).numel() for s in hf_shapes_for(arch).values())
+        assert num_params(arch) == want, name
+    ds = arch_from_hf({**CASES["deepseek_v3"], "q_lora_rank": None})
+    want = sum(torch.Size(s).numel() for s in hf_shapes_for(ds).values())
+    assert num_params(ds) == want
+
+
+@pytest.mark.parametrize(
+    "arch,why",
+    [
+        ("Qwen3NextForCausalLM", "Gated DeltaNet"),
+        ("GptOssForCausalLM", "attention sinks"),
+        ("Gemma3ForCausalLM", "local / global attention"),
+    ],
+)
+def test_families_megarl_does_not_build_are_refused_with_the_reason(arch, why):
+    with pytest.raises(ModelConfigError, match=f"not supported yet: .*{why}.*DeepseekV3"):
+        arch_from_hf({**TINY_LLAMA, "architectures": [arch], "model_type": "x"})

@@ -69,21 +69,52 @@ MIXTRAL = dict(
 def test_mixtral_grpo_learns_at_ep2_with_routing_replay(tmp_path):
     """The same run with a Mixtral-architecture policy (4 experts, top-2, no shared expert):
     megatron's experts synced into vLLM's MixtralForCausalLM fused experts every step."""
+    _learns_with_policy(tmp_path, MIXTRAL, "mixtral")
+
+
+def _learns_with_policy(tmp_path, hf: dict, label: str) -> None:
+    """`CONFIG` with the policy `hf` for 20 steps at EP2: sampler and trainer agree, vLLM's
+    routes are the trainer's own, reward up."""
     import yaml
 
     with open(os.path.join(ROOT, CONFIG)) as f:
         cfg = yaml.safe_load(f)
-    cfg["model"]["config"] = MIXTRAL
-    path = tmp_path / "mixtral.yaml"
+    cfg["model"]["config"] = hf
+    path = tmp_path / f"{label}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     steps = 20
     _train(tmp_path / "run", f"trainer.steps={steps}", nproc=2, config=str(path))
     rows = _metrics(tmp_path / "run")
     _check_run(tmp_path / "run", rows, steps)  # includes logprob_mismatch_max <= 1e-4
     first, last = _learned(rows)
-    print(f"mixtral ep2 r3: reward {first:.3f} -> {last:.3f}")
+    print(f"{label} ep2 r3: reward {first:.3f} -> {last:.3f}")
+    for r in rows:
+        print(
+            f"step {r['step']}: reward {r['reward_mean']:.3f} mismatch mean "
+            f"{r['logprob_mismatch']:.1e} max {r['logprob_mismatch_max']:.1e} "
+            f"agreement {r['moe/replay_agreement']:.3f}"
+        )
     assert all(r["moe/replay_agreement"] >= 0.99 for r in rows)
     assert last > first + 0.05, (first, last)
+
+
+TOY = dict(
+    vocab_size=20, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0
+)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # CI: their conversion, layouts, sync (test_convert_roundtrip, test_sync_moe)
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_2026_moe_families_learn_at_ep2_with_routing_replay(tmp_path, family):
+    """The same run with a GLM-4.5 and a DeepSeek-V3 policy (sigmoid routing with an expert
+    bias, a shared expert, a dense first layer; DeepSeek's multi-latent attention): megatron's
+    weights synced into vLLM's every step, vLLM's routes replayed, reward up. The expert bias
+    stays frozen (model.expert_bias_update_rate: 0): the trainer and vLLM route alike."""
+    from tests.tiny import TINY_DEEPSEEK_V3, TINY_GLM4_MOE
+
+    tiny = {"glm4_moe": TINY_GLM4_MOE, "deepseek_v3": TINY_DEEPSEEK_V3}[family]
+    _learns_with_policy(tmp_path, {**tiny, **TOY}, family)
 
 
 def _r3_off_and_on(tmp_path, *overrides: str) -> dict[str, list[dict]]:

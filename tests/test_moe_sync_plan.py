@@ -132,3 +132,34 @@ def test_plan_at_ep2_covers_every_piece_and_spreads_the_dense_sends():
         assert covered == [p.length for p in plan.pieces]
         sent = sum(b.send_numel() for b in plan.buckets)
         assert sent > 0.3 * sum(p.numel for p in plan.pieces)  # both replicas send
+
+
+def test_mla_and_sigmoid_router_pieces():
+    """DeepSeek's fused q_a / kv_a projection is replicated over vLLM TP (rank 1 takes every
+    row), the router's expert bias is whole, and a model with parameters vLLM derives at load
+    (MLA's absorbed projections) never takes the repack-without-reload write."""
+    from megarl.rollout.engine import cpu_repack
+    from megarl.rollout.engine.pieces import VllmDescription, VllmParam
+    from megarl.rollout.engine.vllm_layout import pieces_for_module
+
+    attrs = dict(output_sizes=[64, 576], tp_rank=0, tp_size=1, hidden=128, shape=(640, 128))
+    p = pieces_for_module(
+        "merged", "model.layers.0.self_attn.fused_qkv_a_proj", "weight", attrs,
+        ["q_a_proj", "kv_a_proj_with_mqa"],
+    )  # fmt: skip
+    assert [(x.hf.rsplit(".", 2)[-2], x.hf_start, x.length, x.offset) for x in p] == [
+        ("q_a_proj", 0, 64, 0),
+        ("kv_a_proj_with_mqa", 0, 576, 64),
+    ]
+    bias = pieces_for_module(
+        "replicated", "model.layers.1.mlp.gate", "e_score_correction_bias",
+        dict(output_size=4, input_size=128, shape=(4,)), None,
+    )  # fmt: skip
+    assert [(b.hf, b.length, b.hf_shape) for b in bias] == [
+        ("model.layers.1.mlp.gate.e_score_correction_bias", 4, (4,))
+    ]
+    params = (VllmParam("a.weight", (8, 8), "ColumnParallelLinear", repacked=True),)
+    plain = VllmDescription(params, (), 0, 1, "float32", "M", "0.32")
+    assert cpu_repack.applies(plain)
+    mla = VllmDescription(params, (), 0, 1, "float32", "M", "0.32", derived=("x.W_UV",))
+    assert not cpu_repack.applies(mla)

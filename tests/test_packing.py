@@ -16,9 +16,11 @@ from megarl.data.batch import MicroBatching, collate, pad_share, split_micro_bat
 from megarl.data.packing import PackedRows, first_fit_decreasing, model_layout
 from megarl.distributed.launch import spawn
 from tests import parity_worker as pw
+from tests.test_convert_common import DEEPSEEK_V3
 from tests.tiny import TINY_LLAMA, TINY_QWEN3
 
-ARCHS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3}
+# DeepSeek-V3: multi-latent attention packed (keys wider than values, the rotary key per segment)
+ARCHS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3, "deepseek_v3": DEEPSEEK_V3}
 TOL = 1e-6
 
 

@@ -3,7 +3,9 @@
 For a tiny Llama (GQA, padded vocab) and a tiny Qwen3 (q/k norm, head_dim != hidden/heads, tied
 embeddings) with the same canonical weights, every layout must reproduce the single-rank run:
 full-vocabulary logits (<= 1e-5), parameter gradients (<= 1e-6) and the parameters after one
-DistributedOptimizer Adam step. A tiny Mixtral does the same at EP=2.
+DistributedOptimizer Adam step. A tiny Mixtral does the same at EP=2; a tiny GLM-4.5 and
+DeepSeek-V3 (dense first layer, shared expert, sigmoid routing with an expert bias; multi-latent
+attention, whose latent norms run sequence-sharded under SP) at EP=2, TP=2 with SP and PP=2.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import torch
 
 from megarl.distributed.launch import spawn
 from tests import parity_worker as pw
+from tests.test_convert_common import DEEPSEEK_V3, GLM4_MOE
 from tests.tiny import TINY_LLAMA, TINY_MIXTRAL, TINY_QWEN3
 
 ARCHS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3}
+MOE = {"mixtral": TINY_MIXTRAL, "glm4_moe": GLM4_MOE, "deepseek_v3": DEEPSEEK_V3}
 B, S = 8, 12
 LOGIT_TOL = 1e-5
 GRAD_TOL = 1e-6
@@ -35,8 +39,8 @@ def _batch() -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    states = spawn(pw.make_states, 1, {**ARCHS, "mixtral": TINY_MIXTRAL}, 0)[0]
-    ref = spawn(pw.parity, 1, {**ARCHS, "mixtral": TINY_MIXTRAL}, states, {}, _batch(), 1)[0]
+    states = spawn(pw.make_states, 1, {**ARCHS, **MOE}, 0)[0]
+    ref = spawn(pw.parity, 1, {**ARCHS, **MOE}, states, {}, _batch(), 1)[0]
     return states, ref
 
 
@@ -93,6 +97,45 @@ def test_moe_expert_parallel_matches_single_rank(reference):
     print(f"mixtral ep2: {errs}")
     assert errs["logits"] <= LOGIT_TOL and errs["grads"] <= GRAD_TOL, errs
     assert errs["params"] <= PARAM_TOL, errs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(dict(expert_parallel=2), id="ep2"),
+        pytest.param(dict(tensor_parallel=2, sequence_parallel=True), id="tp2-sp"),
+        pytest.param(dict(pipeline_parallel=2), id="pp2"),
+    ],
+)
+def test_2026_moe_families_match_single_rank(reference, layout):
+    states, ref = reference
+    archs = {k: MOE[k] for k in ("glm4_moe", "deepseek_v3")}
+    results = spawn(pw.parity, 2, archs, states, layout, _batch(), 2)
+    for name in archs:
+        errs = _compare(ref, results, name)
+        print(f"{name} {layout}: {errs}")
+        assert errs["logits"] <= LOGIT_TOL and errs["grads"] <= GRAD_TOL, (name, errs)
+        assert errs["params"] <= PARAM_TOL, (name, errs)
+
+
+@pytest.mark.slow
+def test_expert_bias_is_frozen_by_default_and_moves_by_the_rate_alike_at_ep2(reference):
+    """`model.expert_bias_update_rate`: 0 keeps the bias as loaded (it is what vLLM routes
+    with); 1e-3 runs DeepSeek's aux-loss-free update, each expert's bias moving by exactly
+    +-1e-3 (or 0 at the mean load) from the step's global counts, the same at EP2 as at 1 rank."""
+    states, _ = reference
+    hf, state = MOE["deepseek_v3"], states["deepseek_v3"]
+    loaded = {k: v for k, v in state.items() if k.endswith("router.expert_bias")}
+    frozen = spawn(pw.expert_bias_after_step, 1, hf, state, {}, _batch(), 0.0)[0]
+    assert loaded and all(torch.equal(frozen[k], loaded[k]) for k in loaded)
+    one = spawn(pw.expert_bias_after_step, 1, hf, state, {}, _batch(), 1e-3)[0]
+    ep2 = spawn(pw.expert_bias_after_step, 2, hf, state, dict(expert_parallel=2), _batch(), 1e-3)
+    for k in loaded:
+        step = (one[k] - loaded[k]).abs()
+        assert bool(((step - 1e-3).abs() < 1e-7).any()), (k, step)
+        assert bool((((step - 1e-3).abs() < 1e-7) | (step < 1e-9)).all()), (k, step)
+        assert torch.equal(ep2[0][k], one[k]), k
 
 
 def test_gradient_check_can_fail(reference):

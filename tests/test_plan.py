@@ -650,3 +650,46 @@ def test_a_lora_critic_row_is_its_frozen_base_and_its_trained_adapters_and_head(
     assert "trained (LoRA adapters, value head)" in row.formula
     # the same critic trained in full holds grads and Adam for every parameter
     assert _critic_row(0).nbytes == (m["weights"] // 2 - adapters) * (2 + 4 + 12)
+
+
+# ------------------------------------------------------------------ the 2026 MoE families
+DEEPSEEK_LAYOUT = {
+    "parallel": {
+        "tensor_parallel": 8,
+        "sequence_parallel": True,
+        "pipeline_parallel": 8,
+        "pipeline_layers": [7, 8, 8, 8, 8, 8, 8, 6],
+        "expert_parallel": 64,
+        "expert_tensor_parallel": 1,
+        "recompute": "full",
+    },
+    "precision": {"dtype": "bf16"},
+    "rollout": {"sampling": {"n": 8, "max_tokens": 2048}, "engine": {"tensor_parallel": 8}},
+    "data": {"max_prompt_length": 512},
+    "algorithm": {"kl_coef": 0.0, "micro_batch_size": 1, "max_tokens_per_micro_batch": 2560},
+}
+
+
+@pytest.mark.parametrize(
+    "model,params,vllm_gib",
+    [("deepseek-v3", 671_026_419_200, 156.2), ("kimi-k2-instruct", 1_026_408_232_448, 239.0)],
+)
+def test_deepseek_v3_and_kimi_k2_on_512_h100(model, params, vllm_gib):
+    """The trainer's side fits 512 H100s at TP8 x PP8 x EP64 with full recompute; a vLLM engine
+    of one node (TP 8) cannot hold the weights, and the plan says so first. The latent KV
+    cache is whole on every vLLM rank: 61 layers x (512 + 64) x 2 B."""
+    from megarl.models.builder import num_params
+    from megarl.models.hf_config import arch_from_hf
+
+    shape = os.path.join("examples", "models", model)
+    cfg = build(RunConfig, {**DEEPSEEK_LAYOUT, "model": {"hf": shape}})
+    arch = arch_from_hf(shape)
+    assert num_params(arch) == params  # DeepSeek-V3: 671B without its MTP layer; Kimi-K2: 1.03T
+    assert fm.kv_bytes_per_token(arch, elem=2, vllm_tp=8) == 61 * 576 * 2
+    p = plan(cfg, gpus=512, gpu_mem_gib=80)
+    assert not p.fits and not p.problems
+    for stage in p.stages:
+        rows = {r.name: r.nbytes for r in stage.rows}
+        assert rows["vLLM weights (woken for sync)"] == params * 2 / 8
+        assert stage.peak("train") <= p.usable  # the trainer alone fits
+    assert p.advice[0].startswith(f"vLLM's weights alone take {vllm_gib} GiB per GPU")

@@ -361,7 +361,8 @@ def test_free_memory_verdict_names_the_rank_with_least_room():
     ],
 )
 def test_fp8_recipe_is_refused_on_a_gpu_that_cannot_run_it(recipe, capability, refused):
-    from megarl.models.hf_config import ModelConfigError, check_fp8_recipe_device
+    from megarl.models.hf_config import ModelConfigError
+    from megarl.models.mcore_config import check_fp8_recipe_device
 
     if not refused:
         check_fp8_recipe_device(recipe, capability)
@@ -395,11 +396,11 @@ def test_the_gpu_model_config_refuses_mxfp8_on_hopper(monkeypatch):
     """The refusal is made where the FP8 config is built for a GPU, before any layer exists
     (Transformer-Engine's presence and the device stood in by what they answer)."""
     from megarl.config import ParallelConfig
-    from megarl.models import hf_config
+    from megarl.models import hf_config, mcore_config
 
-    monkeypatch.setattr(hf_config, "require_transformer_engine", lambda what: None)
+    monkeypatch.setattr(mcore_config, "require_transformer_engine", lambda what: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     arch = hf_config.arch_from_hf(TINY_LLAMA)
     prec = hf_config.PrecisionConfig(dtype="bf16", fp8="hybrid", fp8_recipe="mxfp8")
     with pytest.raises(hf_config.ModelConfigError, match="this GPU has 9.0 \\(Hopper\\)"):
-        hf_config.transformer_config(arch, ParallelConfig(), prec, gpu=True)
+        mcore_config.transformer_config(arch, ParallelConfig(), prec, gpu=True)

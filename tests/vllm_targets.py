@@ -70,15 +70,16 @@ def reset_to_sentinel(engine, arch) -> None:
 def dense_state(worker) -> dict[str, torch.Tensor]:
     """What vLLM holds now, parameter by parameter (see module docstring)."""
     model = worker.model_runner.get_model()
-    out = {}
+    out, seen = {}, set()
     for mod_name, module in model.named_modules():
         for leaf, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{leaf}"
-            if name in out:
+            if name in out or id(p) in seen:  # (the experts hold the router's expert bias too)
                 continue
+            seen.add(id(p))
             if p.numel() == 0:  # repacked: the dense tensor the loaders produced
                 out[name] = worker.megarl_captured[id(module)].clone()
-            elif type(module).__name__ == "RoutedExperts":  # prepacked in place, same shape
+            elif leaf in ("w13_weight", "w2_weight"):  # fused experts, prepacked in place
                 out[name] = worker.megarl_captured[id(module)][leaf].clone()
             else:
                 out[name] = p.detach().clone()
@@ -140,13 +141,17 @@ def _moe_modules(arch, p: str, tp: int, rank: int, ep: int) -> list:
     attrs = _expert_attrs(arch, tp, rank, ep)
     per, moe_tp = sum(1 for s in attrs["slots"] if s >= 0), attrs["tp_size"]
     local = size // moe_tp
-    return [
+    bias = [("e_score_correction_bias", (n,))] if arch.moe_expert_bias else []
+    shared = []
+    if arch.moe_shared_intermediate_size:
+        shared = _mlp(p + "mlp.shared_experts.", arch.moe_shared_intermediate_size, h, tp, rank)
+    return shared + [
         (
             p + block + "gate",
             "replicated",
             dict(output_size=n, input_size=h),
             None,
-            [("weight", (n, h))],
+            [("weight", (n, h)), *bias],
         ),
         (
             p + block + "experts.routed_experts",
@@ -158,9 +163,74 @@ def _moe_modules(arch, p: str, tp: int, rank: int, ep: int) -> list:
     ]
 
 
+def _mlp(p: str, ffn: int, h: int, tp: int, rank: int) -> list:
+    """vLLM's dense MLP (`gate_up_proj` merged column, `down_proj` row) under prefix `p`."""
+    return [
+        (
+            p + "gate_up_proj",
+            "merged",
+            dict(output_sizes=[ffn, ffn], tp_rank=rank, tp_size=tp, hidden=h),
+            ["gate_proj", "up_proj"],
+            [("weight", (2 * ffn // tp, h))],
+        ),
+        (
+            p + "down_proj",
+            "row",
+            dict(input_size=ffn, output_size=h, tp_rank=rank, tp_size=tp),
+            None,
+            [("weight", (h, ffn // tp))],
+        ),
+    ]
+
+
+def _mla(arch, p: str, tp: int, rank: int) -> list:
+    """vLLM's DeepSeek-V2/V3 attention (deepseek_v2.py): q_a_proj + kv_a_proj_with_mqa fused and
+    replicated (a q LoRA), else q_proj column-parallel and kv_a_proj_with_mqa replicated;
+    q_b_proj and kv_b_proj column-parallel by heads; o_proj row-parallel; the latent norms
+    whole. (W_UK_T / W_UV are derived from kv_b_proj by vLLM, not synced.)"""
+    m, h, n = arch.mla, arch.hidden_size, arch.num_attention_heads
+    q, kv_a = n * m.qk_head_dim, m.kv_lora_rank + m.qk_rope_head_dim
+    kv_b = n * (m.qk_nope_head_dim + m.v_head_dim)
+
+    def column(name, out, inp):
+        attrs = dict(output_size=out, tp_rank=rank, tp_size=tp, hidden=inp)
+        return (p + name, "column", attrs, None, [("weight", (out // tp, inp))])
+
+    mods = [
+        (p + "kv_a_layernorm", "full", {}, None, [("weight", (m.kv_lora_rank,))]),
+        column("kv_b_proj", kv_b, m.kv_lora_rank),
+        (
+            p + "o_proj",
+            "row",
+            dict(input_size=n * m.v_head_dim, output_size=h, tp_rank=rank, tp_size=tp),
+            None,
+            [("weight", (h, n * m.v_head_dim // tp))],
+        ),
+    ]
+    if m.q_lora_rank is None:
+        attrs = dict(output_size=kv_a, input_size=h)
+        return mods + [
+            column("q_proj", q, h),
+            (p + "kv_a_proj_with_mqa", "replicated", attrs, None, [("weight", (kv_a, h))]),
+        ]
+    fused = dict(output_sizes=[m.q_lora_rank, kv_a], tp_rank=0, tp_size=1, hidden=h)
+    return mods + [
+        (
+            p + "fused_qkv_a_proj",
+            "merged",
+            fused,
+            ["q_a_proj", "kv_a_proj_with_mqa"],
+            [("weight", (m.q_lora_rank + kv_a, h))],
+        ),
+        (p + "q_a_layernorm", "full", {}, None, [("weight", (m.q_lora_rank,))]),
+        column("q_b_proj", q, m.q_lora_rank),
+    ]
+
+
 def fake_vllm(arch, tp: int, rank: int, *, ep: int = 1):
     """The description a vLLM TP=`tp` engine (rank `rank`; `ep` > 1: vLLM expert parallelism
-    over the same ranks) of a Llama / Qwen2 / Qwen3-MoE / Mixtral would publish, built from
+    over the same ranks) of a Llama / Qwen2 / Qwen3-MoE / Mixtral / GLM-4.5 / DeepSeek-V3 would
+    publish (dense first layers, shared experts, expert bias, multi-latent attention), built from
     `pieces_for_module` with vLLM's sharding attributes."""
     from megarl.rollout.engine.pieces import VllmDescription, VllmParam
     from megarl.rollout.engine.vllm_layout import pieces_for_module
@@ -194,39 +264,29 @@ def fake_vllm(arch, tp: int, rank: int, *, ep: int = 1):
         )
         mods += [
             (p + "input_layernorm", "full", {}, None, [("weight", (h,))]),
-            (p + "self_attn.qkv_proj", "qkv", qkv_attrs, ["q_proj", "k_proj", "v_proj"], qkv),
-            (
-                p + "self_attn.o_proj",
-                "row",
-                dict(input_size=q, output_size=h, tp_rank=rank, tp_size=tp),
-                None,
-                [("weight", (h, q // tp))],
-            ),
             (p + "post_attention_layernorm", "full", {}, None, [("weight", (h,))]),
         ]
+        if arch.mla is not None:
+            mods += _mla(arch, p + "self_attn.", tp, rank)
+        else:
+            mods += [
+                (p + "self_attn.qkv_proj", "qkv", qkv_attrs, ["q_proj", "k_proj", "v_proj"], qkv),
+                (
+                    p + "self_attn.o_proj",
+                    "row",
+                    dict(input_size=q, output_size=h, tp_rank=rank, tp_size=tp),
+                    None,
+                    [("weight", (h, q // tp))],
+                ),
+            ]
         if arch.qk_norm:
             mods += [
                 (p + f"self_attn.{x}_norm", "full", {}, None, [("weight", (hd,))]) for x in "qk"
             ]
-        if arch.is_moe:
+        if arch.is_moe_layer(i):
             mods += _moe_modules(arch, p, tp, rank, ep)
         else:
-            mods += [
-                (
-                    p + "mlp.gate_up_proj",
-                    "merged",
-                    dict(output_sizes=[ffn, ffn], tp_rank=rank, tp_size=tp, hidden=h),
-                    ["gate_proj", "up_proj"],
-                    [("weight", (2 * ffn // tp, h))],
-                ),
-                (
-                    p + "mlp.down_proj",
-                    "row",
-                    dict(input_size=ffn, output_size=h, tp_rank=rank, tp_size=tp),
-                    None,
-                    [("weight", (h, ffn // tp))],
-                ),
-            ]
+            mods += _mlp(p + "mlp.", ffn, h, tp, rank)
     mods.append(("model.norm", "full", {}, None, [("weight", (h,))]))
     if not arch.tie_word_embeddings:
         mods.append(("lm_head", "vocab", vocab, None, [("weight", (per, h))]))
@@ -322,6 +382,8 @@ def vllm_loaded_experts(arch, full_hf: dict, tp: int, rank: int, ep: int) -> dic
     gate, up, down = a["names"]
     out = {}
     for i in range(arch.num_layers):
+        if not arch.is_moe_layer(i):
+            continue
         prefix = f"model.layers.{i}.{_moe_block(arch)}experts."
         w13 = torch.full((per, 2 * local, h), float("nan"))
         w2 = torch.full((per, h, local), float("nan"))

@@ -29,6 +29,7 @@ import torch
 
 from megarl.checkpoint.files import HF_INDEX as INDEX
 from megarl.checkpoint.files import copy_tokenizer_files, looks_like_checkpoint
+from megarl.convert import fp8_blocks
 from megarl.errors import OutputExistsError, UserError
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,36 @@ class LazyHFTensors:
                         f"{sorted(_DTYPES)}"
                     )
                 self._entries[name] = (path, start, meta)
+        self._scales, self._block = self._fp8_blocks()
+
+    def _fp8_blocks(self) -> tuple[dict[str, str], tuple[int, int] | None]:
+        """{FP8 weight name: its block-scale tensor's name} and the block (`fp8_blocks`)."""
+        scales = {
+            n[: -len(fp8_blocks.SCALE_SUFFIX)]: n
+            for n in self._entries
+            if n.endswith(fp8_blocks.SCALE_SUFFIX)
+        }
+        if not scales:
+            return {}, None
+        cfg_path = os.path.join(self.dir, "config.json")
+        cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
+        block = fp8_blocks.block_size(cfg)
+        first = next(iter(scales.values()))
+        if block is None:
+            raise HFCheckpointError(
+                f"{self.dir}: {len(scales)} block-scale tensors ({first!r}, ...) but {cfg_path} "
+                "has no quantization_config with quant_method 'fp8' and weight_block_size; "
+                "accepted: a block-FP8 checkpoint as published (DeepSeek-V3, Kimi-K2) or one "
+                "without *_scale_inv tensors"
+            )
+        for w, sc in scales.items():
+            meta = self._entries.get(w, (None, None, {}))[2]
+            if meta.get("dtype") != "F8_E4M3" or len(meta.get("shape", ())) != 2:
+                raise HFCheckpointError(
+                    f"{self.dir}: {sc!r} scales {w!r}, which is not a 2-d F8_E4M3 tensor "
+                    f"({meta.get('dtype')}, shape {meta.get('shape')})"
+                )
+        return scales, block
 
     def _files(self) -> list[str]:
         if not os.path.isdir(self.dir):
@@ -137,23 +168,29 @@ class LazyHFTensors:
 
     @property
     def names(self) -> list[str]:
-        """All tensor names, in file order."""
-        return list(self._entries)
+        """All tensor names, in file order (block-FP8 scales are not tensors of the model)."""
+        hidden = set(self._scales.values())
+        return [n for n in self._entries if n not in hidden]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) - len(self._scales)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._entries and name not in self._scales.values()
 
     def _entry(self, name: str):
         try:
             return self._entries[name]
         except KeyError:
             raise KeyError(f"{self.dir}: no tensor named {name!r}") from None
+
+    @property
+    def fp8_blocks(self) -> int:
+        """How many weights are stored as block-scaled FP8 (read as bf16)."""
+        return len(self._scales)
 
     def file_of(self, name: str) -> str:
         return self._entry(name)[0]
@@ -162,14 +199,17 @@ class LazyHFTensors:
         return tuple(self._entry(name)[2]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self._scales:
+            return torch.bfloat16
         return _DTYPES[self._entry(name)[2]["dtype"]]
 
     def nbytes(self, name: str) -> int:
+        """Bytes of the tensor as read (a block-FP8 weight: its bf16 size)."""
         begin, end = self._entry(name)[2]["data_offsets"]
-        return end - begin
+        return (end - begin) * (2 if name in self._scales else 1)
 
     def total_bytes(self) -> int:
-        return sum(self.nbytes(n) for n in self._entries)
+        return sum(self.nbytes(n) for n in self.names)
 
     def get(self, name: str) -> torch.Tensor:
         meta = self._entry(name)[2]
@@ -187,6 +227,13 @@ class LazyHFTensors:
         return self._read(name, start, stop)
 
     def _read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self._scales:
+            scale = self._read_raw(self._scales[name], 0, self.shape(self._scales[name])[0])
+            raw = self._read_raw(name, start, stop)
+            return fp8_blocks.dequantize(raw, scale, self._block, start)
+        return self._read_raw(name, start, stop)
+
+    def _read_raw(self, name: str, start: int, stop: int) -> torch.Tensor:
         path, data_start, meta = self._entry(name)
         begin, end = meta["data_offsets"]
         shape = list(meta["shape"])

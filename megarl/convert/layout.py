@@ -37,6 +37,8 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _TE_FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 
@@ -64,7 +66,7 @@ def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torc
         if hasattr(model, "decoder"):
             for i, layer in enumerate(model.decoder.layers):
                 layer_numbers[i] = layer.layer_number - 1
-        for local_name, p in model.named_parameters():
+        for local_name, p in _tensors(model):
             if is_lora(p):  # adapters are not part of the model's canonical (HF) tensors
                 continue
             if local_name == "output_layer.weight" and getattr(
@@ -82,6 +84,18 @@ def local_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, str, torc
                 g = ep_rank * n_local + int(e.group(1))
                 name = name[: e.start()] + f".local_experts.{g}." + name[e.end() :]
             yield name, local_name, p
+
+
+def _tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters, then the routers' expert biases: buffers the optimizer never
+    updates that are part of the model all the same (HF `e_score_correction_bias`)."""
+    yield from model.named_parameters()
+    for name, b in model.named_buffers():
+        if name.endswith(EXPERT_BIAS):
+            yield name, b
+
+
+EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
 def is_expert(p) -> bool:

@@ -61,7 +61,10 @@ class Rule:
     """copy | qkv | gate_up."""
     when: str | None = None
     """Arch feature the rule needs: qkv_bias, qk_norm, untied (an LM head of its own), score (a
-    scalar score head); None = always."""
+    scalar score head), shared (shared experts), q_lora / q_full (MLA's query projection);
+    None = always."""
+    layers: str | None = None
+    """Which layers hold it: dense (a dense MLP), moe (a routed one); None = every layer."""
 
 
 def _attn(prefix: str = "model.layers.{i}.self_attn.") -> tuple[Rule, ...]:
@@ -91,7 +94,7 @@ def _attn(prefix: str = "model.layers.{i}.self_attn.") -> tuple[Rule, ...]:
         Rule(
             c + "k_layernorm.weight", (prefix + "k_norm.weight",), (("head_dim",),), when="qk_norm"
         ),
-        Rule(c + "linear_proj.weight", (prefix + "o_proj.weight",), (("hidden", "q"),)),
+        Rule(c + "linear_proj.weight", (prefix + "o_proj.weight",), (("hidden", "o"),)),
         Rule(
             "decoder.layers.{i}.pre_mlp_layernorm.weight",
             ("model.layers.{i}.post_attention_layernorm.weight",),
@@ -114,11 +117,13 @@ _DENSE_MLP = (
         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
         (("ffn", "hidden"), ("ffn", "hidden")),
         kind="gate_up",
+        layers="dense",
     ),
     Rule(
         "decoder.layers.{i}.mlp.linear_fc2.weight",
         ("model.layers.{i}.mlp.down_proj.weight",),
         (("hidden", "ffn"),),
+        layers="dense",
     ),
 )
 _EXP = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
@@ -127,6 +132,7 @@ _MIXTRAL_MOE = (
         "decoder.layers.{i}.mlp.router.weight",
         ("model.layers.{i}.block_sparse_moe.gate.weight",),
         (("experts", "hidden"),),
+        layers="moe",
     ),
     Rule(
         _EXP + "linear_fc1.weight",
@@ -136,11 +142,13 @@ _MIXTRAL_MOE = (
         ),
         (("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
         kind="gate_up",
+        layers="moe",
     ),
     Rule(
         _EXP + "linear_fc2.weight",
         ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",),
         (("hidden", "moe_ffn"),),
+        layers="moe",
     ),
 )
 _QWEN3_MOE = (
@@ -148,6 +156,7 @@ _QWEN3_MOE = (
         "decoder.layers.{i}.mlp.router.weight",
         ("model.layers.{i}.mlp.gate.weight",),
         (("experts", "hidden"),),
+        layers="moe",
     ),
     Rule(
         _EXP + "linear_fc1.weight",
@@ -157,11 +166,79 @@ _QWEN3_MOE = (
         ),
         (("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
         kind="gate_up",
+        layers="moe",
     ),
     Rule(
         _EXP + "linear_fc2.weight",
         ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
         (("hidden", "moe_ffn"),),
+        layers="moe",
+    ),
+)
+
+
+def _mla(p: str = "model.layers.{i}.self_attn.") -> tuple[Rule, ...]:
+    """DeepSeek-V3's multi-latent attention: every tensor a plain copy (megatron splits its
+    projections' outputs as transformers does: q heads [nope; rope], kv_a [latent; rope key],
+    kv_b heads [k nope; v])."""
+    c = "decoder.layers.{i}.self_attention."
+    norm, post = _attn()[0], _attn()[-1]
+    return (
+        norm,
+        Rule(c + "linear_q_proj.weight", (p + "q_proj.weight",), (("q", "hidden"),), when="q_full"),
+        Rule(
+            c + "linear_q_down_proj.weight",
+            (p + "q_a_proj.weight",),
+            (("q_lora", "hidden"),),
+            when="q_lora",
+        ),
+        Rule(
+            c + "q_layernorm.weight", (p + "q_a_layernorm.weight",), (("q_lora",),), when="q_lora"
+        ),
+        Rule(
+            c + "linear_q_up_proj.weight",
+            (p + "q_b_proj.weight",),
+            (("q", "q_lora"),),
+            when="q_lora",
+        ),
+        Rule(
+            c + "linear_kv_down_proj.weight",
+            (p + "kv_a_proj_with_mqa.weight",),
+            (("kv_a", "hidden"),),
+        ),
+        Rule(c + "kv_layernorm.weight", (p + "kv_a_layernorm.weight",), (("kv_lora",),)),
+        Rule(c + "linear_kv_up_proj.weight", (p + "kv_b_proj.weight",), (("kv_b", "kv_lora"),)),
+        Rule(c + "linear_proj.weight", (p + "o_proj.weight",), (("hidden", "o"),)),
+        post,
+    )
+
+
+_SHARED = "decoder.layers.{i}.mlp.shared_experts."
+_SIGMOID_MOE = (
+    *_QWEN3_MOE,
+    Rule(
+        "decoder.layers.{i}.mlp.router.expert_bias",
+        ("model.layers.{i}.mlp.gate.e_score_correction_bias",),
+        (("experts",),),
+        layers="moe",
+    ),
+    Rule(
+        _SHARED + "linear_fc1.weight",
+        (
+            "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+            "model.layers.{i}.mlp.shared_experts.up_proj.weight",
+        ),
+        (("shared_ffn", "hidden"), ("shared_ffn", "hidden")),
+        kind="gate_up",
+        when="shared",
+        layers="moe",
+    ),
+    Rule(
+        _SHARED + "linear_fc2.weight",
+        ("model.layers.{i}.mlp.shared_experts.down_proj.weight",),
+        (("hidden", "shared_ffn"),),
+        when="shared",
+        layers="moe",
     ),
 )
 
@@ -173,27 +250,57 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "qwen3": (_EMBED, *_attn(), *_DENSE_MLP, *_HEAD),  # + q/k norms (when=qk_norm)
     "qwen3_moe": (_EMBED, *_attn(), *_QWEN3_MOE, *_HEAD),
     "mixtral": (_EMBED, *_attn(), *_MIXTRAL_MOE, *_HEAD),
+    "glm4_moe": (_EMBED, *_attn(), *_DENSE_MLP, *_SIGMOID_MOE, *_HEAD),
+    "deepseek_v3": (_EMBED, *_mla(), *_DENSE_MLP, *_SIGMOID_MOE, *_HEAD),
 }
 
 # HF names that are not parameters (old exporters saved rotary buffers): skipped when reading
 _IGNORED_HF = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_name(arch: ModelArch, hf_name: str) -> bool:
+    """Whether `hf_name` belongs to a multi-token-prediction layer (DeepSeek-V3's layer 61):
+    megarl builds none and skips them, as transformers does."""
+    m = _HF_LAYER.match(hf_name)
+    return m is not None and arch.num_layers <= int(m.group(1)) < arch.num_layers + arch.mtp_layers
+
+
 def table_for(arch: ModelArch) -> tuple[Rule, ...]:
     """The rules that apply to `arch` (conditions resolved)."""
     if arch.family not in TABLES:
         raise MappingError(f"no HF mapping for family {arch.family!r}; accepted: {sorted(TABLES)}")
+    mla = arch.mla
     feats = {
         "qkv_bias": arch.qkv_bias,
         "qk_norm": arch.qk_norm,
         "untied": not arch.tie_word_embeddings and not arch.score_head,
         "score": arch.score_head,
+        "shared": bool(arch.moe_shared_intermediate_size),
+        "q_lora": mla is not None and mla.q_lora_rank is not None,
+        "q_full": mla is not None and mla.q_lora_rank is None,
     }
     return tuple(r for r in TABLES[arch.family] if r.when is None or feats[r.when])
 
 
 def _dims(arch: ModelArch) -> dict[str, int]:
+    m = arch.mla
+    heads = arch.num_attention_heads
+    mla = {}
+    if m is not None:
+        mla = dict(
+            q_lora=m.q_lora_rank or 0,
+            kv_lora=m.kv_lora_rank,
+            kv_a=m.kv_lora_rank + m.qk_rope_head_dim,
+            kv_b=heads * (m.qk_nope_head_dim + m.v_head_dim),
+            o=heads * m.v_head_dim,
+        )
     return {
+        "o": heads * arch.head_dim,
+        "shared_ffn": arch.moe_shared_intermediate_size or 0,
+        **mla,
         "vocab": arch.vocab_size,
         "hidden": arch.hidden_size,
         "q": arch.num_attention_heads * arch.head_dim,
@@ -237,7 +344,10 @@ def _instances(arch: ModelArch) -> Iterator[MappedTensor]:
         if r.canonical.startswith("embedding."):
             yield inst(r)
     for i in range(arch.num_layers):
+        kind = "moe" if arch.is_moe_layer(i) else "dense"
         for r in layer:
+            if r.layers is not None and r.layers != kind:
+                continue
             if "{e}" in r.canonical:
                 for e in range(arch.num_experts or 0):
                     yield inst(r, i=i, e=e)
@@ -310,7 +420,9 @@ def check_hf_names(
     extra = sorted(
         n
         for n in present - expected
-        if not _IGNORED_HF.match(n) and not (n == "lm_head.weight" and arch.tie_word_embeddings)
+        if not _IGNORED_HF.match(n)
+        and not (n == "lm_head.weight" and arch.tie_word_embeddings)
+        and not is_mtp_name(arch, n)
     )
     if extra:
         raise MappingError(

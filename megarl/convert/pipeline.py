@@ -44,8 +44,8 @@ from megarl.models.hf_config import (
     PrecisionConfig,
     arch_from_hf,
     load_hf_config,
-    transformer_config,
 )
+from megarl.models.mcore_config import transformer_config
 
 log = logging.getLogger(__name__)
 

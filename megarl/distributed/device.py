@@ -94,7 +94,20 @@ def _patch_missing_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _patch_mla_without_te()
     _patch_optimizer_step_state()
+
+
+def _patch_mla_without_te() -> None:
+    """Without Transformer-Engine, megatron-core 0.16.1's `extensions.transformer_engine` leaves
+    MagicMock placeholders that `multi_latent_attention.py:54-62` imports as `HAVE_TE = True`;
+    its `isinstance(self.linear_proj, TELinear)` (line 185) then raises. Say there is no TE."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        mla.HAVE_TE = False
 
 
 def _patch_optimizer_step_state() -> None:

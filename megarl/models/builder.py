@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig, transformer_config
+from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig
 from megarl.models.lora import LoraConfig, apply_lora, check_lora
+from megarl.models.mcore_config import transformer_config
 from megarl.models.specs import block_spec, require_transformer_engine
 
 ROLES = ("actor", "reference", "critic", "reward", "teacher")
@@ -29,6 +30,9 @@ class BuildConfig:
     """Embedding rows are padded to a multiple of this x TP (megatron convention)."""
     use_te: bool | None = None
     """Override of `precision.transformer_engine`; None = decided by `resolve_use_te`."""
+    expert_bias_update_rate: float = 0.0
+    """MoE routers with an expert bias: its aux-loss-free update per optimizer step (0: frozen;
+    `model.expert_bias_update_rate`)."""
     routing_replay: bool = False
     """MoE: build the actor's and the reference's routers able to replay the rollout's routes
     (`megarl.models.routing`); the critic and the reward model route by themselves."""
@@ -133,7 +137,8 @@ def build_gpt_chunk(
         post_process=post,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings and role not in SCALAR_ROLES,
-        position_embedding_type="rope",
+        position_embedding_type="rope",  # (MLA layers embed their own rotary keys)
+        rotary_percent=arch.rotary_fraction,
         rotary_base=int(arch.rope_theta),
         seq_len_interpolation_factor=rs.get("factor") if rs.get("rope_type") == "linear" else None,
         vp_stage=vp_stage,
@@ -174,10 +179,13 @@ def build_model(
     # the sampler's routes are the policy's: the actor and its initial copy replay them, not a
     # scalar-head model or a teacher of another architecture
     replay = build.routing_replay and role in ("actor", "reference")
-    config = transformer_config(arch, parallel, precision, gpu=gpu, routing_replay=replay)
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     if frozen is None:
         frozen = role == "reference"
+    rate = 0.0 if frozen or role not in ("actor", "critic") else build.expert_bias_update_rate
+    config = transformer_config(
+        arch, parallel, precision, gpu=gpu, routing_replay=replay, expert_bias_rate=rate
+    )
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     lora = role_lora(build, role, frozen)
     tp = ps.get_tensor_model_parallel_world_size()
     check_lora(lora, arch, tp=tp, use_te=use_te, precision=precision)
@@ -256,16 +264,27 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def num_params(arch: ModelArch) -> int:
-    """Parameter count of the HF model (unpadded vocab; a reward model's scalar head), for MFU
-    and memory estimates."""
-    h, f, L, v = arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.vocab_size
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
-    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if arch.qkv_bias else 0)
-    if arch.is_moe:
-        mlp = arch.num_experts * 3 * h * arch.moe_intermediate_size + h * arch.num_experts
+    """Parameter count of the HF model (unpadded vocab; a reward model's scalar head; routers'
+    expert biases), for MFU and memory estimates; equal to the sum over the HF mapping's shapes
+    (tests/test_model_config.py)."""
+    h, L, v = arch.hidden_size, arch.num_layers, arch.vocab_size
+    heads, m = arch.num_attention_heads, arch.mla
+    if m is None:
+        q, kv = heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if arch.qkv_bias else 0)
+        attn += 2 * arch.head_dim if arch.qk_norm else 0
     else:
-        mlp = 3 * h * f
+        q_out = heads * m.qk_head_dim
+        q = h * q_out if m.q_lora_rank is None else m.q_lora_rank * (h + 1 + q_out)
+        kv_up = heads * (m.qk_nope_head_dim + m.v_head_dim)
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * (1 + kv_up)
+        attn = q + kv + heads * m.v_head_dim * h
+    dense = 3 * h * arch.intermediate_size
+    moe = 0
+    if arch.is_moe:
+        e = arch.num_experts
+        moe = e * 3 * h * arch.moe_intermediate_size + h * e + (e if arch.moe_expert_bias else 0)
+        moe += 3 * h * (arch.moe_shared_intermediate_size or 0)
+    moe_layers = L - arch.dense_layers if arch.is_moe else 0
     head = h if arch.score_head else (0 if arch.tie_word_embeddings else v * h)
-    emb = v * h + head
-    return L * (attn + mlp + 2 * h) + emb + h + (2 * arch.head_dim * L if arch.qk_norm else 0)
+    return L * (attn + 2 * h) + (L - moe_layers) * dense + moe_layers * moe + v * h + head + h

@@ -4,10 +4,12 @@
 biases, MoE); it is derived from an HF config once, validated with errors that name the field, and
 is the only input to the model builders and to the HF <-> Megatron parameter mappings.
 
-Supported families: Llama 2/3/3.1 (rope scaling `llama3` and `linear`), Mistral, Qwen2/2.5 (QKV
-bias), Qwen3 (q/k norm, head_dim != hidden/heads), Qwen3-MoE and Mixtral; each as a causal LM
-(`<Family>ForCausalLM`) or as a reward model (`<Family>ForSequenceClassification` with one label:
-the same trunk, a scalar `score` head instead of the LM head; `ModelArch.score_head`).
+Supported families (`megarl.models.families.FAMILIES`): Llama 2/3/3.1 (rope scaling `llama3` and
+`linear`), Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm, head_dim != hidden/heads), Qwen3-MoE,
+Mixtral, GLM-4.5 MoE (partial rotary) and DeepSeek-V3 / Kimi-K2 (multi-latent attention, yarn);
+each as a causal LM (`<Family>ForCausalLM`) or, for the dense and the softmax-routed families, as a
+reward model (`<Family>ForSequenceClassification` with one label: the same trunk, a scalar
+`score` head instead of the LM head; `ModelArch.score_head`).
 """
 
 from __future__ import annotations
@@ -21,20 +23,21 @@ import torch
 
 from megarl.dtypes import NAMES
 from megarl.errors import UserError
-from megarl.models.specs import require_transformer_engine
+from megarl.models.families import (
+    FAMILIES,
+    NOT_YET,
+    SIGMOID_MOE,
+    MLAShape,
+    mla_shape,
+    moe_fields,
+)
+from megarl.models.families import rotary_fraction as read_rotary_fraction
 
-# HF `architectures[0]` / `model_type` -> family
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-}
+ARCHITECTURES = FAMILIES
 CLASSIFIER_ARCHITECTURES = {
     cls.replace("ForCausalLM", "ForSequenceClassification"): family
     for cls, family in ARCHITECTURES.items()
+    if family not in SIGMOID_MOE  # transformers 5.19 has no classifier of these
 }
 """Sequence classifiers of the same families: megarl reads those with `num_labels: 1` (reward
 models; transformers' `GenericForSequenceClassification`)."""
@@ -69,6 +72,29 @@ class ModelArch:
     moe_topk: int = 2
     moe_intermediate_size: int | None = None
     moe_norm_topk_prob: bool = True
+    moe_score: str = "softmax"
+    """Router scores: softmax, or sigmoid (GLM-4.5, DeepSeek-V3)."""
+    moe_expert_bias: bool = False
+    """A per-expert bias added to the scores only to choose experts (HF `e_score_correction_bias`,
+    megatron's `router.expert_bias`)."""
+    moe_groups: int = 1
+    moe_group_topk: int = 1
+    """Group-limited routing: experts in `moe_groups` groups; only the `moe_group_topk` groups of
+    highest score (sum of each group's top two) are chosen from."""
+    moe_scaling: float = 1.0
+    """Routed experts' weights are multiplied by this (HF `routed_scaling_factor`)."""
+    moe_shared_intermediate_size: int | None = None
+    """Width of the shared experts run on every token beside the routed ones (HF
+    n_shared_experts x moe_intermediate_size); None: none."""
+    dense_layers: int = 0
+    """The first layers have a dense MLP of `intermediate_size` (HF `first_k_dense_replace`)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers in the HF files (`num_nextn_predict_layers`): not built,
+    their tensors are skipped on reading and not written (transformers ignores them too)."""
+    rotary_fraction: float = 1.0
+    """The leading fraction of each head's dims that rotary embeds (GLM-4.5: 0.5)."""
+    mla: MLAShape | None = None
+    """Multi-latent attention (DeepSeek-V3); `head_dim` is then its query / key head dim."""
     score_head: bool = False
     """The model's files hold a scalar `score` head [1, hidden] (a sequence classifier with one
     label: a reward model) instead of the LM head."""
@@ -77,6 +103,26 @@ class ModelArch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    def kv_cache_per_token(self, vllm_tp: int, elem: int) -> tuple[int, str]:
+        """vLLM's KV cache bytes per token on one of its TP ranks, and the formula. Multi-latent
+        attention caches the compressed vector and the rotary key (kv_lora_rank + rope dims),
+        once per layer and whole on every rank; grouped-query attention caches K and V of the
+        rank's KV heads (replicated when TP exceeds them)."""
+        if self.mla is not None:
+            width = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+            per = self.num_layers * width * elem
+            return per, f"{per} B/token = {self.num_layers} layers x latent {width} x {elem} B"
+        kv_heads = max(1, self.num_key_value_heads // vllm_tp)
+        per = 2 * self.num_layers * kv_heads * self.head_dim * elem
+        return per, (
+            f"{per} B/token = 2 x {self.num_layers} layers x {kv_heads} KV heads per rank x "
+            f"head_dim {self.head_dim} x {elem} B"
+        )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) has a routed MLP."""
+        return self.is_moe and layer >= self.dense_layers
 
     def as_classifier(self, pad_token_id: int | None) -> ModelArch:
         """This trunk as a reward model: `<Family>ForSequenceClassification`, one label, a
@@ -146,6 +192,10 @@ def _get(cfg: dict, key: str, where: str, default=dataclasses.MISSING):
 def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) -> ModelArch:
     """Map an HF config (dict, config.json path or model dir) to a validated `ModelArch`."""
     original = load_hf_config(config)
+    if (original.get("quantization_config") or {}).get("quant_method") == "fp8":
+        # block-FP8 files are read as the bf16 model they stand for (megarl.convert.fp8_blocks):
+        # what megarl writes and hands vLLM is that model
+        original = {k: v for k, v in original.items() if k != "quantization_config"}
     cfg = resolve_hf_config(original)
     where = where or (os.fspath(config) if not isinstance(config, dict) else "HF config")
     archs = cfg.get("architectures") or []
@@ -153,10 +203,12 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
     known = {**ARCHITECTURES, **CLASSIFIER_ARCHITECTURES}
     family = known.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
     if family is None:
+        why = NOT_YET.get(archs[0]) if archs else None
         raise ModelConfigError(
             f"{where}: architectures={archs} / model_type={cfg.get('model_type')!r} is not "
-            f"supported; accepted architectures: {sorted(ARCHITECTURES)}, and as reward models "
-            f"(one label) {sorted(CLASSIFIER_ARCHITECTURES)}"
+            + (f"supported yet: {why}. " if why else "supported; ")
+            + f"accepted architectures: {sorted(ARCHITECTURES)}, and as reward models "
+            f"(one label) {sorted(CLASSIFIER_ARCHITECTURES)} (docs/models.md)"
         )
     if score_head:
         labels = num_labels(cfg)
@@ -187,10 +239,11 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
     rope_scaling = cfg.get("rope_scaling")
     if rope_scaling is not None:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        if kind not in ("llama3", "linear", "default"):
+        kinds = ("yarn", "default") if family == "deepseek_v3" else ("llama3", "linear", "default")
+        if kind not in kinds:
             raise ModelConfigError(
-                f"{where}: rope_scaling.rope_type={kind!r} is not supported; accepted: "
-                "'llama3', 'linear', 'default'"
+                f"{where}: rope_scaling.rope_type={kind!r} is not supported for {family}; "
+                f"accepted: {', '.join(map(repr, kinds))}"
             )
         rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mistral"):
@@ -198,25 +251,10 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
             raise ModelConfigError(
                 f"{where}: sliding_window={cfg['sliding_window']} attention is not supported"
             )
-    moe = {}
-    if family == "mixtral":
-        moe = dict(
-            num_experts=int(_get(cfg, "num_local_experts", where)),
-            moe_topk=int(_get(cfg, "num_experts_per_tok", where)),
-            moe_intermediate_size=int(_get(cfg, "intermediate_size", where)),
-        )
-    elif family == "qwen3_moe":
-        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-            raise ModelConfigError(
-                f"{where}: mixed dense/MoE layers (mlp_only_layers, decoder_sparse_step != 1) "
-                "are not supported"
-            )
-        moe = dict(
-            num_experts=int(_get(cfg, "num_experts", where)),
-            moe_topk=int(_get(cfg, "num_experts_per_tok", where)),
-            moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", where)),
-            moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        )
+    moe = moe_fields(cfg, family, where, ModelConfigError)
+    mla = mla_shape(cfg, where, ModelConfigError) if family == "deepseek_v3" else None
+    if mla is not None:
+        head_dim, kv_heads = mla.qk_head_dim, heads
     if moe and moe["moe_topk"] == 1 and moe.get("moe_norm_topk_prob", True):
         # the renormalised weight of a single expert is always 1.0: the router would get no
         # gradient, and megatron-core refuses top-1 unless softmax comes first (weight p)
@@ -245,7 +283,9 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
         # a classifier has no LM head to tie (transformers ignores the flag there)
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")),
+        rotary_fraction=read_rotary_fraction(cfg, where, ModelConfigError),
+        mla=mla,
         score_head=score_head,
         hf_config=original,
         **moe,
@@ -305,160 +345,3 @@ class PrecisionConfig:
     def active_fp8_recipe(self) -> str | None:
         """`fp8_recipe` when FP8 is on, else None (what megatron's optimizer is given)."""
         return self.fp8_recipe if self.fp8 is not None else None
-
-
-def transformer_config(
-    arch: ModelArch, parallel, precision: PrecisionConfig, *, gpu: bool, routing_replay=False
-):
-    """Build megatron-core's `TransformerConfig` for `arch` under a `ParallelConfig`;
-    `routing_replay`: MoE routers that can replay given routes (`megarl.models.routing`)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    if precision.fp8 is not None:
-        if not gpu:
-            raise ModelConfigError(
-                f"precision.fp8={precision.fp8!r} needs a CUDA GPU with Transformer-Engine; "
-                "this process runs on CPU. Set precision.fp8=null."
-            )
-        require_transformer_engine("precision.fp8")
-        check_fp8_recipe_device(precision.fp8_recipe, torch.cuda.get_device_capability())
-        check_fp8_shapes(arch, parallel, precision)
-    dtype = precision.torch_dtype
-    kw = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.intermediate_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        pipeline_dtype=dtype,
-        autocast_dtype=dtype,
-        tensor_model_parallel_size=parallel.tensor_parallel,
-        pipeline_model_parallel_size=parallel.pipeline_parallel,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
-        context_parallel_size=parallel.context_parallel,
-        expert_model_parallel_size=parallel.expert_parallel,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
-        sequence_parallel=parallel.sequence_parallel,
-        use_cpu_initialization=not gpu,
-        init_method_std=0.02,
-        # megarl.models.forward.forward_backward pads all micro-batches of one call to one
-        # shape, so PP needs no shape exchange (which deadlocks the interleaved schedule over gloo)
-        variable_seq_lengths=False,
-        moe_token_dispatcher_type="alltoall",
-        deallocate_pipeline_outputs=gpu,
-    )
-    if parallel.recompute == "full":
-        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if parallel.pipeline_layers is not None:
-        kw["num_layers_in_first_pipeline_stage"] = parallel.pipeline_layers[0]
-        kw["num_layers_in_last_pipeline_stage"] = parallel.pipeline_layers[-1]
-        middle = set(parallel.pipeline_layers[1:-1])
-        if len(middle) > 1:
-            raise ModelConfigError(
-                f"parallel.pipeline_layers={list(parallel.pipeline_layers)}: megatron-core allows "
-                "only the first and last stage to differ; middle stages must be equal"
-            )
-    if arch.is_moe:
-        kw.update(
-            num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.moe_topk,
-            moe_ffn_hidden_size=arch.moe_intermediate_size,
-            # topk-then-softmax == softmax-then-renormalise over the top k (Mixtral,
-            # Qwen3-MoE with norm_topk_prob); without renormalisation softmax comes first
-            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
-            # fp32 routing goes through a TE GEMM in megatron-core 0.16 (NameError without TE)
-            moe_router_dtype="fp32" if gpu else None,
-            moe_enable_routing_replay=routing_replay,
-        )
-    if precision.fp8 is not None:
-        kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)
-    return TransformerConfig(**kw)
-
-
-FP8_RECIPE_CAPABILITY = {
-    "delayed": ((8, 9), None),
-    "tensorwise": ((8, 9), None),
-    "blockwise": ((9, 0), None),
-    "mxfp8": ((10, 0), (12, 0)),
-}
-"""{recipe: (lowest compute capability, first one refused or None)} of Transformer-Engine 2.9's
-`check_fp8_support`, `check_fp8_block_scaling_support` and `check_mxfp8_support`
-(`transformer_engine/pytorch/quantization.py:46-87`)."""
-
-
-def check_fp8_recipe_device(recipe: str, capability: tuple[int, int]) -> None:
-    """Raise `ModelConfigError` when a GPU of compute `capability` (major, minor) cannot run FP8
-    `recipe`. Why before the models are built: megatron-core 0.16.1 builds any recipe without
-    asking the device (`fp8_utils.py:569-572`; its docstring calls mxfp8 "for Blackwell
-    architecture only", `transformer/transformer_config.py:441`), and TE refuses it only at the
-    first forward (`check_recipe_support`, an assertion inside `fp8_autocast`), after the
-    models, the optimizer and the vLLM engine are up."""
-    cap = tuple(capability)
-
-    def runs(r: str) -> bool:
-        low, high = FP8_RECIPE_CAPABILITY[r]
-        return low <= cap and (high is None or cap < high)
-
-    if runs(recipe):
-        return
-    low, high = FP8_RECIPE_CAPABILITY[recipe]
-    need = f"{low[0]}.{low[1]} or higher" if high is None else f"{low[0]}.x to {high[0] - 1}.x"
-    fits = [r for r in FP8_RECIPE_CAPABILITY if runs(r)]
-    raise ModelConfigError(
-        f"precision.fp8_recipe={recipe} needs a GPU of compute capability {need} "
-        f"(Transformer-Engine's check); this GPU has {cap[0]}.{cap[1]}"
-        + (" (Hopper)" if cap[0] == 9 else "")
-        + (f"; accepted on it: {', '.join(fits)}" if fits else "; use precision.fp8: null")
-    )
-
-
-def check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> None:
-    """Raise `ModelConfigError` unless `arch`'s GEMM weights fit FP8 under `parallel`.
-
-    TE's FP8 GEMMs need both weight dimensions divisible by 16 (32 for MXFP8); the token
-    dimension is padded by the trainer (`megarl.models.forward.sequence_multiple`), weights
-    cannot be."""
-    align = 32 if precision.fp8_recipe == "mxfp8" else 16
-    tp = parallel.tensor_parallel
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
-    ffn = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
-    etp = parallel.expert_tensor_parallel or tp
-    dims = {
-        "hidden_size": arch.hidden_size,
-        f"(q + 2 kv) x head_dim / TP = ({q} + 2 x {kv}) / {tp}": (q + 2 * kv) // tp,
-        f"q x head_dim / TP = {q} / {tp}": q // tp,
-        f"MLP width / {'ETP' if arch.is_moe else 'TP'} = {ffn} / {etp if arch.is_moe else tp}": (
-            ffn // (etp if arch.is_moe else tp)
-        ),
-    }
-    bad = [f"{k} = {v}" for k, v in dims.items() if v % align]
-    if bad:
-        raise ModelConfigError(
-            f"precision.fp8={precision.fp8!r} (recipe {precision.fp8_recipe}) needs GEMM weight "
-            f"dimensions divisible by {align}; not divisible: {'; '.join(bad)}. Accepted: "
-            "another tensor_parallel, or precision.fp8=null"
-        )

@@ -144,6 +144,14 @@ def check_lora(cfg: LoraConfig, arch: ModelArch, *, tp: int, use_te: bool, preci
             or f"model.lora.rank={cfg.rank} with Transformer-Engine layers: not available; "
             "accepted: precision.transformer_engine: false"
         )
+    if arch.mla is not None:
+        # the adapters know q/k/v/o and the dense MLP's linears; multi-latent attention has
+        # other projections (q_a / q_b / kv_a / kv_b) and a latent layout vLLM absorbs
+        raise ConfigError(
+            f"model.lora.rank={cfg.rank} on a multi-latent-attention model ({arch.family}): "
+            "adapters on its projections are not available; accepted: model.lora.rank: 0 "
+            "(full fine-tuning)"
+        )
     mlp = [t for t in cfg.modules() if _LINEAR[t][0].startswith("mlp.")]
     if arch.is_moe and mlp:
         raise ConfigError(

@@ -249,12 +249,30 @@ def _stats_hook(stats: RouterStats, layer: int):
                 stats.prob_per_expert[layer] += logits.softmax(-1)[valid].sum(0).double()
                 stats.tokens[layer] += valid.sum()
             if replaying:
-                own = torch.zeros_like(routing_map)
-                own.scatter_(1, logits.topk(replay.target_topk_idx.shape[1], -1).indices, True)
+                own = own_choice(router, logits)
                 stats.agree[int(training), layer] += (own[valid] == chosen).all(-1).sum()
                 stats.replayed[int(training), layer] += valid.sum()
 
     return hook
+
+
+def own_choice(router, logits: torch.Tensor) -> torch.Tensor:
+    """[tokens, experts] bool: the experts `router` would choose by itself from `logits` (its
+    score function, expert bias and group limit, as megatron-core routes), not the replayed."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    c = router.config
+    _, chosen = topk_routing_with_score_function(
+        logits,
+        c.moe_router_topk,
+        use_pre_softmax=c.moe_router_pre_softmax,
+        num_groups=c.moe_router_num_groups,
+        group_topk=c.moe_router_group_topk,
+        scaling_factor=c.moe_router_topk_scaling_factor,
+        score_function=c.moe_router_score_function,
+        expert_bias=router.expert_bias,
+    )
+    return chosen
 
 
 def moe_metrics(chunks, arch) -> LocalMetrics:

@@ -44,6 +44,19 @@ class QKRMSNorm(RMSNorm):
         self.weight.sequence_parallel = False
 
 
+class LatentRMSNorm(RMSNorm):
+    """MLA's norm of the compressed query / key-value vectors (q_a_layernorm, kv_a_layernorm)
+    with eps 1e-6 whatever `rms_norm_eps` is, as DeepSeek's reference code and transformers 5.19
+    build it (`DeepseekV3RMSNorm(config.kv_lora_rank)`, modeling_deepseek_v3.py:381,393); vLLM
+    0.32 takes `rms_norm_eps` (deepseek_v2.py:501,525): equal for every released checkpoint,
+    whose rms_norm_eps is 1e-6. Under sequence parallelism megatron norms the latents
+    sequence-sharded (multi_latent_attention.py:593-613), so the weight's grads are all-reduced
+    over TP like a hidden-state norm's."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(config, hidden_size, 1e-6)
+
+
 @functools.cache
 def sdpa_attention_class():
     """megarl's core attention for megatron's local layers (`SDPAttention` below), defined on
@@ -60,10 +73,14 @@ def sdpa_attention_class():
         padding), so `is_causal=True` replaces it. Other mask types use the given mask.
         query: [sq, b, np, hn]; key, value: [sk, b, ng, hn] -> [sq, b, np * hn]. Packed (THD,
         `packed_seq_params`): query [t, np, hn]; key, value [t, ng, hn] -> [t, np * hn], causal
-        within each segment of `cu_seqlens_q`."""
+        within each segment of `cu_seqlens_q`. Multi-latent attention's keys are wider than its
+        values (`k_channels`, `v_channels`: megatron's local attention takes neither); the output
+        is [.., np * v_channels]."""
 
-        def __init__(self, config, *args, **kwargs):
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
             super().__init__(config, *args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
             if (
                 config.attention_dropout
                 or config.softmax_type != "vanilla"
@@ -245,47 +262,77 @@ def require_transformer_engine(what: str) -> None:
         ) from e
 
 
-def layer_spec(arch, *, use_te: bool):
-    """The per-layer `ModuleSpec` for `arch` (a `ModelArch`)."""
+def layer_spec(arch, *, use_te: bool, moe: bool | None = None):
+    """The `ModuleSpec` of one layer of `arch` (a `ModelArch`); `moe`: whether it routes (default:
+    whether `arch` is MoE; the dense first layers of GLM-4.5 / DeepSeek-V3 pass False)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    experts = arch.num_experts if (arch.is_moe if moe is None else moe) else None
+    mla = arch.mla is not None
+    # MLA's q / kv norms (q_a_layernorm, kv_a_layernorm) are megatron's "qk" norms
+    qk_norm = arch.qk_norm or mla
     if use_te:
         require_transformer_engine("the Transformer-Engine layer spec")
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
+            num_experts=experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=qk_norm,
+            multi_latent_attention=mla,
         )
     spec = specs.get_gpt_layer_local_spec(
-        num_experts=arch.num_experts,
+        num_experts=experts,
         moe_grouped_gemm=False,
-        qk_layernorm=arch.qk_norm,
+        qk_layernorm=qk_norm,
+        multi_latent_attention=mla,
         normalization="RMSNorm",
     )
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
-    sub.self_attention.submodules.core_attention = sdpa_attention_class()
-    if arch.qk_norm:
-        sub.self_attention.submodules.q_layernorm = QKRMSNorm
-        sub.self_attention.submodules.k_layernorm = QKRMSNorm
+    attn = sub.self_attention.submodules
+    attn.core_attention = sdpa_attention_class()
+    if mla:
+        attn.q_layernorm = LatentRMSNorm
+        attn.kv_layernorm = LatentRMSNorm
+        # the down projections replicated over TP, as the Transformer-Engine spec builds them
+        # (`TELinear`, parallel_mode="duplicated"): the local spec's column-parallel ones gather
+        # their output with `gather_from_tensor_model_parallel_region`, whose backward keeps
+        # each rank's partial gradient of the rotary key (each TP rank attends with its own
+        # heads), so the key's weights got 1/TP-partial grads (multi_latent_attention.py:604-
+        # 614). Replicated, the rotary key is gathered over the sequence, whose backward
+        # reduce-scatters (sums) them, and the weights' grads are reduced over TP under SP.
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        attn.linear_q_down_proj = Linear
+        attn.linear_kv_down_proj = Linear
+    elif arch.qk_norm:
+        attn.q_layernorm = QKRMSNorm
+        attn.k_layernorm = QKRMSNorm
     return spec
 
 
 def block_spec(arch, config, *, use_te: bool, vp_stage: int | None, pp_rank: int | None = None):
-    """Spec of this stage's transformer block, with the final norm megarl needs."""
+    """Spec of this stage's transformer block, with the final norm megarl needs; dense and
+    routed layers where `arch` has both."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    layer = layer_spec(arch, use_te=use_te)
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    kinds = [arch.is_moe_layer(first + i) for i in range(n)]
+    specs = {moe: layer_spec(arch, use_te=use_te, moe=moe) for moe in set(kinds)}
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         final_norm = RMSNorm
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm),
+        submodules=TransformerBlockSubmodules(
+            layer_specs=[specs[moe] for moe in kinds], layer_norm=final_norm
+        ),
     )

@@ -188,8 +188,7 @@ def lora_merged_bytes(adapted: int, largest: int, *, elem: int) -> tuple[float, 
 
 def kv_bytes_per_token(arch: ModelArch, *, elem: int, vllm_tp: int) -> int:
     """vLLM's KV cache per token on one of its TP ranks (as `check_kv_cache`)."""
-    kv_heads = max(1, arch.num_key_value_heads // vllm_tp)
-    return 2 * arch.num_layers * kv_heads * arch.head_dim * elem
+    return arch.kv_cache_per_token(vllm_tp, elem)[0]
 
 
 def round_up(n: int, multiple: int) -> int:

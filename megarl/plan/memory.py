@@ -400,6 +400,16 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
     phase, peak = worst.worst
     tried = []
     p, a, ro = cfg.parallel, cfg.algorithm, cfg.rollout.engine
+    vllm_weights = num_params(arch) * BYTES[cfg.precision.dtype] / ro.tensor_parallel
+    if device == "gpu" and vllm_weights > result.usable:
+        out.append(
+            f"vLLM's weights alone take {gib(vllm_weights)} per GPU at "
+            f"rollout.engine.tensor_parallel={ro.tensor_parallel}, more than the "
+            f"{gib(result.usable)} usable; an engine spans at most one node "
+            f"({result.gpus // result.nodes} GPUs), so this model's rollout does not fit these "
+            "GPUs in megarl (engines across nodes and vLLM expert parallelism are not built): "
+            "GPUs with more memory"
+        )
     if phase in ("train", "logprobs") and p.recompute == "none":
         tried.append(("--set parallel.recompute=full", _with(cfg, parallel={"recompute": "full"})))
     if phase in ("train", "logprobs") and a.micro_batch_size > 1:

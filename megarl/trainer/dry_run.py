@@ -31,13 +31,9 @@ from megarl.config import ConfigError, RunConfig
 from megarl.distributed import Topology, TopologyError, device
 from megarl.distributed.placement import JobPlacement
 from megarl.models.builder import BuildConfig, build_gpt_chunk, num_params
-from megarl.models.hf_config import (
-    ModelArch,
-    PrecisionConfig,
-    check_fp8_shapes,
-    transformer_config,
-)
+from megarl.models.hf_config import ModelArch, PrecisionConfig
 from megarl.models.lora import LoraConfig, apply_lora, check_lora, te_refusal
+from megarl.models.mcore_config import check_fp8_shapes, transformer_config
 from megarl.rollout import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
 from megarl.trainer.teacher import teacher_arch
@@ -129,8 +125,14 @@ class DryRun:
             f"megarl dry run: rank {self.rank} of {t.world_size}"
             f" ({self.config_path or 'embedded default config'})",
             f"model: {a.family}, {a.num_layers} layers, hidden {a.hidden_size}, "
-            f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads, {vocab}"
-            + (f", {a.num_experts} experts top-{a.moe_topk}" if a.is_moe else ""),
+            + (
+                f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads"
+                if a.mla is None
+                else f"{a.num_attention_heads} heads, latent attention (kv {a.mla.kv_lora_rank})"
+            )
+            + f", {vocab}"
+            + (f", {a.num_experts} experts top-{a.moe_topk}" if a.is_moe else "")
+            + (f", first {a.dense_layers} dense" if a.dense_layers else ""),
             f"layout: TP {t.tp} x PP {t.pp} x CP {t.cp} x DP {t.dp} = {t.world_size} "
             f"rank{'s' if t.world_size > 1 else ''}; "
             f"VPP {t.vpp or '-'}, "

@@ -183,6 +183,7 @@ def _maker(cfg: RunConfig, gpu: bool):
     build = BuildConfig(
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         routing_replay=cfg.rollout.engine.routing_replay,
+        expert_bias_update_rate=cfg.model.expert_bias_update_rate,
         lora=cfg.model.lora,
         critic_lora=cfg.model.critic_lora,
         lora_seed=cfg.trainer.seed,

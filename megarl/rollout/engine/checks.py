@@ -22,7 +22,7 @@ import torch
 from megarl.distributed.consensus import per_rank
 from megarl.dtypes import BYTES
 from megarl.models.builder import num_params
-from megarl.models.hf_config import ModelArch, arch_from_hf
+from megarl.models.hf_config import ModelArch, arch_from_hf, load_hf_config
 from megarl.rollout.config import EngineConfig, RolloutConfigError
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -33,18 +33,13 @@ def check_kv_cache(arch: ModelArch, cfg: EngineConfig, *, dtype: str, gpu: bool)
     """The KV-cache bytes to give vLLM (None = let `gpu_memory_utilization` size it), after
     checking that the cache holds at least one sequence of the engine's `max_model_len`.
 
-    KV bytes per token = 2 (K and V) x layers x KV heads per vLLM TP rank x head_dim x element
-    size. Raises `RolloutConfigError` with that arithmetic when the cache cannot fit."""
+    KV bytes per token: `ModelArch.kv_cache_per_token`. Raises `RolloutConfigError` with that
+    arithmetic when the cache cannot fit."""
     elem = BYTES.get(dtype, 4)
     cfg = cfg.placed(separate=False)  # built outside a RolloutConfig: the colocated defaults
-    kv_heads = max(1, arch.num_key_value_heads // cfg.tensor_parallel)
-    per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * elem
+    per_token, formula = arch.kv_cache_per_token(cfg.tensor_parallel, elem)
     max_len = cfg.max_model_len or arch.max_position_embeddings
     need = per_token * max_len
-    formula = (
-        f"{per_token} B/token = 2 x {arch.num_layers} layers x {kv_heads} KV heads per rank x "
-        f"head_dim {arch.head_dim} x {elem} B"
-    )
     nbytes = cfg.kv_cache_memory_bytes
     if nbytes is None and not gpu:
         nbytes = CPU_KV_CACHE_BYTES
@@ -129,6 +124,17 @@ def require_vllm() -> None:
         )
 
 
+VLLM_ROUTER_FIELDS = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
+"""config.json fields vLLM 0.32 needs to build a family's router as transformers runs it and
+transformers does not write: without them vLLM's DeepSeek-V3 routes by softmax with no expert
+bias (`deepseek_v2.py:327-332, 387`); the published checkpoints carry them."""
+
+
+def vllm_hf_config(arch: ModelArch) -> dict:
+    """`arch`'s HF config as vLLM must read it (`VLLM_ROUTER_FIELDS` filled in)."""
+    return {**VLLM_ROUTER_FIELDS.get(arch.family, {}), **arch.hf_config}
+
+
 def check_model_dir(model_dir: str, arch: ModelArch) -> None:
     """Refuse a model directory whose config.json describes another model than `arch` (vLLM
     builds its model from that file; the trainer's weights must fit it)."""
@@ -152,6 +158,14 @@ def check_model_dir(model_dir: str, arch: ModelArch) -> None:
     if diff:
         raise RolloutConfigError(
             f"{model_dir}/config.json does not describe the trainer's model ({'; '.join(diff)})"
+        )
+    raw = load_hf_config(model_dir)
+    need = VLLM_ROUTER_FIELDS.get(arch.family, {})
+    wrong = {k: raw.get(k) for k, v in need.items() if raw.get(k) != v}
+    if wrong:
+        raise RolloutConfigError(
+            f"{model_dir}/config.json has {wrong}: vLLM would route {arch.family} by another "
+            f"rule than the trainer; accepted: {need} (as the published checkpoints have)"
         )
 
 

@@ -37,9 +37,14 @@ _METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
 def applies(desc: VllmDescription) -> bool:
-    """True when every repacked parameter of `desc` belongs to a dense linear."""
+    """True when every repacked parameter of `desc` belongs to a dense linear and vLLM derives
+    no parameter from others (MLA: only its reload recomputes those)."""
     repacked = [p for p in desc.params if p.repacked]
-    return bool(repacked) and all(p.module != moe_layout.EXPERTS_MODULE for p in repacked)
+    return (
+        bool(repacked)
+        and not desc.derived
+        and all(p.module != moe_layout.EXPERTS_MODULE for p in repacked)
+    )
 
 
 class RepackTarget:

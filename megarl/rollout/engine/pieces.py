@@ -78,3 +78,7 @@ class VllmDescription:
     model_class: str
     vllm_version: str
     extra: dict = field(default_factory=dict, compare=False)
+    derived: tuple[str, ...] = ()
+    """Parameters vLLM computes from others when it loads (multi-latent attention's absorbed
+    W_UK_T / W_UV, from kv_b_proj): no piece fills them; only a write that ends in vLLM's own
+    weight processing (its reload) keeps them equal to their source."""

@@ -62,6 +62,8 @@ def pieces_for_module(
     if kind == "experts":
         return moe_layout.expert_pieces(module_name, leaf, attrs)
     name = f"{param_module or module_name}.{leaf}"
+    if leaf == EXPERT_BIAS:  # the router's expert bias: whole on every rank
+        return [Piece(name, f"{module_name}.{leaf}", 0, 0, attrs["shape"][0], 0, attrs["shape"])]
     hf = _hf_names(module_name, leaf, packed if kind in ("qkv", "merged") else None)
     is_bias = leaf == "bias"
 
@@ -121,6 +123,11 @@ def pieces_for_module(
 
 # ----------------------------------------------------------------------------- inside the worker
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+FUSED_A_PROJ = ("DeepSeekV2FusedQkvAProjLinear",)
+MLA_MODULES = ("MLAAttention",)
+"""vLLM 0.32's multi-latent attention: its W_UK_T / W_UV are kv_b_proj split and absorbed by
+`process_weights_after_loading` (mla_attention.py:1220-1327), never loaded."""
+EXPERT_BIAS = "e_score_correction_bias"
 
 
 def _module_kind(module) -> tuple[str, dict]:
@@ -163,9 +170,17 @@ def _module_kind(module) -> tuple[str, dict]:
             tp_size=module.tp_size,
             output_size=module.output_size,
         )
+    if isinstance(module, L.MergedColumnParallelLinear) and cls.__name__ in FUSED_A_PROJ:
+        # DeepSeek's q_a_proj + kv_a_proj_with_mqa stacked, replicated over TP (disable_tp)
+        return "merged", dict(
+            output_sizes=list(module.output_sizes), tp_rank=0, tp_size=1, hidden=module.input_size
+        )
     if isinstance(module, L.ReplicatedLinear) and cls.__name__ in moe_layout.GATE_MODULES:
-        # GateLinear (the MoE router) only picks faster GEMMs for the same replicated weight
+        # GateLinear (the MoE router) only picks faster GEMMs for the same replicated weight;
+        # a plain ReplicatedLinear (MLA's kv_a_proj_with_mqa without a q LoRA) is the same
         return "replicated", dict(output_size=module.output_size, input_size=module.input_size)
+    if cls.__name__ in MLA_MODULES:
+        return "derived", {}
     if cls.__name__ == moe_layout.EXPERTS_MODULE:
         return "experts", {}
     if isinstance(module, VocabParallelEmbedding):
@@ -188,6 +203,8 @@ def _module_kind(module) -> tuple[str, dict]:
 
 def _logical_shape(module, kind: str, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
     """The dense local shape, also for repacked weights (whose storage is an empty tensor)."""
+    if leaf == EXPERT_BIAS:
+        return tuple(param.shape)
     if kind in ("qkv", "merged", "column"):
         out = module.output_size_per_partition
         return (out,) if leaf == "bias" else (out, module.input_size_per_partition)
@@ -204,7 +221,7 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
     import vllm
 
     packed_map = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    params, pieces, seen = [], [], set()
+    params, pieces, seen, derived = [], [], set(), []
     for mod_name, module in model.named_modules():
         direct = [(leaf, p) for leaf, p in module.named_parameters(recurse=False)]
         if not direct:
@@ -223,6 +240,9 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
             if id(p) in seen:  # a tied parameter registered under a second module
                 continue
             seen.add(id(p))
+            if kind == "derived":
+                derived.append(name)
+                continue
             if kind == "unknown":
                 raise PlanError(
                     f"vLLM parameter {name!r} belongs to module class {type(module).__name__}, "
@@ -261,6 +281,7 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
         dtype=str(dtype).removeprefix("torch."),
         model_class=type(model).__name__,
         vllm_version=vllm.__version__,
+        derived=tuple(derived),
     )
 
 

@@ -53,6 +53,10 @@ class DropBenignReloadWarnings(logging.Filter):
       would be stale, which `refresh_tied` repacks after the reload."""
 
     SUFFIX = ": Failed to load weights"
+    NOT_LOADED = "Following weights were not loaded from checkpoint: "
+    DERIVED = (".W_UK_T", ".W_UV")
+    """Multi-latent attention's absorbed projections, which vLLM computes from kv_b_proj after
+    every load (`megarl.rollout.engine.vllm_layout.MLA_MODULES`): "not loaded" by design."""
 
     def __init__(self):
         super().__init__()
@@ -60,6 +64,9 @@ class DropBenignReloadWarnings(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        if message.startswith(self.NOT_LOADED) and isinstance(record.args, tuple):
+            names = record.args[0] if record.args else ()
+            return not (names and all(str(n).endswith(self.DERIVED) for n in names))
         if not message.endswith(self.SUFFIX):
             return True
         layer = message[: -len(self.SUFFIX)]
@@ -67,6 +74,7 @@ class DropBenignReloadWarnings(logging.Filter):
 
 
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_SUMMARY_LOG = "vllm.model_executor.model_loader.reload.inplace"
 
 
 def reload_filter() -> DropBenignReloadWarnings:
@@ -77,6 +85,7 @@ def reload_filter() -> DropBenignReloadWarnings:
             return f
     f = DropBenignReloadWarnings()
     logger.addFilter(f)
+    logging.getLogger(RELOAD_SUMMARY_LOG).addFilter(f)
     return f
 
 

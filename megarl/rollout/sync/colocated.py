@@ -106,7 +106,9 @@ class ColocatedWeights:
         desc = engine.call(_describe, engine.tp_rank, engine.tp_size)
         self.readable = {p.name for p in desc.params if not p.repacked}
         check_coverage(desc, hf_shapes_for(arch), tied=arch.tie_word_embeddings)
-        repacked = any(p.repacked for p in desc.params)
+        # parameters vLLM derives when it loads (MLA's absorbed projections) stay right only
+        # through its reload, on GPU too: an in-place write would leave them stale
+        repacked = any(p.repacked for p in desc.params) or bool(desc.derived)
         if repacked and not engine.call(_has_reload):
             raise PlanError(
                 f"vLLM {desc.vllm_version} repacks weights but its model runner has "

@@ -1,0 +1,49 @@
+"""Block-scaled FP8 checkpoints (DeepSeek-V3, Kimi-K2 as published): each `X.weight` stored as
+float8_e4m3 with `X.weight_scale_inv` [ceil(rows / b), ceil(cols / b)] holding one scale per
+b x b block (`quantization_config: {quant_method: fp8, weight_block_size: [b, b]}`).
+
+megarl reads such a file as the bf16 model it stands for: weight = fp8 x scale of its block, in
+fp32, rounded to bf16 (DeepSeek's `fp8_cast_bf16.py` and transformers' dequantisation compute the
+same); the scales are not tensors of the model. Writing back is bf16 (no re-quantisation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def block_size(hf_config: dict | None) -> tuple[int, int] | None:
+    """The (rows, cols) block of a block-FP8 HF config, None for any other checkpoint."""
+    q = (hf_config or {}).get("quantization_config") or {}
+    if q.get("quant_method") != "fp8" or not q.get("weight_block_size"):
+        return None
+    rows, cols = q["weight_block_size"]
+    return int(rows), int(cols)
+
+
+def dequantize(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], row_start: int = 0
+) -> torch.Tensor:
+    """bf16 of FP8 `weight` [r, cols] (rows `row_start` .. of the whole tensor) with the block
+    scales `scale_inv` [ceil(R / b0), ceil(cols / b1)] of the whole tensor."""
+    b0, b1 = block
+    rows = torch.arange(row_start, row_start + weight.shape[0]) // b0
+    cols = torch.arange(weight.shape[1]) // b1
+    scale = scale_inv.float()[rows][:, cols]
+    return (weight.float() * scale).to(torch.bfloat16)
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, scale_inv) of a 2-d weight, one scale per block (amax / 448): how the
+    published checkpoints were made; the tests write such files with it."""
+    b0, b1 = block
+    r, c = weight.shape
+    pad = torch.zeros(-(-r // b0) * b0, -(-c // b1) * b1)
+    pad[:r, :c] = weight.float()
+    blocks = pad.view(pad.shape[0] // b0, b0, pad.shape[1] // b1, b1)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks / scale_inv[:, None, :, None]).view_as(pad)[:r, :c]
+    return q.to(torch.float8_e4m3fn), scale_inv

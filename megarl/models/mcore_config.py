@@ -1,0 +1,235 @@
+"""`ModelArch` + parallel layout + precision -> megatron-core's `TransformerConfig`, and the
+start-up checks of what Transformer-Engine's FP8 accepts (device, GEMM shapes)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig
+from megarl.models.specs import require_transformer_engine
+
+
+def transformer_config(
+    arch: ModelArch,
+    parallel,
+    precision: PrecisionConfig,
+    *,
+    gpu: bool,
+    routing_replay=False,
+    expert_bias_rate: float = 0.0,
+):
+    """Build megatron-core's `TransformerConfig` for `arch` under a `ParallelConfig`;
+    `routing_replay`: MoE routers that can replay given routes (`megarl.models.routing`);
+    `expert_bias_rate`: the routers' expert-bias update per optimizer step (0: frozen)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    if precision.fp8 is not None:
+        if not gpu:
+            raise ModelConfigError(
+                f"precision.fp8={precision.fp8!r} needs a CUDA GPU with Transformer-Engine; "
+                "this process runs on CPU. Set precision.fp8=null."
+            )
+        require_transformer_engine("precision.fp8")
+        check_fp8_recipe_device(precision.fp8_recipe, torch.cuda.get_device_capability())
+        check_fp8_shapes(arch, parallel, precision)
+    dtype = precision.torch_dtype
+    kw = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
+        context_parallel_size=parallel.context_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=not gpu,
+        init_method_std=0.02,
+        # megarl.models.forward.forward_backward pads all micro-batches of one call to one
+        # shape, so PP needs no shape exchange (which deadlocks the interleaved schedule over gloo)
+        variable_seq_lengths=False,
+        moe_token_dispatcher_type="alltoall",
+        deallocate_pipeline_outputs=gpu,
+    )
+    if parallel.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if parallel.pipeline_layers is not None:
+        kw["num_layers_in_first_pipeline_stage"] = parallel.pipeline_layers[0]
+        kw["num_layers_in_last_pipeline_stage"] = parallel.pipeline_layers[-1]
+        middle = set(parallel.pipeline_layers[1:-1])
+        if len(middle) > 1:
+            raise ModelConfigError(
+                f"parallel.pipeline_layers={list(parallel.pipeline_layers)}: megatron-core allows "
+                "only the first and last stage to differ; middle stages must be equal"
+            )
+    if arch.is_moe:
+        kw.update(_moe_kwargs(arch, expert_bias_rate))
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
+            # topk-then-softmax == softmax-then-renormalise over the top k (Mixtral,
+            # Qwen3-MoE with norm_topk_prob); without renormalisation softmax comes first
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            # fp32 routing goes through a TE GEMM in megatron-core 0.16 (NameError without TE)
+            moe_router_dtype="fp32" if gpu else None,
+            moe_enable_routing_replay=routing_replay,
+        )
+    if precision.fp8 is not None:
+        kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)
+    if arch.mla is not None:
+        from megatron.core.transformer import MLATransformerConfig
+
+        return MLATransformerConfig(**kw, **_mla_kwargs(arch))
+    return TransformerConfig(**kw)
+
+
+def _moe_kwargs(arch: ModelArch, expert_bias_rate: float) -> dict:
+    """The routing of the sigmoid-routed families (GLM-4.5, DeepSeek-V3) and dense first layers.
+
+    megatron's group score is the sum of each group's top (topk / group_topk) scores, HF's the
+    sum of the top two (`arch_from_hf` refuses other ratios); megatron renormalises sigmoid top-k
+    weights always (HF with norm_topk_prob, refused otherwise). The expert bias is a buffer the
+    optimizer never touches; megatron's `finalize_model_grads` moves it by rate x sign(mean load
+    - expert load) after every backward (finalize_model_grads.py:476, moe_utils.py:1052): rate 0
+    keeps it frozen."""
+    kw: dict = {}
+    if arch.dense_layers:
+        kw["moe_layer_freq"] = [0] * arch.dense_layers + [1] * (arch.num_layers - arch.dense_layers)
+    if arch.moe_shared_intermediate_size:
+        kw["moe_shared_expert_intermediate_size"] = arch.moe_shared_intermediate_size
+    if arch.moe_score == "sigmoid":
+        kw.update(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=arch.moe_expert_bias,
+            moe_router_bias_update_rate=expert_bias_rate,
+            moe_router_topk_scaling_factor=arch.moe_scaling,
+        )
+        if arch.moe_groups > 1:
+            kw.update(
+                moe_router_num_groups=arch.moe_groups, moe_router_group_topk=arch.moe_group_topk
+            )
+    return kw
+
+
+def _mla_kwargs(arch: ModelArch) -> dict:
+    """`MLATransformerConfig`'s own fields: shapes, rotary (yarn or plain), no rope fusion."""
+    m, rs = arch.mla, arch.rope_scaling or {}
+    kw = dict(
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rotary_base=arch.rope_theta,
+        rope_type="rope",
+    )
+    if rs.get("rope_type") == "yarn":
+        kw.update(
+            rope_type="yarn",
+            # transformers: no factor = max_position_embeddings / the original context
+            rotary_scaling_factor=float(
+                rs.get("factor")
+                or arch.max_position_embeddings / rs["original_max_position_embeddings"]
+            ),
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(rs.get("beta_fast", 32)),
+            beta_slow=float(rs.get("beta_slow", 1)),
+            mscale=float(rs.get("mscale", 1.0)),
+            mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)),
+        )
+    return kw
+
+
+FP8_RECIPE_CAPABILITY = {
+    "delayed": ((8, 9), None),
+    "tensorwise": ((8, 9), None),
+    "blockwise": ((9, 0), None),
+    "mxfp8": ((10, 0), (12, 0)),
+}
+"""{recipe: (lowest compute capability, first one refused or None)} of Transformer-Engine 2.9's
+`check_fp8_support`, `check_fp8_block_scaling_support` and `check_mxfp8_support`
+(`transformer_engine/pytorch/quantization.py:46-87`)."""
+
+
+def check_fp8_recipe_device(recipe: str, capability: tuple[int, int]) -> None:
+    """Raise `ModelConfigError` when a GPU of compute `capability` (major, minor) cannot run FP8
+    `recipe`. Why before the models are built: megatron-core 0.16.1 builds any recipe without
+    asking the device (`fp8_utils.py:569-572`; its docstring calls mxfp8 "for Blackwell
+    architecture only", `transformer/transformer_config.py:441`), and TE refuses it only at the
+    first forward (`check_recipe_support`, an assertion inside `fp8_autocast`), after the
+    models, the optimizer and the vLLM engine are up."""
+    cap = tuple(capability)
+
+    def runs(r: str) -> bool:
+        low, high = FP8_RECIPE_CAPABILITY[r]
+        return low <= cap and (high is None or cap < high)
+
+    if runs(recipe):
+        return
+    low, high = FP8_RECIPE_CAPABILITY[recipe]
+    need = f"{low[0]}.{low[1]} or higher" if high is None else f"{low[0]}.x to {high[0] - 1}.x"
+    fits = [r for r in FP8_RECIPE_CAPABILITY if runs(r)]
+    raise ModelConfigError(
+        f"precision.fp8_recipe={recipe} needs a GPU of compute capability {need} "
+        f"(Transformer-Engine's check); this GPU has {cap[0]}.{cap[1]}"
+        + (" (Hopper)" if cap[0] == 9 else "")
+        + (f"; accepted on it: {', '.join(fits)}" if fits else "; use precision.fp8: null")
+    )
+
+
+def check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> None:
+    """Raise `ModelConfigError` unless `arch`'s GEMM weights fit FP8 under `parallel`.
+
+    TE's FP8 GEMMs need both weight dimensions divisible by 16 (32 for MXFP8); the token
+    dimension is padded by the trainer (`megarl.models.forward.sequence_multiple`), weights
+    cannot be."""
+    align = 32 if precision.fp8_recipe == "mxfp8" else 16
+    tp = parallel.tensor_parallel
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    ffn = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
+    etp = parallel.expert_tensor_parallel or tp
+    dims = {
+        "hidden_size": arch.hidden_size,
+        f"(q + 2 kv) x head_dim / TP = ({q} + 2 x {kv}) / {tp}": (q + 2 * kv) // tp,
+        f"q x head_dim / TP = {q} / {tp}": q // tp,
+        f"MLP width / {'ETP' if arch.is_moe else 'TP'} = {ffn} / {etp if arch.is_moe else tp}": (
+            ffn // (etp if arch.is_moe else tp)
+        ),
+    }
+    bad = [f"{k} = {v}" for k, v in dims.items() if v % align]
+    if bad:
+        raise ModelConfigError(
+            f"precision.fp8={precision.fp8!r} (recipe {precision.fp8_recipe}) needs GEMM weight "
+            f"dimensions divisible by {align}; not divisible: {'; '.join(bad)}. Accepted: "
+            "another tensor_parallel, or precision.fp8=null"
+        )
