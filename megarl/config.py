@@ -367,6 +367,15 @@ class RunConfig:
                 "model.critic_lora.init_from / merge: the critic's adapters start fresh and are "
                 "never synced to an engine; accepted: rank, alpha, dropout, targets"
             )
+        if self.model.expert_bias_update_rate and self.precision.dtype != "fp32":
+            # a 16-bit run keeps the expert bias on the model dtype's grid (synced in it), where
+            # steps of 1e-3 vanish beside values of order 0.1 (bf16 spacing there: 2^-11 x 2^-3)
+            raise ConfigError(
+                f"model.expert_bias_update_rate={self.model.expert_bias_update_rate} with "
+                f"precision.dtype={self.precision.dtype}: the expert bias is kept on the "
+                f"{self.precision.dtype} grid (the weight sync carries it so), which swallows "
+                "such steps; accepted: rate 0, or precision.dtype=fp32"
+            )
         if not fns and (self.eval.every or self.eval.path or self.eval.fraction):
             raise ConfigError("eval: reward.functions is empty; a pass needs a reward function")
         if self.env.multi_turn and not rl:

@@ -131,7 +131,7 @@ def job(rank: int, world: int) -> dict:
     return res
 
 
-def _setup(arch, layout, world):
+def _setup(arch, layout, world, dtype="fp32"):
     from megarl.distributed import ParallelConfig, Topology
     from megarl.models.builder import BuildConfig, build_model
     from megarl.models.hf_config import PrecisionConfig
@@ -139,7 +139,8 @@ def _setup(arch, layout, world):
     par = ParallelConfig(**layout)
     groups = Topology.for_model(par, world, arch).initialize(seed=0)
     build = BuildConfig(routing_replay=True)
-    return build_model(arch, par, PrecisionConfig(), role="actor", build=build), groups
+    precision = PrecisionConfig(dtype=dtype)
+    return build_model(arch, par, precision, role="actor", build=build), groups
 
 
 def replay_check(chunks, arch, groups, rollout, pad: int) -> dict:
@@ -262,3 +263,40 @@ def reloads(worker) -> list[bool]:
     seen = worker.model_runner._megarl_reloads
     out, seen[:] = list(seen), []
     return out
+
+
+def bf16_expert_bias(rank: int, world: int, family: str = "deepseek_v3") -> dict:
+    """A bf16 DeepSeek-V3 actor synced into a bf16 engine: the router's fp32 expert bias as
+    the trainer routes with it (kept on the bf16 grid) and as vLLM holds it, and the sampled
+    tokens' logprob mismatch."""
+    from megarl.convert.layout import gather_full_state, load_full_state
+    from megarl.models.hf_config import arch_from_hf
+    from megarl.rollout.config import EngineConfig, SamplingConfig
+    from megarl.rollout.engine.engine import RolloutEngine
+    from megarl.rollout.sync.colocated import ColocatedWeights
+
+    hf = ARCHS[family]
+    arch = arch_from_hf(hf)
+    chunks, groups = _setup(arch, {}, world, dtype="bf16")
+    state = w.canonical_state(arch, seed=1)
+    load_full_state(chunks, state)
+    cfg = SamplingConfig(n=2, max_tokens=8, seed=7)
+    engine = RolloutEngine(
+        w.model_dir(hf), arch, cfg, EngineConfig(kv_cache_memory_bytes=64 * 2**20), dtype="bf16"
+    )
+    ColocatedWeights(chunks, arch, engine, groups).sync()
+    sample = w.score_rollout(chunks, arch, groups, engine.generate(w.prompts_for(3), seed=11))
+    ours = {k: v for k, v in gather_full_state(chunks).items() if k.endswith("expert_bias")}
+    theirs = engine.call(vllm_expert_biases)
+    engine.close()
+    loaded = {k: state[k] for k in ours}
+    return {"trainer": ours, "vllm": theirs, "loaded": loaded, "sample": sample}
+
+
+def vllm_expert_biases(worker) -> dict:
+    model = worker.model_runner.get_model()
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if n.endswith("e_score_correction_bias")
+    }

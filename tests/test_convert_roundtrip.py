@@ -64,6 +64,19 @@ def test_roundtrip_bit_exact(converted):
     assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in keys["llama3_gqa/keys"]
     assert "decoder.layers.pre_mlp_layernorm.weight" in keys["mixtral/keys"]
     assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" not in keys["qwen3_moe/keys"]
+    # multi-latent attention: the latent norms under the TE spec's fused names, which the local
+    # layers read back (the logits tests below); the dense first layer's pre-MLP norm a row of
+    # the stacked standalone norm, which a TE model's fused fc1 norm reads by name match
+    # (dense first layers make megatron name each layer: decoder.layers.{i}.*)
+    mla = keys["deepseek_v3/keys"]
+    assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in mla
+    assert "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight" in mla
+    assert not any("q_layernorm" in k for k in mla)
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in mla  # MoE layers: standalone
+    glm = keys["glm4_moe/keys"]
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in glm  # dense: fused in TE
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in glm
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" not in glm
     # transformers loads the sharded output (no missing / unexpected keys)
     got = hf_logits(str(root / "mixtral" / "hf"), converted[2])
     assert torch.equal(got, converted[4]["mixtral"])

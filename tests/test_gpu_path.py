@@ -162,6 +162,12 @@ def test_fp8_refuses_weight_shapes_that_cannot_be_padded():
     check_fp8_shapes(ARCH, ParallelConfig(), fp8)  # 64 / 128 / 64: fine
     with pytest.raises(ModelConfigError, match="divisible by 16"):
         check_fp8_shapes(ARCH, ParallelConfig(tensor_parallel=8), fp8)
+    # multi-latent attention: its own GEMMs (DeepSeek-V3's fit at TP 8; a latent of 520 not)
+    ds = arch_from_hf("examples/models/deepseek-v3")
+    check_fp8_shapes(ds, ParallelConfig(tensor_parallel=8), fp8)
+    odd = arch_from_hf({**ds.hf_config, "kv_lora_rank": 520})
+    with pytest.raises(ModelConfigError, match=r"kv_lora_rank \+ qk_rope_head_dim = 584"):
+        check_fp8_shapes(odd, ParallelConfig(tensor_parallel=8), fp8)
 
 
 # ------------------------------------------------------------------ no silent fallback

@@ -247,5 +247,10 @@ def test_settings_that_cannot_run_are_refused_naming_the_key():
         check_lora(on, arch_from_hf(TINY_MIXTRAL), tp=1, use_te=False)
     check_lora(LoraConfig(rank=8, targets=("q_proj", "v_proj")), arch_from_hf(TINY_MIXTRAL),
                tp=1, use_te=False)  # fmt: skip
+    from tests.tiny import TINY_DEEPSEEK_V3
+
+    with pytest.raises(ConfigError, match="multi-latent-attention model .*model.lora.rank: 0"):
+        check_lora(LoraConfig(rank=8, targets=("q_proj",)), arch_from_hf(TINY_DEEPSEEK_V3),
+                   tp=1, use_te=False)  # fmt: skip
     with pytest.raises(ConfigError, match="dropout"):
         check_lora(LoraConfig(rank=8, dropout=0.1), arch_from_hf(TINY_LLAMA), tp=2, use_te=False)

@@ -177,3 +177,13 @@ def test_num_params_equals_the_mapped_hf_tensors():
 def test_families_megarl_does_not_build_are_refused_with_the_reason(arch, why):
     with pytest.raises(ModelConfigError, match=f"not supported yet: .*{why}.*DeepseekV3"):
         arch_from_hf({**TINY_LLAMA, "architectures": [arch], "model_type": "x"})
+
+
+def test_expert_bias_updates_need_fp32():
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="precision.dtype=bf16: the expert bias is kept"):
+        load_config(None, ["model.expert_bias_update_rate=0.001", "precision.dtype=bf16"])
+    with pytest.raises(ConfigError, match="accepted: a number >= 0"):
+        load_config(None, ["model.expert_bias_update_rate=-1"])
+    assert load_config(None, ["model.expert_bias_update_rate=0.001"]).model.expert_bias_update_rate

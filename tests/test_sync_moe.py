@@ -16,6 +16,7 @@ logprobs no further from the sampler's than the trainer's own routing does (and 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import sync_moe_worker as m
 
@@ -141,3 +142,20 @@ def test_routing_replay_with_vllms_routes(two_ranks, key):
 @pytest.mark.parametrize("key", KEYS[4])
 def test_routing_replay_with_vllms_routes_tp2_ep2(four_ranks, key):
     _check_replay(four_ranks, key)
+
+
+def test_bf16_keeps_the_fp32_expert_bias_on_the_grid_vllm_gets():
+    """megatron keeps the routers' expert bias in fp32 beside bf16 weights; the sync carries
+    one dtype, so a bf16 model keeps the bias on the bf16 grid: what the trainer routes with
+    is what vLLM holds, bit for bit, and no farther from the loaded values than bf16 rounding."""
+    from megarl.distributed.launch import spawn
+
+    res = spawn(m.bf16_expert_bias, 1)[0]
+    assert len(res["trainer"]) == len(res["vllm"]) == 1  # one MoE layer
+    for (name, ours), theirs in zip(res["trainer"].items(), res["vllm"].values(), strict=True):
+        assert ours.dtype == theirs.dtype == torch.float32
+        assert torch.equal(ours, theirs), name
+        assert torch.equal(ours, res["loaded"][name].bfloat16().float()), name
+        assert not torch.equal(ours, res["loaded"][name])  # (the loaded values were off-grid)
+    print("bf16 sample", res["sample"])
+    assert res["sample"]["tokens"] > 0 and res["sample"]["mean"] < 0.05

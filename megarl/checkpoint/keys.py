@@ -8,21 +8,37 @@ checkpoint has no prefix.
 Local spec vs Transformer-Engine spec: megatron's local spec already names the fused norms as TE
 does (`input_layernorm` -> `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm`
 -> `mlp.linear_fc1.layer_norm_weight`). For MoE layers the TE spec keeps a standalone
-`pre_mlp_layernorm` (`MOE_TE_NORM`), while megatron-core 0.16's local spec still maps it onto
-the (absent) fused fc1 (`MOE_LOCAL_NORM`): a writer renames that key (`rename_te_keys`), so
-CPU-written MoE checkpoints carry the TE name, and a reader matches either name
-(`match_norm_keys`). TE-only `_extra_state` objects (FP8 metadata) are optional in both
-directions.
+`pre_mlp_layernorm`, while megatron-core 0.16's local spec still maps it onto the (absent) fused
+fc1; multi-latent attention's TE spec fuses the latent norms into the up projections
+(`linear_q_up_proj.layer_norm_weight`, ...) where the local spec keeps them standalone
+(`MLA_NORMS`), and fuses a dense layer's pre-MLP norm where the local MLA spec does not. A writer
+gives the local names the TE ones (`rename_te_keys`), a reader matches either name
+(`match_norm_keys`), for stacked keys and for per-layer keys alike (`_LAYER_KEY`). TE-only
+`_extra_state` objects (FP8 metadata) are optional in both directions.
 """
 
 from __future__ import annotations
+
+import re
 
 from megarl.checkpoint.files import CheckpointError
 from megarl.models.builder import SCALAR_ROLES, unwrap
 from megarl.models.hf_config import ModelArch
 
-MOE_LOCAL_NORM = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
-MOE_TE_NORM = "decoder.layers.pre_mlp_layernorm.weight"
+MLA_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+"""Local-spec name -> Transformer-Engine-spec name of multi-latent attention's latent norms
+(within a layer)."""
+FUSED_MLP_NORM, MLP_NORM = "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"
+_PAIRS = {FUSED_MLP_NORM: MLP_NORM, MLP_NORM: FUSED_MLP_NORM}
+for _local, _te in MLA_NORMS.items():
+    _PAIRS[_local], _PAIRS[_te] = _te, _local
+_LAYER_KEY = re.compile(r"^(.*decoder\.layers\.)(\d+\.)?(.+)$")
+"""A layer tensor's key: stacked over layers (`decoder.layers.x`), or one layer's
+(`decoder.layers.3.x`: megatron names each layer when they are not all alike, e.g. dense first
+layers before MoE ones)."""
 
 
 def has_value_head(model) -> bool:
@@ -75,23 +91,32 @@ def check_arch(chunks, arch: ModelArch, where: str) -> None:
 
 
 def rename_te_keys(sd: dict, arch: ModelArch) -> None:
-    """Rename local-spec keys that differ from the TE spec (module doc)."""
-    if not arch.is_moe:
-        return
+    """Rename local-spec keys that differ from the TE spec (module doc): an MoE layer's pre-MLP
+    norm, multi-latent attention's latent norms."""
     for v in sd.values():
-        if getattr(v, "key", None) == MOE_LOCAL_NORM:
-            v.key = MOE_TE_NORM
+        m = _LAYER_KEY.match(getattr(v, "key", None) or "")
+        if m is None:
+            continue
+        head, layer, rest = m.groups()
+        moe_layer = arch.is_moe and (layer is None or arch.is_moe_layer(int(layer[:-1])))
+        if rest == FUSED_MLP_NORM and moe_layer:
+            v.key = head + (layer or "") + MLP_NORM
+        elif rest in MLA_NORMS and arch.mla is not None:
+            v.key = head + (layer or "") + MLA_NORMS[rest]
 
 
 def match_norm_keys(model_sd: dict, file_keys: set[str], prefix: str) -> None:
-    """Give an MoE pre-MLP norm the name the checkpoint uses (module doc)."""
-    local, te = prefix + MOE_LOCAL_NORM, prefix + MOE_TE_NORM
+    """Give a norm whose name differs between the specs the name the checkpoint uses (module
+    doc): a pre-MLP norm, multi-latent attention's latent norms; stacked or per layer."""
     for v in model_sd.values():
-        key = getattr(v, "key", None)
-        if key == local and key not in file_keys and te in file_keys:
-            v.key = te
-        elif key == te and key not in file_keys and local in file_keys:
-            v.key = local
+        key = getattr(v, "key", None) or ""
+        m = _LAYER_KEY.match(key)
+        if m is None or key in file_keys or not key.startswith(prefix):
+            continue
+        head, layer, rest = m.groups()
+        other = head + (layer or "") + _PAIRS.get(rest, rest)
+        if other != key and other in file_keys:
+            v.key = other
 
 
 def strip_prefix(sd: dict, prefix: str) -> dict:

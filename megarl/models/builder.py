@@ -203,6 +203,8 @@ def build_model(
         if precision.dtype != "fp32":
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
+    if precision.dtype != "fp32" and arch.moe_expert_bias:
+        round_expert_bias(chunks, precision.torch_dtype)
     if frozen:
         for c in chunks:
             c.requires_grad_(False)
@@ -216,6 +218,21 @@ def build_model(
         )
         for i, c in enumerate(chunks)
     ]
+
+
+def round_expert_bias(chunks: list[torch.nn.Module], dtype: torch.dtype) -> None:
+    """In a 16-bit model, keep every router's expert bias (an fp32 buffer megatron-core
+    maintains, router.py:209-218) on `dtype`'s grid before each forward: the weight sync carries
+    it in the model's dtype, so the trainer and vLLM route with the same values."""
+
+    def hook(router, args):
+        b = router.expert_bias
+        b.copy_(b.to(dtype).float())
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "expert_bias", None) is not None:
+                module.register_forward_pre_hook(hook)
 
 
 def default_ddp_config(precision: PrecisionConfig):

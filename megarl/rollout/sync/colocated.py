@@ -29,7 +29,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from megarl.convert.layout import gather_full_state, is_expert, local_params, tp_shard
+from megarl.convert.layout import (
+    EXPERT_BIAS,
+    gather_full_state,
+    is_expert,
+    local_params,
+    tp_shard,
+)
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for
 from megarl.models import lora
 from megarl.models.hf_config import ModelArch
@@ -60,16 +66,24 @@ def _has_reload(worker) -> bool:
 
 def trainer_sources(chunks) -> tuple[list[SourceParam], list[torch.nn.Parameter]]:
     """This rank's parameters as published: TP shard coordinates in the parameter's own TP
-    group (the expert-TP group for experts)."""
+    group (the expert-TP group for experts). The routers' fp32 expert biases are published in
+    the model's dtype: a 16-bit model keeps them on that grid
+    (`megarl.models.routing.round_expert_bias`), so carrying them in it is exact."""
     metas, params = [], []
-    for canonical, _, p in local_params(chunks):
+    tensors = list(local_params(chunks))
+    dtypes = {str(p.dtype) for n, _, p in tensors if not n.endswith(EXPERT_BIAS)}
+    model_dtype = dtypes.pop() if len(dtypes) == 1 else None
+    for canonical, _, p in tensors:
         dim, count, rank = tp_shard(p)
+        dtype = str(p.dtype)
+        if canonical.endswith(EXPERT_BIAS) and model_dtype is not None:
+            dtype = model_dtype
         metas.append(
             SourceParam(
                 canonical,
                 tuple(p.shape),
                 dim,
-                str(p.dtype).removeprefix("torch."),
+                dtype.removeprefix("torch."),
                 shard_rank=rank,
                 shard_count=count,
                 expert=is_expert(p),
