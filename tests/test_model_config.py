@@ -187,3 +187,25 @@ def test_expert_bias_updates_need_fp32():
     with pytest.raises(ConfigError, match="accepted: a number >= 0"):
         load_config(None, ["model.expert_bias_update_rate=-1"])
     assert load_config(None, ["model.expert_bias_update_rate=0.001"]).model.expert_bias_update_rate
+
+
+def test_vllm_reads_kimi_k2_as_the_deepseek_v3_architecture():
+    """Kimi-K2's config names a remote-code model_type; vLLM gets DeepSeek-V3's, with the router
+    fields it needs (a config without them would route by softmax in vLLM)."""
+    from transformers import AutoConfig
+
+    from megarl.rollout.engine.checks import vllm_hf_config
+
+    kimi = vllm_hf_config(arch_from_hf("examples/models/kimi-k2-instruct"))
+    assert kimi["model_type"] == "deepseek_v3" and "auto_map" not in kimi
+    assert (kimi["topk_method"], kimi["scoring_func"], kimi["n_routed_experts"]) == (
+        "noaux_tc",
+        "sigmoid",
+        384,
+    )
+    cfg = AutoConfig.for_model(**{k: v for k, v in kimi.items() if k != "quantization_config"})
+    assert cfg.num_hidden_layers == 61
+    from tests.test_convert_common import DEEPSEEK_V3
+
+    bare = vllm_hf_config(arch_from_hf(DEEPSEEK_V3))  # transformers writes neither field
+    assert (bare["topk_method"], bare["scoring_func"]) == ("noaux_tc", "sigmoid")

@@ -131,8 +131,14 @@ bias (`deepseek_v2.py:327-332, 387`); the published checkpoints carry them."""
 
 
 def vllm_hf_config(arch: ModelArch) -> dict:
-    """`arch`'s HF config as vLLM must read it (`VLLM_ROUTER_FIELDS` filled in)."""
-    return {**VLLM_ROUTER_FIELDS.get(arch.family, {}), **arch.hf_config}
+    """`arch`'s HF config as vLLM must read it (`VLLM_ROUTER_FIELDS` filled in). Kimi-K2 names
+    its own model_type with remote code (`kimi_k2`, `auto_map`), which neither vLLM 0.32 nor
+    transformers 5.19 registers, for the DeepSeek-V3 architecture: vLLM gets that name."""
+    cfg = {**VLLM_ROUTER_FIELDS.get(arch.family, {}), **arch.hf_config}
+    if arch.family == "deepseek_v3":
+        cfg["model_type"] = "deepseek_v3"
+        cfg.pop("auto_map", None)
+    return cfg
 
 
 def check_model_dir(model_dir: str, arch: ModelArch) -> None:
