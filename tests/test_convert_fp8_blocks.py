@@ -91,3 +91,20 @@ def test_dequantize_is_the_block_scale_times_the_value():
     expect = q.float() * s[torch.arange(40) // 16][:, torch.arange(24) // 16]
     assert torch.equal(back, expect.to(torch.bfloat16))
     assert (back.float() - w).abs().max() <= 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.slow
+def test_a_block_fp8_checkpoint_converts_to_the_model_it_stands_for(tmp_path):
+    """`megarl convert hf-to-mcore` of the FP8 files: megatron's logits == transformers' over
+    the dequantized weights in fp32 (what `--verify` compares; transformers itself computes an
+    FP8 checkpoint in bf16 on CPU)."""
+    from megarl.convert.verify import compare_logits, hf_logits, sample_tokens
+    from megarl.distributed.launch import spawn
+    from tests.test_convert_common import convert_worker
+
+    fp8 = _fp8_dir(tmp_path)
+    tokens = sample_tokens(250, batch=2, seq_len=16)
+    logits = spawn(convert_worker, 1, {"fp8": fp8}, str(tmp_path / "out"), tokens)[0]
+    d = compare_logits(hf_logits(fp8, tokens), logits["fp8"])
+    print("fp8 checkpoint", d)
+    assert d["max_abs_delta"] <= 1e-5 and d["argmax_agreement"] == 1.0, d

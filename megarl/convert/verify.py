@@ -10,16 +10,22 @@ compared on its per-position values (`model.score(hidden states)` in transformer
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.reader import load_into, open_checkpoint
+from megarl.convert import fp8_blocks
+from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.pipeline import build_chunks, init_single_process
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import ParallelConfig, Topology
 from megarl.models import forward, vocab
+from megarl.models.hf_config import load_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,12 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     archs = AutoConfig.from_pretrained(hf_dir).architectures or []
     critic = any(a.endswith("ForSequenceClassification") for a in archs)
     auto = AutoModelForSequenceClassification if critic else AutoModelForCausalLM
+    if fp8_blocks.block_size(load_hf_config(hf_dir)) is not None:
+        # transformers dequantizes a block-FP8 checkpoint on CPU but then computes in bf16: the
+        # reference is its bf16 model (the same values, tests/test_convert_fp8_blocks.py) in fp32
+        with tempfile.TemporaryDirectory() as plain:
+            write_dequantized(hf_dir, plain)
+            return hf_logits(plain, tokens)
     model = auto.from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
@@ -46,6 +58,19 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
             out = model(input_ids=tokens).logits.float()
     del model
     return out
+
+
+def write_dequantized(hf_dir: str, out: str) -> None:
+    """The bf16 model a block-FP8 HF directory stands for, as config.json + one safetensors."""
+    from safetensors.torch import save_file
+
+    lazy = LazyHFTensors(hf_dir)
+    save_file(
+        {n: lazy.get(n).contiguous() for n in lazy.names}, os.path.join(out, "model.safetensors")
+    )
+    cfg = {k: v for k, v in load_hf_config(hf_dir).items() if k != "quantization_config"}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
 
 
 def text_tokens(hf_dir: str, text: str, *, max_len: int) -> torch.Tensor:
