@@ -9,6 +9,9 @@ same); the scales are not tensors of the model. Writing back is bf16 (no re-quan
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 SCALE_SUFFIX = "_scale_inv"
@@ -21,6 +24,35 @@ def block_size(hf_config: dict | None) -> tuple[int, int] | None:
         return None
     rows, cols = q["weight_block_size"]
     return int(rows), int(cols)
+
+
+def pair_scales(
+    directory: str, metas: dict[str, dict], error
+) -> tuple[dict[str, str], tuple[int, int] | None]:
+    """{FP8 weight name: its block-scale tensor's name} of a directory's safetensors (`metas`:
+    name -> header entry) and the block from its config.json; `error` names what is wrong."""
+    scales = {n[: -len(SCALE_SUFFIX)]: n for n in metas if n.endswith(SCALE_SUFFIX)}
+    if not scales:
+        return {}, None
+    cfg_path = os.path.join(directory, "config.json")
+    cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
+    block = block_size(cfg)
+    first = next(iter(scales.values()))
+    if block is None:
+        raise error(
+            f"{directory}: {len(scales)} block-scale tensors ({first!r}, ...) but {cfg_path} "
+            "has no quantization_config with quant_method 'fp8' and weight_block_size; "
+            "accepted: a block-FP8 checkpoint as published (DeepSeek-V3, Kimi-K2) or one "
+            "without *_scale_inv tensors"
+        )
+    for w, sc in scales.items():
+        meta = metas.get(w, {})
+        if meta.get("dtype") != "F8_E4M3" or len(meta.get("shape", ())) != 2:
+            raise error(
+                f"{directory}: {sc!r} scales {w!r}, which is not a 2-d F8_E4M3 tensor "
+                f"({meta.get('dtype')}, shape {meta.get('shape')})"
+            )
+    return scales, block
 
 
 def dequantize(

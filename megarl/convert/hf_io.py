@@ -111,36 +111,9 @@ class LazyHFTensors:
                         f"{sorted(_DTYPES)}"
                     )
                 self._entries[name] = (path, start, meta)
-        self._scales, self._block = self._fp8_blocks()
-
-    def _fp8_blocks(self) -> tuple[dict[str, str], tuple[int, int] | None]:
-        """{FP8 weight name: its block-scale tensor's name} and the block (`fp8_blocks`)."""
-        scales = {
-            n[: -len(fp8_blocks.SCALE_SUFFIX)]: n
-            for n in self._entries
-            if n.endswith(fp8_blocks.SCALE_SUFFIX)
-        }
-        if not scales:
-            return {}, None
-        cfg_path = os.path.join(self.dir, "config.json")
-        cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
-        block = fp8_blocks.block_size(cfg)
-        first = next(iter(scales.values()))
-        if block is None:
-            raise HFCheckpointError(
-                f"{self.dir}: {len(scales)} block-scale tensors ({first!r}, ...) but {cfg_path} "
-                "has no quantization_config with quant_method 'fp8' and weight_block_size; "
-                "accepted: a block-FP8 checkpoint as published (DeepSeek-V3, Kimi-K2) or one "
-                "without *_scale_inv tensors"
-            )
-        for w, sc in scales.items():
-            meta = self._entries.get(w, (None, None, {}))[2]
-            if meta.get("dtype") != "F8_E4M3" or len(meta.get("shape", ())) != 2:
-                raise HFCheckpointError(
-                    f"{self.dir}: {sc!r} scales {w!r}, which is not a 2-d F8_E4M3 tensor "
-                    f"({meta.get('dtype')}, shape {meta.get('shape')})"
-                )
-        return scales, block
+        self._scales, self._block = fp8_blocks.pair_scales(
+            self.dir, {n: m for n, (_, _, m) in self._entries.items()}, HFCheckpointError
+        )
 
     def _files(self) -> list[str]:
         if not os.path.isdir(self.dir):
