@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.files import (
     STATE_FILE,
+    CheckpointError,
     copy_tokenizer_files,
     list_checkpoints,
     write_trainer_state,
@@ -131,8 +132,10 @@ def load_models(path: str, models: dict) -> None:
     for _, opt in models.values():
         if opt is not None:
             _materialize_optimizer_state(opt)
+    sharded = _sharded(models, is_loading=True)
+    _check_optimizer_split(path, sharded, set(dist_checkpointing.load_tensors_metadata(path)))
     try:
-        loaded = dist_checkpointing.load(_sharded(models, is_loading=True), path)
+        loaded = dist_checkpointing.load(sharded, path)
     except Exception as e:
         raise RuntimeError(
             f"cannot load checkpoint {path} into this run's models ({e}); was it written for a "
@@ -157,6 +160,36 @@ def load_models(path: str, models: dict) -> None:
                 o.optimizer.state.clear()
             opt.load_state_dict(loaded[f"{name}_optim"])
             _unshare_step_tensors(opt)
+
+
+def _check_optimizer_split(path: str, sharded: dict, file_keys: set[str]) -> None:
+    """Refuse, naming the cause, a checkpoint whose optimizer state is split otherwise than this
+    run's: an MoE model at expert_parallel > 1 keeps its dense and expert parameters in two
+    optimizers (megatron's keys `chained_0.` / `chained_1.`), at EP 1 in one, and megatron-core
+    0.16.1 cannot map one onto the other (it fails with a KeyError deep in its loader)."""
+
+    def keys(tree) -> set[str]:
+        if isinstance(tree, dict):
+            return set().union(*(keys(v) for v in tree.values())) if tree else set()
+        if isinstance(tree, list | tuple):
+            return set().union(*(keys(v) for v in tree)) if tree else set()
+        key = getattr(tree, "key", None)
+        return {key} if isinstance(key, str) else set()
+
+    want = {k for name, tree in sharded.items() if name.endswith("_optim") for k in keys(tree)}
+    if not want:
+        return
+    chained_file = any(k.startswith("chained_") for k in file_keys)
+    chained_run = any(k.startswith("chained_") for k in want)
+    if chained_file != chained_run:
+        written, here = ("two", "one") if chained_file else ("one", "two")
+        raise CheckpointError(
+            f"checkpoint {path}: its optimizer state is {written} optimizer(s) (an MoE model "
+            f"keeps dense and expert parameters apart at parallel.expert_parallel > 1), this "
+            f"run's is {here}; megatron-core cannot load one into the other. Accepted: resume "
+            "with parallel.expert_parallel > 1 as the checkpoint was written (any TP / PP / DP "
+            f"/ EP > 1), or start from its weights with a fresh optimizer: model.mcore_ckpt={path}"
+        )
 
 
 def _materialize_optimizer_state(opt) -> None:
