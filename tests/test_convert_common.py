@@ -60,6 +60,29 @@ DEEPSEEK_V3 = dict(
     num_nextn_predict_layers=0,
 )
 
+# gpt-oss: sinks, every other layer windowed (4 tokens: the tests' sequences are longer), biases
+# everywhere, experts stacked and interleaved on disk, yarn; a swiglu_limit low enough to clamp
+GPT_OSS = dict(
+    _BASE,
+    architectures=["GptOssForCausalLM"],
+    model_type="gpt_oss",
+    intermediate_size=32,
+    head_dim=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    swiglu_limit=0.5,
+    rope_parameters=dict(
+        rope_type="yarn",
+        factor=4.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=64,
+        rope_theta=150000.0,
+    ),
+)
+
 # name -> HF config; together: every family, tied/untied, MHA/GQA/MQA, biases, q/k norms, rope
 # scaling llama3/linear, head_dim != hidden/heads, both MoE on-disk formats
 CASES: dict[str, dict] = {
@@ -131,6 +154,7 @@ CASES: dict[str, dict] = {
     ),
     "glm4_moe": dict(GLM4_MOE, num_hidden_layers=4),
     "deepseek_v3": dict(DEEPSEEK_V3, num_hidden_layers=4),
+    "gpt_oss": dict(GPT_OSS, num_hidden_layers=4),
 }
 
 
@@ -190,7 +214,7 @@ def layouts_worker(rank, world, ckpts: dict, out: str, tokens: torch.Tensor):
         arch = read_checkpoint_arch(ckpt)
         layouts = {"pp2": {"pipeline_parallel": 2}}
         if arch.num_key_value_heads % 2 == 0:
-            layouts = {"tp2": {"tensor_parallel": 2}, **layouts}
+            layouts = {"tp2": _tp2(arch), **layouts}
         if arch.is_moe:
             layouts["ep2"] = {"expert_parallel": 2}
         resaved = os.path.join(out, name, "resaved")
@@ -208,12 +232,19 @@ def layouts_worker(rank, world, ckpts: dict, out: str, tokens: torch.Tensor):
 
     name = next(iter(ckpts))
     for role in ("actor", "critic"):
-        arch, par, _ = _setup(ckpts[name], {"tensor_parallel": 2}, world)
+        arch, par, _ = _setup(ckpts[name], _tp2(read_checkpoint_arch(ckpts[name])), world)
         chunks = build_model(arch, par, PrecisionConfig(), role=role)
         load_model_checkpoint(chunks, ckpts[name])
         full = gather_full_state(chunks, to_all=False)
         res[(name, f"{role}_tp2")] = full
     return res if rank == 0 else {}
+
+
+def _tp2(arch) -> dict:
+    """TP 2; biased experts (gpt-oss) need expert-TP 1, so with EP 2 (`transformer_config`)."""
+    if arch.linear_bias and arch.is_moe:
+        return {"tensor_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1}
+    return {"tensor_parallel": 2}
 
 
 def _setup(ckpt, layout, world):

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from megarl.convert.hf_io import LazyHFTensors
 from megarl.convert.mapping import hf_to_canonical
@@ -50,7 +51,8 @@ def test_roundtrip_bit_exact(converted):
             assert torch.equal(a[k], b[k]), (name, k)
         # small shards: an index that transformers reads, and the files it names
         index = json.load(open(os.path.join(back, "model.safetensors.index.json")))
-        assert set(index["weight_map"]) == set(a)
+        with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+            assert set(index["weight_map"]) == set(f.keys())
         cfg_a = json.load(open(os.path.join(src, "config.json")))
         cfg_b = json.load(open(os.path.join(back, "config.json")))
         assert cfg_a == cfg_b, name
@@ -80,6 +82,12 @@ def test_roundtrip_bit_exact(converted):
     # transformers loads the sharded output (no missing / unexpected keys)
     got = hf_logits(str(root / "mixtral" / "hf"), converted[2])
     assert torch.equal(got, converted[4]["mixtral"])
+    # gpt-oss: the experts written stacked, as transformers stores them, and loaded by it
+    index = json.load(open(root / "gpt_oss" / "hf" / "model.safetensors.index.json"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in index["weight_map"]
+    assert not any(".experts.0." in k for k in index["weight_map"])
+    got = hf_logits(str(root / "gpt_oss" / "hf"), converted[2])
+    assert torch.equal(got, converted[4]["gpt_oss"])
 
 
 def test_logits_tp1(converted):

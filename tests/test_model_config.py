@@ -170,13 +170,38 @@ def test_num_params_equals_the_mapped_hf_tensors():
     "arch,why",
     [
         ("Qwen3NextForCausalLM", "Gated DeltaNet"),
-        ("GptOssForCausalLM", "attention sinks"),
         ("Gemma3ForCausalLM", "local / global attention"),
     ],
 )
 def test_families_megarl_does_not_build_are_refused_with_the_reason(arch, why):
     with pytest.raises(ModelConfigError, match=f"not supported yet: .*{why}.*DeepseekV3"):
         arch_from_hf({**TINY_LLAMA, "architectures": [arch], "model_type": "x"})
+
+
+def test_gpt_oss_maps_to_megatrons_sinks_windows_biases_and_clamped_glu():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    from tests.test_convert_common import GPT_OSS
+
+    arch = arch_from_hf(GPT_OSS)
+    assert arch.window_layers == (True, False) and arch.sliding_window == 4
+    assert arch.attention_sinks and arch.linear_bias and arch.stacked_experts
+    assert arch.moe_intermediate_size == 32 and arch.swiglu_limit == 0.5
+    cfg = transformer_config(arch, ParallelConfig(), PrecisionConfig(), gpu=False)
+    assert cfg.softmax_type == "learnable" and cfg.add_bias_linear
+    assert cfg.window_size == (3, 0) and cfg.window_attn_skip_freq == [1, 0]
+    assert cfg.activation_func is quick_gelu and cfg.glu_linear_offset == 1.0
+    assert cfg.activation_func_clamp_value == 0.5 and not cfg.moe_router_pre_softmax
+    assert (cfg.yarn_rotary_scaling_factor, cfg.yarn_correction_range_round_to_int) == (4.0, False)
+    with pytest.raises(ModelConfigError, match="expert_tensor_parallel: 1 with expert_parallel"):
+        transformer_config(arch, ParallelConfig(tensor_parallel=2), PrecisionConfig(), gpu=False)
+    for change, expected in [
+        ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5; accepted: 1.702"),
+        ({"layer_types": ["full_attention"]}, "accepted: 2 entries"),
+        ({"sliding_window": None}, "sliding_attention layers without a sliding_window"),
+    ]:
+        with pytest.raises(ModelConfigError, match=expected):
+            arch_from_hf({**GPT_OSS, **change})
 
 
 def test_expert_bias_updates_need_fp32():

@@ -163,3 +163,71 @@ def test_mla_and_sigmoid_router_pieces():
     assert cpu_repack.applies(plain)
     mla = VllmDescription(params, (), 0, 1, "float32", "M", "0.32", derived=("x.W_UV",))
     assert not cpu_repack.applies(mla)
+
+
+def test_gpt_oss_expert_pieces_write_what_vllms_own_loader_writes():
+    """gpt-oss's experts in vLLM's GPU layouts (vLLM TP 2 splitting each expert's interleaved
+    intermediate axis; expert parallelism, two experts a rank), filled from megarl's per-expert
+    HF tensors through its (transposed) pieces: equal to what vLLM 0.32's
+    `GptOssRoutedExperts` loaders make of the same tensors. w2_bias at experts' TP 2 (which vLLM
+    zeroes on rank 1) is refused at plan time."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
+
+    from megarl.convert.mapping import transposed_hf
+    from tests.tiny import TINY_GPT_OSS
+
+    arch = arch_from_hf(TINY_GPT_OSS)
+    g = torch.Generator().manual_seed(0)
+    state = {n: torch.randn(s, generator=g) for n, s in canonical_shapes_for(arch).items()}
+    hf = dict(canonical_to_hf(arch, state.items()))
+    flipped = transposed_hf(arch)
+    assert "model.layers.1.mlp.experts.3.gate_up_proj" in flipped
+    e_all, inter, h = 4, 64, 128
+    loaders = {
+        "w13_weight": ("gate_up_proj", "gpt_oss_w13", "_load_unquantized_expert"),
+        "w2_weight": ("down_proj", "gpt_oss_w2", "_load_unquantized_expert"),
+        "w13_bias": ("gate_up_proj_bias", "gpt_oss_w13", "_load_expert_bias"),
+        "w2_bias": ("down_proj_bias", "gpt_oss_w2", "_load_expert_bias"),
+    }
+    m = "model.layers.1.mlp.experts.routed_experts"
+    cases = [(2, r, [0, 1, 2, 3]) for r in range(2)]  # vLLM TP 2
+    cases += [(1, 0, [0, 1, -1, -1]), (1, 0, [-1, -1, 0, 1])]  # expert parallel, two ranks
+    for tp, r, slots in cases:
+        local = [e for e in range(e_all) if slots[e] >= 0]
+        attrs = dict(slots=slots, tp_rank=r, tp_size=tp, intermediate=inter, hidden=h)
+        attrs.update(names=("", "", ""), gpt_oss=True)
+        shapes = {
+            "w13_weight": (len(local), 2 * inter // tp, h),
+            "w2_weight": (len(local), h, inter // tp),
+            "w13_bias": (len(local), 2 * inter // tp),
+            "w2_bias": (len(local), h),
+        }
+        config = SimpleNamespace(moe_parallel_config=SimpleNamespace(tp_rank=r))
+        stub = type(
+            "Loader",
+            (),
+            {
+                "moe_config": config,
+                "_narrow_for_rank": staticmethod(GptOssRoutedExperts._narrow_for_rank),
+                "_copy_to_expert": staticmethod(GptOssRoutedExperts._copy_to_expert),
+            },
+        )()
+        for leaf, (hf_leaf, shard, loader) in loaders.items():
+            if leaf == "w2_bias" and tp > 1:
+                with pytest.raises(PlanError, match="experts' TP 1"):
+                    expert_pieces(m, leaf, attrs)
+                continue
+            ours = torch.full(shapes[leaf], float("nan"))
+            for pc in expert_pieces(m, leaf, attrs):
+                src = hf[pc.hf].t() if pc.transposed else hf[pc.hf]
+                assert pc.transposed == (pc.hf in flipped) and src.shape == pc.hf_shape
+                ours[pc.index].narrow(pc.dim, pc.offset, pc.length).copy_(
+                    src.narrow(pc.dim, pc.hf_start, pc.length)
+                )
+            theirs = torch.full(shapes[leaf], float("nan"))
+            for e in local:
+                name = f"model.layers.1.mlp.experts.{e}.{hf_leaf}"
+                getattr(GptOssRoutedExperts, loader)(stub, theirs[slots[e]], hf[name], shard)
+            assert not ours.isnan().any() and torch.equal(ours, theirs), (tp, r, leaf)

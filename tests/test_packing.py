@@ -16,11 +16,12 @@ from megarl.data.batch import MicroBatching, collate, pad_share, split_micro_bat
 from megarl.data.packing import PackedRows, first_fit_decreasing, model_layout
 from megarl.distributed.launch import spawn
 from tests import parity_worker as pw
-from tests.test_convert_common import DEEPSEEK_V3
+from tests.test_convert_common import DEEPSEEK_V3, GPT_OSS
 from tests.tiny import TINY_LLAMA, TINY_QWEN3
 
 # DeepSeek-V3: multi-latent attention packed (keys wider than values, the rotary key per segment)
-ARCHS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3, "deepseek_v3": DEEPSEEK_V3}
+# gpt-oss: a sequence's window and sinks must not see the segments packed before it
+ARCHS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3, "deepseek_v3": DEEPSEEK_V3, "gpt_oss": GPT_OSS}
 TOL = 1e-6
 
 
@@ -103,6 +104,8 @@ def pack_job(rank: int, world: int, states: dict, layout: dict) -> dict:
     out = {}
     for name, hf in ARCHS.items():
         arch, par = arch_from_hf(hf), ParallelConfig(**layout)
+        if arch.linear_bias and arch.is_moe and par.tensor_parallel > 1:  # biased experts: ETP 1
+            par = ParallelConfig(**layout, expert_parallel=2, expert_tensor_parallel=1)
         groups = Topology.for_model(par, world, arch).initialize(seed=0)
         pad_to = forward.sequence_multiple(groups.tp_size, par.sequence_parallel, None)
         prompts, responses = _batch()

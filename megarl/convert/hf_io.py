@@ -29,7 +29,7 @@ import torch
 
 from megarl.checkpoint.files import HF_INDEX as INDEX
 from megarl.checkpoint.files import copy_tokenizer_files, looks_like_checkpoint
-from megarl.convert import fp8_blocks
+from megarl.convert import fp8_blocks, stacked
 from megarl.errors import OutputExistsError, UserError
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,15 @@ class LazyHFTensors:
         self._scales, self._block = fp8_blocks.pair_scales(
             self.dir, {n: m for n, (_, _, m) in self._entries.items()}, HFCheckpointError
         )
+        # gpt-oss's stacked experts, read per expert (megarl.convert.stacked)
+        self._slices: dict[str, tuple[str, int]] = {}
+        self._stacked: dict[str, list[str]] = {}
+        for n, (_, _, meta) in self._entries.items():
+            for v, whole, e in stacked.slices(n, tuple(meta["shape"])):
+                self._slices[v] = (whole, e)
+                self._stacked.setdefault(whole, []).append(v)
+        mx = [n.removesuffix("_blocks") + "_scales" for n in self._stacked if n.endswith("_blocks")]
+        self._hidden = set(self._scales.values()) | set(mx)
 
     def _files(self) -> list[str]:
         if not os.path.isdir(self.dir):
@@ -141,22 +150,30 @@ class LazyHFTensors:
 
     @property
     def names(self) -> list[str]:
-        """All tensor names, in file order (block-FP8 scales are not tensors of the model)."""
-        hidden = set(self._scales.values())
-        return [n for n in self._entries if n not in hidden]
+        """All tensor names, in file order (block-FP8 and MXFP4 scales are not tensors of the
+        model; stacked experts are named per expert)."""
+        out = []
+        for n in self._entries:
+            if n in self._stacked:
+                out += self._stacked[n]
+            elif n not in self._hidden:
+                out.append(n)
+        return out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self._entries) - len(self._scales)
+        return len(self.names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries and name not in self._scales.values()
+        return name in self._slices or (
+            name in self._entries and name not in self._hidden and name not in self._stacked
+        )
 
     def _entry(self, name: str):
         try:
-            return self._entries[name]
+            return self._entries[self._slices[name][0] if name in self._slices else name]
         except KeyError:
             raise KeyError(f"{self.dir}: no tensor named {name!r}") from None
 
@@ -169,15 +186,23 @@ class LazyHFTensors:
         return self._entry(name)[0]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entry(name)[2]["shape"])
+        shape = tuple(self._entry(name)[2]["shape"])
+        if name in self._slices:
+            return stacked.slice_shape(self._slices[name][0], shape)
+        return shape
 
     def dtype(self, name: str) -> torch.dtype:
-        if name in self._scales:
+        if name in self._scales or self._slices.get(name, ("",))[0].endswith("_blocks"):
             return torch.bfloat16
         return _DTYPES[self._entry(name)[2]["dtype"]]
 
     def nbytes(self, name: str) -> int:
-        """Bytes of the tensor as read (a block-FP8 weight: its bf16 size)."""
+        """Bytes of the tensor as read (a block-FP8 or MXFP4 weight: its bf16 size)."""
+        if name in self._slices:
+            n = self.dtype(name).itemsize
+            for d in self.shape(name):
+                n *= d
+            return n
         begin, end = self._entry(name)[2]["data_offsets"]
         return (end - begin) * (2 if name in self._scales else 1)
 
@@ -185,12 +210,17 @@ class LazyHFTensors:
         return sum(self.nbytes(n) for n in self.names)
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._slices:
+            return stacked.read_slice(*self._slices[name], self._read_raw)
         meta = self._entry(name)[2]
         return self._read(name, 0, meta["shape"][0] if meta["shape"] else 1)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows `start:stop` of a tensor (dim 0), reading only their bytes: a row range of a
-        row-major tensor is one contiguous byte range of the file."""
+        row-major tensor is one contiguous byte range of the file (an expert of a stacked
+        tensor: read whole, then cut)."""
+        if name in self._slices:
+            return self.get(name)[start:stop]
         shape = self._entry(name)[2]["shape"]
         if not shape or not 0 <= start <= stop <= shape[0]:
             raise HFCheckpointError(

@@ -10,6 +10,9 @@ tensor(s) it is made of, with the HF shapes in symbolic dims and the transform t
   `[q heads of g (heads/kv_heads x head_dim rows); k_g (head_dim rows); v_g (head_dim rows)]`,
   groups concatenated; biases the same way.
 - `gate_up`: gate_proj, up_proj -> `linear_fc1 = [gate; up]` (megatron's gated-linear layout).
+- `gate_up_t`: gpt-oss's one expert `gate_up_proj` [hidden, 2 ffn], gate / up interleaved along
+  the output -> `linear_fc1` [2 ffn, hidden] = [gate; up] (transposed, de-interleaved);
+  `interleaved`: its bias [2 ffn] the same way; `t`: `down_proj` [ffn, hidden] transposed.
 
 A reward model (`arch.score_head`: `<Family>ForSequenceClassification`, one label) holds
 `score.weight` [1, hidden] instead of `lm_head.weight`; it is the canonical `output_layer.weight`
@@ -37,11 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.convert import stacked
 from megarl.convert.tables import TABLES, Rule
 from megarl.errors import UserError
 from megarl.models.fused import (
     gate_up_from_megatron,
     gate_up_to_megatron,
+    interleaved_from_megatron,
+    interleaved_to_megatron,
     qkv_from_megatron,
     qkv_to_megatron,
 )
@@ -80,6 +86,7 @@ def table_for(arch: ModelArch) -> tuple[Rule, ...]:
         "shared": bool(arch.moe_shared_intermediate_size),
         "q_lora": mla is not None and mla.q_lora_rank is not None,
         "q_full": mla is not None and mla.q_lora_rank is None,
+        "linear_bias": arch.linear_bias,
     }
     return tuple(r for r in TABLES[arch.family] if r.when is None or feats[r.when])
 
@@ -107,6 +114,8 @@ def _dims(arch: ModelArch) -> dict[str, int]:
         "head_dim": arch.head_dim,
         "ffn": arch.intermediate_size,
         "moe_ffn": arch.moe_intermediate_size or 0,
+        "moe_ffn2": 2 * (arch.moe_intermediate_size or 0),
+        "heads": heads,
         "experts": arch.num_experts or 0,
         "one": 1,
     }
@@ -182,7 +191,13 @@ def _to_megatron(arch: ModelArch, kind: str, ts: list[torch.Tensor]) -> torch.Te
         )
     if kind == "gate_up":
         return gate_up_to_megatron(*ts)
-    raise MappingError(f"unknown rule kind {kind!r}; accepted: copy, qkv, gate_up")
+    if kind == "gate_up_t":
+        return interleaved_to_megatron(ts[0].t())
+    if kind == "interleaved":
+        return interleaved_to_megatron(ts[0])
+    if kind == "t":
+        return ts[0].t().contiguous()
+    raise MappingError(f"unknown rule kind {kind!r}; accepted: {KINDS}")
 
 
 def _from_megatron(arch: ModelArch, kind: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -194,7 +209,16 @@ def _from_megatron(arch: ModelArch, kind: str, t: torch.Tensor) -> tuple[torch.T
         )
     if kind == "gate_up":
         return gate_up_from_megatron(t)
-    raise MappingError(f"unknown rule kind {kind!r}; accepted: copy, qkv, gate_up")
+    if kind == "gate_up_t":
+        return (interleaved_from_megatron(t).t(),)
+    if kind == "interleaved":
+        return (interleaved_from_megatron(t),)
+    if kind == "t":
+        return (t.t(),)
+    raise MappingError(f"unknown rule kind {kind!r}; accepted: {KINDS}")
+
+
+KINDS = ("copy", "qkv", "gate_up", "gate_up_t", "interleaved", "t")
 
 
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...], what: str) -> None:
@@ -298,13 +322,39 @@ def canonical_to_hf(
             yield n, out
 
 
+def transposed_hf(arch: ModelArch) -> frozenset[str]:
+    """HF names stored [in, out], the transpose of the trainer's [out, in] (gpt-oss's experts:
+    rule kinds `gate_up_t`, `t`)."""
+    return frozenset(
+        n for item in _instances(arch) if item.kind in ("gate_up_t", "t") for n in item.hf
+    )
+
+
+def to_files(
+    arch: ModelArch, items: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """HF `(name, tensor)` as the model's files hold them: gpt-oss's per-expert tensors joined
+    into their stacked ones (`megarl.convert.stacked`); other families unchanged."""
+    if not arch.stacked_experts:
+        return items
+    return stacked.stack(items, arch.num_experts, MappingError)
+
+
+def file_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """`hf_shapes_for` as the files hold them (`to_files`)."""
+    shapes = hf_shapes_for(arch)
+    return stacked.stacked_shapes(shapes, arch.num_experts) if arch.stacked_experts else shapes
+
+
 def canonical_shapes_for(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape (no vocab padding)."""
     out = {}
     for item in _instances(arch):
-        s = item.shapes
-        if item.rule.kind == "copy":
+        s, kind = item.shapes, item.rule.kind
+        if kind in ("copy", "interleaved"):
             out[item.canonical] = s[0]
+        elif kind in ("gate_up_t", "t"):
+            out[item.canonical] = s[0][::-1]
         else:
             out[item.canonical] = (sum(x[0] for x in s), *s[0][1:])
     return out

@@ -33,7 +33,7 @@ from megarl.convert.hf_io import (
     write_hf_files,
 )
 from megarl.convert.layout import VOCAB_PARAMS, local_params, pad_rows, split_tp
-from megarl.convert.mapping import canonical_to_hf, check_hf_names, hf_to_canonical
+from megarl.convert.mapping import canonical_to_hf, check_hf_names, hf_to_canonical, to_files
 from megarl.distributed import ParallelConfig, Topology, TopologyError
 from megarl.distributed.launch import free_port
 from megarl.errors import OutputExistsError
@@ -304,7 +304,7 @@ def mcore_to_hf(
             if source.value_head
             else canonical_to_hf(arch, canonical)
         )
-        tensors = ((n, t.to(torch_dtype)) for n, t in hf)
+        tensors = ((n, t.to(torch_dtype)) for n, t in to_files(arch, hf))
         write_hf_files(d.tmp, tensors, max_shard_bytes=max_shard_bytes, progress=bar)
         bar.close()
         config = export_config(arch.hf_config, arch.family, dtype, value_head=source.value_head)

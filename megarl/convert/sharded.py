@@ -42,7 +42,7 @@ import torch
 
 from megarl.checkpoint.keys import has_value_head
 from megarl.convert.hf_io import LazyHFTensors
-from megarl.convert.layout import VOCAB_PARAMS, local_params, tp_shard
+from megarl.convert.layout import VOCAB_PARAMS, local_params, split_tp, tp_shard
 from megarl.convert.mapping import (
     MappedTensor,
     MappingError,
@@ -174,8 +174,9 @@ def _read_shard(lazy: LazyHFTensors, arch: ModelArch, item: MappedTensor, p) -> 
         rows = item.shapes[0][0] // tp
         gate, up = (lazy.get_rows(n, r * rows, (r + 1) * rows) for n in item.hf)
         return gate_up_to_megatron(gate, up)
-    if item.kind != "copy":
-        raise MappingError(f"{item.canonical!r}: rule kind {item.kind!r} cannot be TP-split")
+    if item.kind != "copy":  # (gpt-oss's transposed experts: read whole, keep this shard)
+        full = canonical_from_hf(arch, item, [lazy.get(n) for n in item.hf])
+        return split_tp(item.canonical, full, 0, tp, r)
     return _rows_padded(
         lazy, item.hf[0], r * p.shape[0], p.shape[0], item.canonical in VOCAB_PARAMS
     )

@@ -17,7 +17,7 @@ NCCL-only group they stage max-object-size x world bytes on the device):
    once (all TP pieces, same dtype) and tells every rank whether to go on (broadcast of one
    error string: a plan that fails, fails on every rank, and nobody waits in a send). The
    export then opens its directory and plans the safetensors shards from the HF shapes
-   (`mapping.hf_shapes_for`), with a second such broadcast.
+   (`mapping.file_shapes`), with a second such broadcast.
 3. Each walk (`CanonicalStream.tensors`): all ranks go through the canonical tensors in HF
    writing order. A contributor other than rank 0 copies each of its shards to host memory and
    `send`s it to rank 0: on GPU the process group is device-mapped (`cpu:gloo,cuda:nccl`), so
@@ -60,7 +60,7 @@ import torch.distributed as dist
 from megarl.convert.export import export_config, finish_hf_dir
 from megarl.convert.hf_io import AtomicDir, StreamingShardWriter
 from megarl.convert.layout import VOCAB_PARAMS, local_params, merge_tp, replica, tp_shard
-from megarl.convert.mapping import canonical_names_for, canonical_to_hf, hf_shapes_for
+from megarl.convert.mapping import canonical_names_for, canonical_to_hf, file_shapes, to_files
 from megarl.models.hf_config import ModelArch
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def save_hf_streaming(
     if dist.get_rank() == 0:
         try:
             out = AtomicDir(out_dir, overwrite=overwrite)
-            specs = [(n, s, stream.dtype) for n, s in hf_shapes_for(arch).items()]
+            specs = [(n, s, stream.dtype) for n, s in file_shapes(arch).items()]
             writer = StreamingShardWriter(out.tmp, specs, max_shard_bytes=max_shard_bytes)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err[0] = f"{type(e).__name__}: {e}"
@@ -103,9 +103,14 @@ def save_hf_streaming(
     writing = None
     try:
         with contextlib.closing(stream.tensors()) as tensors:  # (rank 0's only)
-            for writing, full in tensors:
-                for hf_name, t in canonical_to_hf(arch, [(writing, full)]):
-                    writer.write(hf_name, t)
+
+            def hf_tensors():
+                nonlocal writing
+                for writing, full in tensors:
+                    yield from canonical_to_hf(arch, [(writing, full)])
+
+            for hf_name, t in to_files(arch, hf_tensors()):
+                writer.write(hf_name, t)
         writing = None
         if writer is not None:
             writer.close()

@@ -21,7 +21,7 @@ class Rule:
     shapes: tuple[tuple[str, ...], ...]
     """Symbolic shape of each HF tensor (dims: see `_dims`)."""
     kind: str = "copy"
-    """copy | qkv | gate_up."""
+    """copy | qkv | gate_up | gate_up_t | interleaved | t (`megarl.convert.mapping`)."""
     when: str | None = None
     """Arch feature the rule needs: qkv_bias, qk_norm, untied (an LM head of its own), score (a
     scalar score head), shared (shared experts), q_lora / q_full (MLA's query projection);
@@ -205,6 +205,41 @@ _SIGMOID_MOE = (
     ),
 )
 
+
+def _gpt_oss() -> tuple[Rule, ...]:
+    """gpt-oss: biases on q / k / v / o, a sink per head, a biased router, experts stored
+    stacked with gate / up interleaved along the output and every weight as [in, out]. The HF
+    names are per expert (`mlp.experts.{e}.gate_up_proj` [hidden, 2 ffn] ...): the slices of
+    transformers' stacked tensors (`megarl.convert.stacked`), and what vLLM 0.32's gpt-oss
+    loader takes one expert at a time (gpt_oss.py `_try_load_streamed_expert`)."""
+    a, c, x = "model.layers.{i}.self_attn.", "decoder.layers.{i}.self_attention.", _EXP
+    h = "model.layers.{i}.mlp.experts.{e}."
+    attn = _attn()
+    return (
+        *attn[:-2],
+        attn[-2],
+        Rule(c + "linear_proj.bias", (a + "o_proj.bias",), (("hidden",),)),
+        Rule(c + "core_attention.softmax_offset", (a + "sinks",), (("heads",),)),
+        attn[-1],
+        Rule(
+            "decoder.layers.{i}.mlp.router.weight",
+            ("model.layers.{i}.mlp.router.weight",),
+            (("experts", "hidden"),),
+        ),
+        Rule(
+            "decoder.layers.{i}.mlp.router.bias",
+            ("model.layers.{i}.mlp.router.bias",),
+            (("experts",),),
+        ),
+        Rule(
+            x + "linear_fc1.weight", (h + "gate_up_proj",), (("hidden", "moe_ffn2"),), "gate_up_t"
+        ),
+        Rule(x + "linear_fc1.bias", (h + "gate_up_proj_bias",), (("moe_ffn2",),), "interleaved"),
+        Rule(x + "linear_fc2.weight", (h + "down_proj",), (("moe_ffn", "hidden"),), "t"),
+        Rule(x + "linear_fc2.bias", (h + "down_proj_bias",), (("hidden",),)),
+    )
+
+
 # family -> table (rules in canonical order: embedding, layers, final norm, output layer)
 TABLES: dict[str, tuple[Rule, ...]] = {
     "llama": (_EMBED, *_attn(), *_DENSE_MLP, *_HEAD),
@@ -215,4 +250,5 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "mixtral": (_EMBED, *_attn(), *_MIXTRAL_MOE, *_HEAD),
     "glm4_moe": (_EMBED, *_attn(), *_DENSE_MLP, *_SIGMOID_MOE, *_HEAD),
     "deepseek_v3": (_EMBED, *_mla(), *_DENSE_MLP, *_SIGMOID_MOE, *_HEAD),
+    "gpt_oss": (_EMBED, *_gpt_oss(), *_HEAD),
 }

@@ -137,7 +137,10 @@ def build_gpt_chunk(
         post_process=post,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings and role not in SCALAR_ROLES,
-        position_embedding_type="rope",  # (MLA layers embed their own rotary keys)
+        # (MLA layers embed their own rotary keys, yarn or not)
+        position_embedding_type=(
+            "yarn" if rs.get("rope_type") == "yarn" and arch.mla is None else "rope"
+        ),
         rotary_percent=arch.rotary_fraction,
         rotary_base=int(arch.rope_theta),
         seq_len_interpolation_factor=rs.get("factor") if rs.get("rope_type") == "linear" else None,
@@ -205,6 +208,7 @@ def build_model(
         chunks.append(chunk)
     if precision.dtype != "fp32" and arch.moe_expert_bias:
         round_expert_bias(chunks, precision.torch_dtype)
+    experts_not_sequence_parallel(chunks)
     if frozen:
         for c in chunks:
             c.requires_grad_(False)
@@ -218,6 +222,19 @@ def build_model(
         )
         for i, c in enumerate(chunks)
     ]
+
+
+def experts_not_sequence_parallel(chunks: list[torch.nn.Module]) -> None:
+    """Clear `sequence_parallel` on expert parameters (gpt-oss's expert biases): megatron-core
+    marks a row-parallel bias with it whatever the layer (tensor_parallel/layers.py:1228,
+    extensions/transformer_engine.py:1114), and `finalize_model_grads` then sums its grad over
+    the dense TP group (finalize_model_grads.py:354), whose ranks hold other experts at EP > 1:
+    expert 0's bias got expert 2's gradient added (measured at TP 2 x EP 2 with SP: 9.4e-2 off).
+    Experts see dispatched tokens, never a sequence shard."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "allreduce", True) is False:  # megatron's mark of an expert parameter
+                p.sequence_parallel = False
 
 
 def round_expert_bias(chunks: list[torch.nn.Module], dtype: torch.dtype) -> None:
@@ -290,6 +307,7 @@ def num_params(arch: ModelArch) -> int:
         q, kv = heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if arch.qkv_bias else 0)
         attn += 2 * arch.head_dim if arch.qk_norm else 0
+        attn += (h if arch.linear_bias else 0) + (heads if arch.attention_sinks else 0)
     else:
         q_out = heads * m.qk_head_dim
         q = h * q_out if m.q_lora_rank is None else m.q_lora_rank * (h + 1 + q_out)
@@ -301,6 +319,8 @@ def num_params(arch: ModelArch) -> int:
     if arch.is_moe:
         e = arch.num_experts
         moe = e * 3 * h * arch.moe_intermediate_size + h * e + (e if arch.moe_expert_bias else 0)
+        if arch.linear_bias:  # gpt-oss: the router's and each expert's [gate; up] and down
+            moe += e + e * (2 * arch.moe_intermediate_size + h)
         moe += 3 * h * (arch.moe_shared_intermediate_size or 0)
     moe_layers = L - arch.dense_layers if arch.is_moe else 0
     head = h if arch.score_head else (0 if arch.tie_word_embeddings else v * h)

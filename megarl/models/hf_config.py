@@ -28,6 +28,8 @@ from megarl.models.families import (
     NOT_YET,
     SIGMOID_MOE,
     MLAShape,
+    check_yarn,
+    gpt_oss_fields,
     mla_shape,
     moe_fields,
 )
@@ -37,7 +39,7 @@ ARCHITECTURES = FAMILIES
 CLASSIFIER_ARCHITECTURES = {
     cls.replace("ForCausalLM", "ForSequenceClassification"): family
     for cls, family in ARCHITECTURES.items()
-    if family not in SIGMOID_MOE  # transformers 5.19 has no classifier of these
+    if family not in (*SIGMOID_MOE, "gpt_oss")  # transformers 5.19 has no classifier of these
 }
 """Sequence classifiers of the same families: megarl reads those with `num_labels: 1` (reward
 models; transformers' `GenericForSequenceClassification`)."""
@@ -95,6 +97,23 @@ class ModelArch:
     """The leading fraction of each head's dims that rotary embeds (GLM-4.5: 0.5)."""
     mla: MLAShape | None = None
     """Multi-latent attention (DeepSeek-V3); `head_dim` is then its query / key head dim."""
+    linear_bias: bool = False
+    """Every linear has a bias (gpt-oss: q/k/v/o, router, experts; megatron's add_bias_linear)."""
+    moe_router_bias: bool = False
+    """The router's linear has a bias (gpt-oss); not the expert bias, which only chooses."""
+    attention_sinks: bool = False
+    """A learned logit per head that joins each softmax without a value (gpt-oss `sinks`;
+    megatron's learnable softmax offset)."""
+    sliding_window: int | None = None
+    """Windowed layers attend to the last `sliding_window` positions, their own included."""
+    window_layers: tuple[bool, ...] | None = None
+    """Per layer: whether it is windowed (gpt-oss alternates, the first windowed)."""
+    swiglu_limit: float | None = None
+    """Clamped SwiGLU (gpt-oss experts): gate clamped above and up on both sides at this limit,
+    out = gate x sigmoid(1.702 gate) x (up + 1); None: plain SwiGLU."""
+    stacked_experts: bool = False
+    """The HF files hold each layer's experts stacked ([experts, ...]; gpt-oss); megarl's HF
+    names are per expert (`megarl.convert.stacked`)."""
     score_head: bool = False
     """The model's files hold a scalar `score` head [1, hidden] (a sequence classifier with one
     label: a reward model) instead of the LM head."""
@@ -192,9 +211,10 @@ def _get(cfg: dict, key: str, where: str, default=dataclasses.MISSING):
 def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) -> ModelArch:
     """Map an HF config (dict, config.json path or model dir) to a validated `ModelArch`."""
     original = load_hf_config(config)
-    if (original.get("quantization_config") or {}).get("quant_method") == "fp8":
-        # block-FP8 files are read as the bf16 model they stand for (megarl.convert.fp8_blocks):
-        # what megarl writes and hands vLLM is that model
+    if (original.get("quantization_config") or {}).get("quant_method") in ("fp8", "mxfp4"):
+        # block-FP8 / MXFP4 files are read as the bf16 model they stand for
+        # (megarl.convert.fp8_blocks, megarl.convert.stacked): what megarl writes and hands
+        # vLLM is that model
         original = {k: v for k, v in original.items() if k != "quantization_config"}
     cfg = resolve_hf_config(original)
     where = where or (os.fspath(config) if not isinstance(config, dict) else "HF config")
@@ -239,14 +259,21 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
     rope_scaling = cfg.get("rope_scaling")
     if rope_scaling is not None:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        kinds = ("yarn", "default") if family == "deepseek_v3" else ("llama3", "linear", "default")
+        kinds = (
+            ("yarn", "default")
+            if family in ("deepseek_v3", "gpt_oss")
+            else ("llama3", "linear", "default")
+        )
         if kind not in kinds:
             raise ModelConfigError(
                 f"{where}: rope_scaling.rope_type={kind!r} is not supported for {family}; "
                 f"accepted: {', '.join(map(repr, kinds))}"
             )
         rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mistral"):
+    oss = gpt_oss_fields(cfg, where, ModelConfigError) if family == "gpt_oss" else {}
+    if oss and rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+        check_yarn(rope_scaling, where, ModelConfigError)
+    if not oss and cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mistral"):
         if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
             raise ModelConfigError(
                 f"{where}: sliding_window={cfg['sliding_window']} attention is not supported"
@@ -282,13 +309,14 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         # a classifier has no LM head to tie (transformers ignores the flag there)
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qkv_bias=family in ("qwen2", "gpt_oss") or bool(cfg.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")),
         rotary_fraction=read_rotary_fraction(cfg, where, ModelConfigError),
         mla=mla,
         score_head=score_head,
         hf_config=original,
         **moe,
+        **oss,
     )
 
 

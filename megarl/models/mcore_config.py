@@ -33,6 +33,15 @@ def transformer_config(
         require_transformer_engine("precision.fp8")
         check_fp8_recipe_device(precision.fp8_recipe, torch.cuda.get_device_capability())
         check_fp8_shapes(arch, parallel, precision)
+    etp = parallel.expert_tensor_parallel or parallel.tensor_parallel
+    if arch.is_moe and arch.linear_bias and etp != 1:
+        # megatron-core 0.16.1 asserts it (transformer_config.py:1588-1591)
+        raise ModelConfigError(
+            f"{arch.family}: biased experts need expert_tensor_parallel 1 (megatron-core adds "
+            f"expert biases only then); got {etp} (parallel.expert_tensor_parallel null = "
+            f"tensor_parallel {parallel.tensor_parallel}). Accepted: tensor_parallel 1, or "
+            "expert_tensor_parallel: 1 with expert_parallel > 1"
+        )
     dtype = precision.torch_dtype
     kw = dict(
         num_layers=arch.num_layers,
@@ -109,11 +118,67 @@ def transformer_config(
         )
     if precision.fp8 is not None:
         kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)
+    kw.update(_gpt_oss_kwargs(arch))
     if arch.mla is not None:
         from megatron.core.transformer import MLATransformerConfig
 
         return MLATransformerConfig(**kw, **_mla_kwargs(arch))
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if arch.mla is None and (arch.rope_scaling or {}).get("rope_type") == "yarn":
+        # megatron's GPTModel reads yarn's settings as config attributes that only
+        # MLATransformerConfig declares (gpt_model.py:172-190, attention.py:1102)
+        for k, v in _yarn(arch).items():
+            setattr(config, f"yarn_{k}", v)
+    return config
+
+
+def _gpt_oss_kwargs(arch: ModelArch) -> dict:
+    """Biases on every linear, sinks, sliding windows and the clamped SwiGLU (gpt-oss).
+
+    The clamped GLU in megatron (mlp.py:219-226, experts.py:721-728) is
+    activation(min(gate, c)) x (clamp(up, -c, c) + offset); with quick_gelu (x sigmoid(1.702 x))
+    and offset 1 it is transformers' GptOssExperts._apply_gate. Windows: megatron's
+    (left, right) = (w - 1, 0) attends to positions q - w + 1 ... q, transformers' window of
+    w (kv_idx > q_idx - w, masking_utils.sliding_window_overlay); `window_attn_skip_freq` as a
+    list marks the windowed layers (utils.is_layer_window_attention)."""
+    kw: dict = {}
+    if arch.linear_bias:
+        kw["add_bias_linear"] = True
+    if arch.attention_sinks:
+        kw["softmax_type"] = "learnable"
+    if arch.window_layers is not None:
+        kw.update(
+            window_size=(arch.sliding_window - 1, 0),
+            window_attn_skip_freq=[int(w) for w in arch.window_layers],
+        )
+    if arch.swiglu_limit is not None:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kw.update(
+            activation_func=quick_gelu,
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=arch.swiglu_limit,
+        )
+    return kw
+
+
+def _yarn(arch: ModelArch) -> dict:
+    """Yarn's settings as megatron names them (transformers: no factor = max_position_embeddings
+    / the original context; no mscale: the attention factor 0.1 ln(factor) + 1, which is
+    megatron's get_mscale(factor, 1) / get_mscale(factor, 0))."""
+    rs = arch.rope_scaling
+    context = arch.max_position_embeddings
+    return dict(
+        rotary_scaling_factor=float(
+            rs.get("factor") or context / rs["original_max_position_embeddings"]
+        ),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
+        beta_fast=float(rs.get("beta_fast") or 32),
+        beta_slow=float(rs.get("beta_slow") or 1),
+        mscale=float(rs.get("mscale", 1.0)),
+        mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)),
+        correction_range_round_to_int=bool(rs.get("truncate", True)),
+    )
 
 
 def _moe_kwargs(arch: ModelArch, expert_bias_rate: float) -> dict:
@@ -157,19 +222,9 @@ def _mla_kwargs(arch: ModelArch) -> dict:
         rope_type="rope",
     )
     if rs.get("rope_type") == "yarn":
-        kw.update(
-            rope_type="yarn",
-            # transformers: no factor = max_position_embeddings / the original context
-            rotary_scaling_factor=float(
-                rs.get("factor")
-                or arch.max_position_embeddings / rs["original_max_position_embeddings"]
-            ),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
-            beta_fast=float(rs.get("beta_fast", 32)),
-            beta_slow=float(rs.get("beta_slow", 1)),
-            mscale=float(rs.get("mscale", 1.0)),
-            mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)),
-        )
+        y = _yarn(arch)
+        y.pop("correction_range_round_to_int")  # (MLA rounds, as DeepSeek's reference code)
+        kw.update(rope_type="yarn", **y)
     return kw
 
 

@@ -67,15 +67,16 @@ def sdpa_attention_class():
     class SDPAttention(DotProductAttention):
         """megatron's local core attention through `F.scaled_dot_product_attention`.
 
-        Assumes what megarl's forward passes guarantee: no attention dropout, the vanilla
-        softmax, no attention bias, and for causal layers a mask that is exactly the causal one
+        Assumes what megarl's forward passes guarantee: no attention dropout, no attention
+        bias, and for causal layers a mask that is exactly the causal one
         (`megarl.models.forward.causal_mask`; right padding keeps real tokens from seeing
         padding), so `is_causal=True` replaces it. Other mask types use the given mask.
         query: [sq, b, np, hn]; key, value: [sk, b, ng, hn] -> [sq, b, np * hn]. Packed (THD,
         `packed_seq_params`): query [t, np, hn]; key, value [t, ng, hn] -> [t, np * hn], causal
         within each segment of `cu_seqlens_q`. Multi-latent attention's keys are wider than its
         values (`k_channels`, `v_channels`: megatron's local attention takes neither); the output
-        is [.., np * v_channels]."""
+        is [.., np * v_channels]. Windowed layers and sinks (megatron's window_size and learnable
+        softmax offset; gpt-oss) are attended by `_windowed`."""
 
         def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
             super().__init__(config, *args, **kwargs)
@@ -83,14 +84,22 @@ def sdpa_attention_class():
                 self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
             if (
                 config.attention_dropout
-                or config.softmax_type != "vanilla"
+                or config.softmax_type not in ("vanilla", "learnable")
                 or config.apply_query_key_layer_scaling
             ):
                 raise ValueError(
-                    "SDPAttention supports attention_dropout=0, the vanilla softmax and no "
-                    f"query-key layer scaling; got {config.attention_dropout}, "
+                    "SDPAttention supports attention_dropout=0, the vanilla or learnable softmax "
+                    f"and no query-key layer scaling; got {config.attention_dropout}, "
                     f"{config.softmax_type!r}, {config.apply_query_key_layer_scaling}"
                 )
+            # (left, right) of this layer, or None (megatron decided it for its own softmax)
+            self.window = self.scale_mask_softmax.window_size
+            if self.softmax_offset is not None:
+                # one sink per local head: split over TP like the heads (megatron's own
+                # sharded_state_dict splits it on dim 0)
+                from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+                set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
         def forward(
             self,
@@ -108,7 +117,7 @@ def sdpa_attention_class():
             if packed_seq_params is not None:
                 return self._packed(query, key, value, packed_seq_params, causal)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
-            out = self._sdpa(q, k, v, None if causal else attention_mask, causal)
+            out = self._attend(q, k, v, None if causal else attention_mask, causal)
             sq, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
@@ -123,10 +132,38 @@ def sdpa_attention_class():
             # per bucket [m, L, heads, hn] -> SDPA's [m, heads, L, hn]
             qs, ks, vs = (_ToBuckets.apply(x, plan) for x in (query, key, value))
             outs = [
-                self._sdpa(*(x.permute(0, 2, 1, 3) for x in qkv), None, True).permute(0, 2, 1, 3)
+                self._attend(*(x.permute(0, 2, 1, 3) for x in qkv), None, True).permute(0, 2, 1, 3)
                 for qkv in zip(qs, ks, vs, strict=True)
             ]
             return _FromBuckets.apply(plan, *outs).reshape(t, self.hidden_size_per_partition)
+
+        def _attend(self, q, k, v, mask, causal: bool):
+            if self.softmax_offset is None and self.window is None:
+                return self._sdpa(q, k, v, mask, causal)
+            return self._windowed(q, k, v, mask, causal)
+
+        def _windowed(self, q, k, v, mask, causal: bool):
+            """Attention with this layer's window and sinks, written out (SDPA takes neither):
+            in fp32, the sink a logit of its own in each softmax that weighs no value, as
+            transformers' gpt-oss eager attention. Shapes as `_sdpa`."""
+            dtype, heads = q.dtype, q.shape[1]
+            rep = heads // k.shape[1]
+            k, v = (x.repeat_interleave(rep, 1) if rep > 1 else x for x in (k, v))
+            scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale
+            sq, sk = scores.shape[-2:]
+            i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+            j = torch.arange(sk, device=q.device)[None]
+            keep = j <= i if causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+            if self.window is not None:
+                keep = keep & (j >= i - self.window[0]) & (j <= i + self.window[1])
+            if mask is not None and not causal:
+                keep = keep & ~mask
+            scores = scores.masked_fill(~keep, float("-inf"))
+            if self.softmax_offset is not None:
+                sink = self.softmax_offset.float().view(1, heads, 1, 1)
+                scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :sk]
+            return torch.matmul(probs, v.float()).to(dtype)
 
         def _sdpa(self, q, k, v, mask, causal: bool):
             """[b, np, s, hn] x [b, ng, s, hn] x2 -> [b, np, s, hn]; grouped-query heads are
@@ -308,7 +345,25 @@ def layer_spec(arch, *, use_te: bool, moe: bool | None = None):
     elif arch.qk_norm:
         attn.q_layernorm = QKRMSNorm
         attn.k_layernorm = QKRMSNorm
+    if experts and arch.linear_bias:
+        sub.mlp.submodules.experts.submodules.linear_fc2 = expert_fc2_class()
     return spec
+
+
+@functools.cache
+def expert_fc2_class():
+    """megatron's `RowParallelLinear` for biased experts (gpt-oss) on the local layers: their MLP
+    adds the routed weight x bias to fc2's output in place (mlp.py:244-247), and at TP 1 that
+    output is the input handed back by the TP reduce's autograd Function, which autograd refuses
+    to see modified in place once gradients flow. This one returns a fresh tensor."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class ExpertRowParallelLinear(RowParallelLinear):
+        def forward(self, *args, **kwargs):
+            out, bias = super().forward(*args, **kwargs)
+            return (out.clone() if out.requires_grad else out), bias
+
+    return ExpertRowParallelLinear
 
 
 def block_spec(arch, config, *, use_te: bool, vp_stage: int | None, pp_rank: int | None = None):

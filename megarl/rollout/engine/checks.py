@@ -165,6 +165,7 @@ def check_model_dir(model_dir: str, arch: ModelArch) -> None:
         raise RolloutConfigError(
             f"{model_dir}/config.json does not describe the trainer's model ({'; '.join(diff)})"
         )
+    check_vllm_reads(arch, f"{model_dir}/config.json")
     raw = load_hf_config(model_dir)
     need = VLLM_ROUTER_FIELDS.get(arch.family, {})
     wrong = {k: raw.get(k) for k, v in need.items() if raw.get(k) != v}
@@ -172,6 +173,31 @@ def check_model_dir(model_dir: str, arch: ModelArch) -> None:
         raise RolloutConfigError(
             f"{model_dir}/config.json has {wrong}: vLLM would route {arch.family} by another "
             f"rule than the trainer; accepted: {need} (as the published checkpoints have)"
+        )
+
+
+def check_vllm_reads(arch: ModelArch, where: str) -> None:
+    """Refuse a config whose fields vLLM 0.32 does not read for `arch`'s family: it would sample
+    from another model than the trainer's (gpt-oss: gpt_oss.py hard-codes the RMSNorm eps,
+    gpt_oss.py:449-450, 500; windows the even layers whatever layer_types says,
+    gpt_oss.py:176; its experts' SWIGLUOAI has a fixed limit 7 and gain 1.702, cpu_moe.py:302-314;
+    measured: 0.8-7.7 nats off transformers when any differs)."""
+    if arch.family != "gpt_oss":
+        return
+    cfg = arch.hf_config
+    even = tuple(i % 2 == 0 for i in range(arch.num_layers))
+    found = {
+        "rms_norm_eps": (arch.rms_norm_eps, 1e-5),
+        "swiglu_limit": (arch.swiglu_limit, 7.0),
+        "swiglu_alpha": (float(cfg.get("swiglu_alpha", 1.702)), 1.702),
+        "layer_types (windowed layers)": (arch.window_layers or (False,) * len(even), even),
+    }
+    wrong = {k: got for k, (got, fixed) in found.items() if got != fixed}
+    if wrong:
+        raise RolloutConfigError(
+            f"{where}: gpt-oss with {wrong}: vLLM 0.32 does not read these and would sample from "
+            "another model than the trainer; accepted: rms_norm_eps 1e-5, swiglu_limit 7.0, "
+            "swiglu_alpha 1.702, sliding_attention on the even layers (every gpt-oss release)"
         )
 
 

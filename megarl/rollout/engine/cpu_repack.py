@@ -43,7 +43,7 @@ def applies(desc: VllmDescription) -> bool:
     return (
         bool(repacked)
         and not desc.derived
-        and all(p.module != moe_layout.EXPERTS_MODULE for p in repacked)
+        and all(p.module not in moe_layout.EXPERTS_MODULES for p in repacked)
     )
 
 

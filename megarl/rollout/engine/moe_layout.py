@@ -27,19 +27,28 @@ Which write path applies, as `VllmParam.repacked` decides for linears:
   kernel padded (to a multiple of its alignment): refused at plan time.
 - Any other backend (FlashInfer, AITER, MoonEP, XPU, ...) transforms the weights in ways this
   code has not verified: refused at plan time, naming the backend.
-Simplified: no expert biases, no EPLB redundant experts, gated (SiLU-and-mul) experts only.
+- gpt-oss (`GptOssRoutedExperts`, activation SWIGLUOAI): w13 rows interleaved (row 2j gate j,
+  2j + 1 up j), from the per-expert HF `<layer>.mlp.experts.{e}.gate_up_proj` [H, 2 I] stored
+  [in, out], so its pieces are `transposed` (rows [2 r I_r, 2 (r+1) I_r) of its transpose; the
+  loader narrows the interleaved axis the same way, gpt_oss.py:240-257); w2 from `down_proj`
+  [I, H], transposed; the biases w13_bias [E_local, 2 I_r] (`gate_up_proj_bias`, interleaved) and
+  w2_bias [E_local, H] (`down_proj_bias`; vLLM zeroes it on experts' TP ranks > 0, which megarl
+  does not plan: refused there).
+Simplified: no other expert biases, no EPLB redundant experts, gated experts only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 from megarl.rollout.engine.pieces import Piece, PlanError
 
-EXPERTS_MODULE = "RoutedExperts"
+EXPERTS_MODULES = ("RoutedExperts", "GptOssRoutedExperts")
 GATE_MODULES = ("ReplicatedLinear", "GateLinear")
 _LEAVES = ("w13_weight", "w2_weight")
+_GPT_OSS_LEAVES = (*_LEAVES, "w13_bias", "w2_bias")
 _IN_PLACE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
@@ -50,6 +59,8 @@ def expert_pieces(module_name: str, leaf: str, attrs: dict) -> list[Piece]:
     not on this rank), tp_rank, tp_size (the experts' own TP), intermediate (I, global),
     hidden (H), names (gate, up, down checkpoint names)."""
     name = f"{module_name}.{leaf}"
+    if attrs.get("gpt_oss"):
+        return _gpt_oss_pieces(module_name, leaf, attrs)
     if leaf not in _LEAVES:
         raise PlanError(
             f"vLLM parameter {name!r}: fused experts with a {leaf!r} parameter are not "
@@ -79,14 +90,44 @@ def expert_pieces(module_name: str, leaf: str, attrs: dict) -> list[Piece]:
     return out
 
 
+def _gpt_oss_pieces(module_name: str, leaf: str, attrs: dict) -> list[Piece]:
+    """gpt-oss's experts (module docstring): per-expert HF tensors, weights transposed."""
+    name = f"{module_name}.{leaf}"
+    parent = module_name.removesuffix(".routed_experts")
+    size, r, t, h = attrs["intermediate"], attrs["tp_rank"], attrs["tp_size"], attrs["hidden"]
+    if leaf not in _GPT_OSS_LEAVES or size % t or (leaf == "w2_bias" and t > 1):
+        raise PlanError(
+            f"vLLM parameter {name!r}: gpt-oss experts are planned for {_GPT_OSS_LEAVES} with "
+            f"the experts' TP dividing {size} and, for w2_bias, experts' TP 1 (vLLM zeroes it on "
+            f"the other ranks); got TP {t}. Accepted: vLLM expert parallelism (experts' TP 1)"
+        )
+    local = size // t
+    out = []
+    for e, s in enumerate(attrs["slots"]):
+        if s < 0:
+            continue
+        hf = f"{parent}.{e}."
+        if leaf == "w13_weight":
+            pc = Piece(name, hf + "gate_up_proj", 0, 2 * r * local, 2 * local, 0, (2 * size, h))
+        elif leaf == "w2_weight":
+            pc = Piece(name, hf + "down_proj", 1, r * local, local, 0, (h, size))
+        elif leaf == "w13_bias":
+            pc = Piece(name, hf + "gate_up_proj_bias", 0, 2 * r * local, 2 * local, 0, (2 * size,))
+        else:
+            pc = Piece(name, hf + "down_proj_bias", 0, 0, h, 0, (h,))
+        out.append(dataclasses.replace(pc, index=(s,), transposed=leaf.endswith("_weight")))
+    return out
+
+
 def expert_attrs(module, name: str) -> dict:
     """Read what `expert_pieces` needs from a live `RoutedExperts`, and whether its backend
     repacks the weights (`repacked`); `PlanError` for anything not supported."""
     cfg = module.moe_config
+    gpt_oss = type(module).__name__ == "GptOssRoutedExperts"
     problems = []
     if not cfg.is_act_and_mul:
         problems.append(f"activation {cfg.activation} is not gated (w13 = [gate; up])")
-    if cfg.has_bias:
+    if cfg.has_bias and not gpt_oss:
         problems.append("expert biases")
     if cfg.num_experts != cfg.num_logical_experts:
         problems.append(f"{cfg.num_experts - cfg.num_logical_experts} EPLB redundant experts")
@@ -105,6 +146,7 @@ def expert_attrs(module, name: str) -> dict:
         hidden=module.hidden_size,
         names=(module.ckpt_gate_proj_name, module.ckpt_up_proj_name, module.ckpt_down_proj_name),
         repacked=_repacked(module, name),
+        gpt_oss=gpt_oss,
     )
 
 
@@ -143,7 +185,7 @@ def _cpu_experts(module):
     except ImportError:  # a vLLM build without the CPU kernels
         return None
     quant = (
-        getattr(module, "quant_method", None) if type(module).__name__ == EXPERTS_MODULE else None
+        getattr(module, "quant_method", None) if type(module).__name__ in EXPERTS_MODULES else None
     )
     kernel = getattr(getattr(quant, "moe_kernel", None), "fused_experts", None)
     return kernel if isinstance(kernel, CPUUnquantizedExperts) else None

@@ -37,6 +37,15 @@ class Piece:
     index: tuple[int, ...] = ()
     """Leading indices into the vLLM parameter before the slice (a fused MoE weight's expert
     slot); `dim` and `offset` then refer to `param[index]`."""
+    transposed: bool = False
+    """The HF tensor is stored [in, out] (gpt-oss's experts): `hf_shape`, `dim` and the slice
+    refer to its transpose, which is the trainer's and vLLM's orientation; vLLM's loader is
+    handed the transpose back (`megarl.rollout.sync.reshard.Reshard.feed`)."""
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The HF tensor's shape as the mapping produces it."""
+        return self.hf_shape[::-1] if self.transposed else self.hf_shape
 
     @property
     def shape(self) -> tuple[int, ...]:

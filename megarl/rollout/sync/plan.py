@@ -36,7 +36,12 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.convert.layout import split_tp
-from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_names_for
+from megarl.convert.mapping import (
+    canonical_shapes_for,
+    canonical_to_hf,
+    hf_names_for,
+    transposed_hf,
+)
 from megarl.dtypes import BYTES_BY_NAME
 from megarl.models.hf_config import ModelArch
 from megarl.rollout.engine.pieces import Piece, PlanError, VllmDescription
@@ -215,10 +220,17 @@ def hf_index_maps(
 
     `dims` gives the dimension each canonical tensor is sharded / permuted along. Maps are
     computed once per tensor kind (layer / expert indices abstracted) and checked to cover
-    exactly the HF names of `arch`."""
+    exactly the HF names of `arch`. An HF tensor stored [in, out] (`transposed_hf`: gpt-oss's
+    experts) is mapped as its transpose, the trainer's orientation, as its pieces are."""
     shapes = canonical_shapes_for(arch)
     cache: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     out = {}
+    flipped = transposed_hf(arch)
+
+    def hf_of(name: str, t: torch.Tensor):  # in the trainer's orientation (`Piece.transposed`)
+        for h, x in canonical_to_hf(arch, [(name, t)]):
+            yield h, (x.t() if h in flipped else x)
+
     for name, shape in shapes.items():
         d = dims.get(name, 0)
         indices = _INDEX.findall(name)
@@ -226,11 +238,11 @@ def hf_index_maps(
         if key not in cache:
             maps = [
                 (_INDEX.sub("#", h), _along(t, d).clone())
-                for h, t in canonical_to_hf(arch, [(name, _index_tensor(shape, d))])
+                for h, t in hf_of(name, _index_tensor(shape, d))
             ]
             if len(shape) > 1:  # the other dimension must map to itself
                 other = 1 - d
-                for h, t in canonical_to_hf(arch, [(name, _index_tensor(shape, other))]):
+                for h, t in hf_of(name, _index_tensor(shape, other)):
                     if not torch.equal(_along(t, other), torch.arange(t.shape[other])):
                         raise PlanError(
                             f"the HF mapping of {name!r} -> {h!r} permutes dimension {other} "
@@ -335,7 +347,7 @@ def build_plan(
     owners, dims = {}, {}
     for order, name in enumerate(names):
         owners[name], dims[name] = _owner_maps(name, metas, order)
-    hf_maps = hf_index_maps(arch, dims)
+    hf_maps, flipped = hf_index_maps(arch, dims), transposed_hf(arch)
 
     def segments_for(meta: RankMeta) -> tuple[list[list[Segment]], list[str]]:
         per_piece, canon = [], []
@@ -346,6 +358,12 @@ def build_plan(
                     "megarl's HF mapping does not produce"
                 )
             cname, d, idx = hf_maps[pc.hf]
+            if pc.transposed != (pc.hf in flipped):
+                raise PlanError(
+                    f"vLLM parameter {pc.param!r} reads HF tensor {pc.hf!r} "
+                    f"{'transposed' if pc.transposed else 'as stored'}; megarl's mapping stores "
+                    f"it {'[in, out]' if pc.hf in flipped else '[out, in]'}"
+                )
             if d != pc.dim:
                 raise PlanError(
                     f"vLLM slices {pc.hf!r} along dim {pc.dim} but the trainer shards / permutes "

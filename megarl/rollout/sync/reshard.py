@@ -244,9 +244,10 @@ class Reshard:
         for k, pc in enumerate(self.plan.pieces):
             if k in self.aliased:
                 seg = self.plan.aliases[k]
-                yield pc.hf, self._read(seg, self._src, pc.shape, "the HF tensor")
+                t = self._read(seg, self._src, pc.shape, "the HF tensor")
             else:
-                yield pc.hf, self.target.views[k]
+                t = self.target.views[k]
+            yield pc.hf, (t.t() if pc.transposed else t)  # (as the HF tensor is stored)
 
     def repack_items(self) -> list[tuple[str, torch.Tensor, bool]]:
         """Phase 2 (`cpu_repack.RepackTarget`): (vLLM parameter, dense tensor in its layout,
