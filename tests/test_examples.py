@@ -33,6 +33,7 @@ EXAMPLES = {
     "grpo_qwen3_30b_a3b_ep8.yaml": (8, "qwen3-30b-a3b"),
     "grpo_moonlight_16b_a3b_h100.yaml": (8, "moonlight-16b-a3b-instruct"),
     "grpo_glm4.5_air_h100.yaml": (64, "glm-4.5-air"),
+    "grpo_gpt_oss_20b_h100.yaml": (8, "gpt-oss-20b"),
     "grpo_llama3_70b_fp8.yaml": (32, "llama3-70b-instruct"),
     "grpo_llama3_70b_lora.yaml": (8, "llama3-70b-instruct"),
 }

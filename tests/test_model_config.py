@@ -204,6 +204,23 @@ def test_gpt_oss_maps_to_megatrons_sinks_windows_biases_and_clamped_glu():
             arch_from_hf({**GPT_OSS, **change})
 
 
+def test_gpt_oss_fields_vllm_does_not_read_are_refused_at_the_engine():
+    """vLLM 0.32 fixes swiglu_limit, swiglu_alpha, the windowed layers and the norm eps of
+    gpt-oss whatever the config says (measured 0.8-7.7 nats off): such a config is refused."""
+    from megarl.rollout.config import RolloutConfigError
+    from megarl.rollout.engine.checks import check_vllm_reads
+    from tests.tiny import TINY_GPT_OSS
+
+    check_vllm_reads(arch_from_hf(TINY_GPT_OSS), "tiny")  # the published values pass
+    for change, named in [
+        ({"swiglu_limit": 3.0}, "swiglu_limit"),
+        ({"rms_norm_eps": 1e-6}, "rms_norm_eps"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ]:
+        with pytest.raises(RolloutConfigError, match=f"{named}.*vLLM 0.32 does not read"):
+            check_vllm_reads(arch_from_hf({**TINY_GPT_OSS, **change}), "tiny")
+
+
 def test_expert_bias_updates_need_fp32():
     from megarl.config import ConfigError, load_config
 

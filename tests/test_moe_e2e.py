@@ -105,15 +105,17 @@ TOY = dict(
 
 @pytest.mark.slow
 @pytest.mark.extended  # CI: their conversion, layouts, sync (test_convert_roundtrip, test_sync_moe)
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_2026_moe_families_learn_at_ep2_with_routing_replay(tmp_path, family):
     """The same run with a GLM-4.5 and a DeepSeek-V3 policy (sigmoid routing with an expert
-    bias, a shared expert, a dense first layer; DeepSeek's multi-latent attention): megatron's
-    weights synced into vLLM's every step, vLLM's routes replayed, reward up. The expert bias
-    stays frozen (model.expert_bias_update_rate: 0): the trainer and vLLM route alike."""
-    from tests.tiny import TINY_DEEPSEEK_V3, TINY_GLM4_MOE
+    bias, a shared expert, a dense first layer; DeepSeek's multi-latent attention) and a gpt-oss
+    one (sinks, a 4-token window on the first layer, biased experts): megatron's weights synced
+    into vLLM's every step, vLLM's routes replayed, reward up. The expert bias stays frozen
+    (model.expert_bias_update_rate: 0): the trainer and vLLM route alike."""
+    from tests.tiny import TINY_DEEPSEEK_V3, TINY_GLM4_MOE, TINY_GPT_OSS
 
-    tiny = {"glm4_moe": TINY_GLM4_MOE, "deepseek_v3": TINY_DEEPSEEK_V3}[family]
+    tiny = {"glm4_moe": TINY_GLM4_MOE, "deepseek_v3": TINY_DEEPSEEK_V3, "gpt_oss": TINY_GPT_OSS}
+    tiny = tiny[family]
     _learns_with_policy(tmp_path, {**tiny, **TOY}, family)
 
 

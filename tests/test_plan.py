@@ -693,3 +693,37 @@ def test_deepseek_v3_and_kimi_k2_on_512_h100(model, params, vllm_gib):
         assert rows["vLLM weights (woken for sync)"] == params * 2 / 8
         assert stage.peak("train") <= p.usable  # the trainer alone fits
     assert p.advice[0].startswith(f"vLLM's weights alone take {vllm_gib} GiB per GPU")
+
+
+@pytest.mark.parametrize(
+    "model,gpus,extra,params,peak",
+    [
+        ("gpt-oss-20b", 8, [], 20_914_757_184, 75.1),
+        (
+            "gpt-oss-120b",
+            64,
+            ["parallel.expert_parallel=64", "rollout.engine.gpu_memory_utilization=0.38"],
+            116_829_156_672,
+            75.2,
+        ),
+    ],
+)
+def test_gpt_oss_on_h100_nodes(model, gpus, extra, params, peak):
+    """gpt-oss-20b fits one node of 8 H100s at EP 8 (the example); gpt-oss-120b 64 at EP 64 with
+    vLLM held to 38% of a GPU (its bf16 weights take 27.2 GiB of it at vLLM TP 8). Counts as
+    published: 20.9B and 116.8B (the MXFP4 experts read as bf16)."""
+    from megarl.config import load_config
+    from megarl.models.builder import num_params
+    from megarl.models.hf_config import arch_from_hf
+
+    shape = os.path.join("examples", "models", model)
+    assert num_params(arch_from_hf(shape)) == params
+    base = ["model.mcore_ckpt=null", f"model.hf={shape}"]
+    p = plan(load_config("examples/grpo_gpt_oss_20b_h100.yaml", [*base, *extra]), gpus=gpus,
+             gpu_mem_gib=80)
+    assert p.fits and not p.problems, describe(p)
+    stage = p.stages[0]
+    top = max(stage.peak(ph) for ph in ("rollout", "logprobs", "train", "sync"))
+    assert round(top / 2**30, 1) == peak
+    rows = {r.name: r.nbytes for r in stage.rows}
+    assert rows["vLLM weights (woken for sync)"] == params * 2 / 8

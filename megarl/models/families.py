@@ -1,5 +1,5 @@
 """Per-family readers of the HF config fields beyond a Llama's: MoE routing, shared experts,
-dense first layers, multi-latent attention, partial rotary.
+dense first layers, multi-latent attention, partial rotary, gpt-oss's sinks, windows and biases.
 
 Each reader takes the resolved HF config dict and returns `ModelArch` keyword arguments, refusing
 what megarl cannot express with an error that names the field. `FAMILIES` is the one list of what

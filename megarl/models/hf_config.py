@@ -6,10 +6,11 @@ is the only input to the model builders and to the HF <-> Megatron parameter map
 
 Supported families (`megarl.models.families.FAMILIES`): Llama 2/3/3.1 (rope scaling `llama3` and
 `linear`), Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm, head_dim != hidden/heads), Qwen3-MoE,
-Mixtral, GLM-4.5 MoE (partial rotary) and DeepSeek-V3 / Kimi-K2 (multi-latent attention, yarn);
-each as a causal LM (`<Family>ForCausalLM`) or, for the dense and the softmax-routed families, as a
-reward model (`<Family>ForSequenceClassification` with one label: the same trunk, a scalar
-`score` head instead of the LM head; `ModelArch.score_head`).
+Mixtral, GLM-4.5 MoE (partial rotary), DeepSeek-V3 / Kimi-K2 (multi-latent attention, yarn) and
+gpt-oss (sinks, sliding windows, biases, clamped SwiGLU experts); each as a causal LM
+(`<Family>ForCausalLM`) or, for the dense families, Qwen3-MoE and Mixtral, as a reward model
+(`<Family>ForSequenceClassification` with one label: the same trunk, a scalar `score` head
+instead of the LM head; `ModelArch.score_head`).
 """
 
 from __future__ import annotations

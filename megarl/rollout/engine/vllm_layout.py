@@ -13,6 +13,9 @@ vLLM fuses and shards HF tensors in its own way (per vLLM tensor-parallel rank r
   vLLM never samples, because logits are cut to the real vocabulary before sampling.
 - MoE: the router (`GateLinear`) is a replicated linear; the fused experts (`RoutedExperts`
   w13 / w2, one slot per local expert) follow `megarl.rollout.engine.moe_layout`.
+- One value per head (gpt-oss's attention sinks, `OAIAttention`): the rank's heads, whole.
+  Module paths that differ from the HF names (gpt-oss: `.attn.`, `.embedding.`) are mapped
+  back (`HF_NAMES`).
 
 A `Piece` (`megarl.rollout.engine.pieces`) says which slice of an HF tensor fills which slice of a
 vLLM parameter.

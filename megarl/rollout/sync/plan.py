@@ -12,7 +12,8 @@ columns for row-parallel weights):
 - HF side: which canonical index HF row i comes from, by pushing an index tensor through
   `megarl.convert.mapping.canonical_to_hf` (QKV de-interleave per query group, [gate; up] split;
   the other dimension is checked to map to itself, so a transform that is not a pure
-  permutation along `d` is refused at plan time);
+  permutation along `d` is refused at plan time); an HF tensor stored [in, out] (gpt-oss's
+  experts) is planned as its transpose (`Piece.transposed`), handed to vLLM's loader as stored;
 - vLLM side: which HF rows land where in each local vLLM parameter, from `vllm_layout`.
 Composing the three gives, per vLLM piece, runs of consecutive indices that come from one
 trainer shard: `Segment`s. A copy of one segment is one strided block copy.
