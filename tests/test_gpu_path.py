@@ -149,6 +149,9 @@ def test_sequence_multiple_pads_for_fp8_and_sequence_parallel():
     assert sequence_multiple(1, False, "delayed") == 16
     assert sequence_multiple(4, True, "delayed") == 64  # 16 local tokens per TP rank
     assert sequence_multiple(2, True, "mxfp8") == 64
+    # blockwise all-gathers quantized inputs under SP: 128 tokens (TE's all-gather check)
+    assert sequence_multiple(2, True, "blockwise") == 256
+    assert sequence_multiple(2, False, "blockwise") == 16
 
 
 def test_fp8_refuses_weight_shapes_that_cannot_be_padded():
@@ -168,6 +171,28 @@ def test_fp8_refuses_weight_shapes_that_cannot_be_padded():
     odd = arch_from_hf({**ds.hf_config, "kv_lora_rank": 520})
     with pytest.raises(ModelConfigError, match=r"kv_lora_rank \+ qk_rope_head_dim = 584"):
         check_fp8_shapes(odd, ParallelConfig(tensor_parallel=8), fp8)
+    # gpt-oss: every GEMM fits 16 at TP 8, but blockwise under SP all-gathers a hidden of 2880
+    oss = arch_from_hf("examples/models/gpt-oss-120b")
+    experts = dict(expert_parallel=8, expert_tensor_parallel=1)  # (biased experts: ETP 1)
+    sp = ParallelConfig(tensor_parallel=8, sequence_parallel=True, **experts)
+    check_fp8_shapes(oss, sp, fp8)
+    block = PrecisionConfig(dtype="bf16", fp8="e4m3", fp8_recipe="blockwise")
+    check_fp8_shapes(oss, ParallelConfig(tensor_parallel=8, **experts), block)
+    with pytest.raises(ModelConfigError, match="hidden_size = 2880 .blockwise with sequence"):
+        check_fp8_shapes(oss, sp, block)
+
+
+def test_attention_sinks_on_transformer_engine_are_refused_where_it_has_no_backend():
+    """megatron needs TE >= 2.8 for sinks; TE before 2.12 cannot attend them on packed rows."""
+    from megarl.models.mcore_config import te_attention_refusal
+
+    oss = arch_from_hf("examples/models/gpt-oss-20b")
+    assert te_attention_refusal(ARCH, packed=True, te_version="2.4.0") is None  # no sinks
+    assert "pack_sequences: false" in te_attention_refusal(oss, packed=True, te_version="2.9.0")
+    assert "pack_sequences: false" in te_attention_refusal(oss, packed=True, te_version=None)
+    assert te_attention_refusal(oss, packed=False, te_version="2.9.0") is None
+    assert te_attention_refusal(oss, packed=True, te_version="2.12.0") is None
+    assert ">= 2.8" in te_attention_refusal(oss, packed=False, te_version="2.7.1")
 
 
 # ------------------------------------------------------------------ no silent fallback

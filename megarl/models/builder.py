@@ -147,6 +147,8 @@ def build_gpt_chunk(
         vp_stage=vp_stage,
     )
     _apply_rope_scaling(model, arch)
+    experts_not_sequence_parallel(model)
+    sinks_split_with_heads(model)
     model.megarl_vocab_size = arch.vocab_size  # logits and exports are cut to the real vocab
     model.megarl_role = role  # which model a forward belongs to (MoE router statistics)
     if role in SCALAR_ROLES and post:
@@ -208,7 +210,6 @@ def build_model(
         chunks.append(chunk)
     if precision.dtype != "fp32" and arch.moe_expert_bias:
         round_expert_bias(chunks, precision.torch_dtype)
-    experts_not_sequence_parallel(chunks)
     if frozen:
         for c in chunks:
             c.requires_grad_(False)
@@ -224,17 +225,29 @@ def build_model(
     ]
 
 
-def experts_not_sequence_parallel(chunks: list[torch.nn.Module]) -> None:
+def experts_not_sequence_parallel(model: torch.nn.Module) -> None:
     """Clear `sequence_parallel` on expert parameters (gpt-oss's expert biases): megatron-core
     marks a row-parallel bias with it whatever the layer (tensor_parallel/layers.py:1228,
     extensions/transformer_engine.py:1114), and `finalize_model_grads` then sums its grad over
     the dense TP group (finalize_model_grads.py:354), whose ranks hold other experts at EP > 1:
     expert 0's bias got expert 2's gradient added (measured at TP 2 x EP 2 with SP: 9.4e-2 off).
-    Experts see dispatched tokens, never a sequence shard."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if getattr(p, "allreduce", True) is False:  # megatron's mark of an expert parameter
-                p.sequence_parallel = False
+    Experts see dispatched tokens, never a sequence shard. (The Transformer-Engine layers mark
+    it only when built with `use_cpu_initialization`, never on GPU; cleared all the same.)"""
+    for p in model.parameters():
+        if getattr(p, "allreduce", True) is False:  # megatron's mark of an expert parameter
+            p.sequence_parallel = False
+
+
+def sinks_split_with_heads(model: torch.nn.Module) -> None:
+    """Mark attention sinks (megatron's learnable softmax offset, one per local head) as split
+    over TP on dim 0, as megatron's checkpoints split them (dot_product_attention.py:260-270):
+    neither megatron's local attention nor Transformer-Engine's marks the parameter, so the
+    conversion, grad norm and weight sync would take TP rank 0's heads for all of them."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for name, p in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
 
 
 def round_expert_bias(chunks: list[torch.nn.Module], dtype: torch.dtype) -> None:

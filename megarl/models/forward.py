@@ -185,10 +185,15 @@ def sequence_multiple(tp: int, sequence_parallel: bool, fp8_recipe: str | None) 
     splits the sequence over the TP ranks; Transformer-Engine's FP8 GEMMs need the flattened
     token dimension (micro-batch x local sequence) divisible by 16 (32 for MXFP8, as
     `megatron.core.fp8_utils.get_fp8_align_size`), which a local sequence length that is a
-    multiple of it guarantees for any micro-batch size. `fp8_recipe`: None when FP8 is off."""
+    multiple of it guarantees for any micro-batch size. Blockwise FP8 under sequence parallelism
+    all-gathers quantized inputs whose token dimension must be divisible by 128 (TE 2.9
+    `assert_dim_for_all_gather`, pytorch/utils.py:449-456, float8_blockwise_tensor.py:203-211).
+    `fp8_recipe`: None when FP8 is off."""
     multiple = tp if sequence_parallel else 1
     if fp8_recipe is None:
         return multiple
+    if fp8_recipe == "blockwise" and sequence_parallel and tp > 1:
+        return multiple * 128
     return multiple * (32 if fp8_recipe == "mxfp8" else 16)
 
 

@@ -132,6 +132,30 @@ def transformer_config(
     return config
 
 
+def te_attention_refusal(arch: ModelArch, *, packed: bool, te_version: str | None) -> str | None:
+    """Why Transformer-Engine layers cannot attend `arch` so, or None. Attention sinks (gpt-oss,
+    megatron's learnable softmax offset) need TE >= 2.8 (megatron asserts it,
+    extensions/transformer_engine.py:1283-1288), and TE before 2.12 has no attention backend for
+    them on packed (THD) rows (TE 2.9 attention/dot_product_attention/utils.py:694-713: the
+    first forward raises). `te_version` None: the pinned TE (2.9, the Dockerfile's)."""
+    if not arch.attention_sinks:
+        return None
+    version = tuple(int(x) for x in (te_version or "2.9").split(".")[:2] if x.isdigit())
+    if version < (2, 8):
+        return (
+            f"attention sinks ({arch.family}) need Transformer-Engine >= 2.8, installed "
+            f"{te_version}; accepted: a newer TE, or precision.transformer_engine: false"
+        )
+    if packed and version < (2, 12):
+        return (
+            f"attention sinks ({arch.family}) on packed sequences: Transformer-Engine "
+            f"{te_version or '2.9'} has no attention backend for them (2.12 with cuDNN >= 9.18 "
+            "does); accepted: algorithm.pack_sequences: false, or precision.transformer_engine: "
+            "false (megatron-core's local layers)"
+        )
+    return None
+
+
 def _gpt_oss_kwargs(arch: ModelArch) -> dict:
     """Biases on every linear, sinks, sliding windows and the clamped SwiGLU (gpt-oss).
 
@@ -304,6 +328,11 @@ def check_fp8_shapes(arch: ModelArch, parallel, precision: PrecisionConfig) -> N
         if m.q_lora_rank is not None:
             dims[f"q_lora_rank = {m.q_lora_rank}"] = m.q_lora_rank
     bad = [f"{k} = {v}" for k, v in dims.items() if v % align]
+    if precision.fp8_recipe == "blockwise" and parallel.sequence_parallel and tp > 1:
+        # the all-gathered quantized input's hidden dim (TE 2.9 assert_dim_for_all_gather,
+        # pytorch/utils.py:449-456; float8_blockwise_tensor.py:57, 203-211): gpt-oss's 2880 is not
+        if arch.hidden_size % 128:
+            bad.append(f"hidden_size = {arch.hidden_size} (blockwise with sequence parallel: 128)")
     if bad:
         raise ModelConfigError(
             f"precision.fp8={precision.fp8!r} (recipe {precision.fp8_recipe}) needs GEMM weight "

@@ -94,12 +94,6 @@ def sdpa_attention_class():
                 )
             # (left, right) of this layer, or None (megatron decided it for its own softmax)
             self.window = self.scale_mask_softmax.window_size
-            if self.softmax_offset is not None:
-                # one sink per local head: split over TP like the heads (megatron's own
-                # sharded_state_dict splits it on dim 0)
-                from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-
-                set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
         def forward(
             self,

@@ -34,6 +34,7 @@ from megarl.dtypes import BYTES
 from megarl.models.builder import num_params
 from megarl.models.forward import sequence_multiple
 from megarl.models.lora import te_refusal
+from megarl.models.mcore_config import te_attention_refusal
 from megarl.plan import engines
 from megarl.plan import formulas as fm
 from megarl.plan.formulas import gib
@@ -83,6 +84,10 @@ def plan(
     refused = te_refusal(cfg.model.lora, cfg.precision) if device == "gpu" else None
     if refused:  # a real run stops at its model build (`check_lora`)
         problems.append(f"LoRA: {refused}")
+    if device == "gpu" and cfg.precision.transformer_engine is not False:
+        refused = te_attention_refusal(arch, packed=cfg.algorithm.pack_sequences, te_version=None)
+        if refused:  # a real run stops at its model build
+            problems.append(f"attention: {refused}")
     advice = []
     try:
         shape, topo = count_params(cfg, gpus, dry_run)

@@ -33,7 +33,7 @@ from megarl.distributed.placement import JobPlacement
 from megarl.models.builder import BuildConfig, build_gpt_chunk, num_params
 from megarl.models.hf_config import ModelArch, PrecisionConfig
 from megarl.models.lora import LoraConfig, apply_lora, check_lora, te_refusal
-from megarl.models.mcore_config import check_fp8_shapes, transformer_config
+from megarl.models.mcore_config import check_fp8_shapes, te_attention_refusal, transformer_config
 from megarl.rollout import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
 from megarl.trainer.teacher import teacher_arch
@@ -282,7 +282,7 @@ def dry_run(
         teacher_arch=tarch,
         model_params=num_params(arch),
         dtype=cfg.precision.dtype,
-        notes=_notes(cfg, job_world),
+        notes=_notes(cfg, job_world, arch),
     )
 
 
@@ -374,7 +374,7 @@ def _count(chunks: list[torch.nn.Module], arch: ModelArch) -> list[Chunk]:
     return out
 
 
-def _notes(cfg: RunConfig, job_world: int) -> list[str]:
+def _notes(cfg: RunConfig, job_world: int, arch: ModelArch) -> list[str]:
     p = cfg.precision
     notes = []
     if cfg.rollout.placement.separate:
@@ -420,6 +420,8 @@ def _notes(cfg: RunConfig, job_world: int) -> list[str]:
     notes.append("models on every rank: " + " + ".join(models))
     layers = "megatron-core local layers on the meta device (no memory)"
     refused = te_refusal(cfg.model.lora, cfg.precision)
+    if p.transformer_engine is not False and not refused:
+        refused = te_attention_refusal(arch, packed=cfg.algorithm.pack_sequences, te_version=None)
     if refused:
         layers += f"; a GPU run refuses this config: {refused}"
     elif p.transformer_engine is not False:

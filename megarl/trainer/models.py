@@ -35,8 +35,9 @@ from megarl.convert.model_files import ModelFiles
 from megarl.convert.peft import load_peft
 from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
 from megarl.models import lora
-from megarl.models.builder import BuildConfig, ValueHead, build_model, unwrap
+from megarl.models.builder import BuildConfig, ValueHead, build_model, resolve_use_te, unwrap
 from megarl.models.hf_config import ModelArch
+from megarl.models.mcore_config import te_attention_refusal
 from megarl.models.optim import build_optimizer, main_param_writer
 from megarl.rewards.model import (
     RewardModel,
@@ -192,6 +193,14 @@ def _maker(cfg: RunConfig, gpu: bool):
     def make(role: str, arch: ModelArch, frozen: bool | None = None, dtype=None) -> list:
         """`dtype`: the role's own (`teacher.dtype`), else `precision.dtype`."""
         precision = cfg.precision if dtype is None else replace(cfg.precision, dtype=dtype)
+        if gpu and resolve_use_te(precision, build, gpu=gpu):
+            import transformer_engine
+
+            refused = te_attention_refusal(
+                arch, packed=cfg.algorithm.pack_sequences, te_version=transformer_engine.__version__
+            )
+            if refused:
+                raise ConfigError(f"{role}: {refused}")
         return build_model(
             arch, cfg.parallel, precision, role=role, build=build, gpu=gpu, frozen=frozen
         )
