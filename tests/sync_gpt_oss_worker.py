@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tests import sync_workers as w
-from tests.sync_moe_worker import _setup, layout_name, reloads, replay_check, spy_reloads
+from tests.sync_moe_worker import actor_at, layout_name, reloads, replay_check, spy_reloads
 from tests.tiny import TINY_GPT_OSS
 from tests.vllm_targets import compare_bitwise, dense_state, install_capture, reset_to_sentinel
 
@@ -47,7 +47,7 @@ def job(rank: int, world: int) -> dict:
     engine, res = None, {}
     for layout in LAYOUTS:
         key = layout_name(layout)
-        chunks, groups = _setup(arch, layout, world)
+        chunks, groups = actor_at(arch, layout, world)
         load_full_state(chunks, state)
         if engine is None:
             engine = RolloutEngine(w.model_dir(GPT_OSS), arch, cfg, engine_cfg)

@@ -89,7 +89,7 @@ def job(rank: int, world: int) -> dict:
         engine = None
         for layout in LAYOUTS[world]:
             key = f"{name}/{layout_name(layout)}"
-            chunks, groups = _setup(arch, layout, world)
+            chunks, groups = actor_at(arch, layout, world)
             load_full_state(chunks, state)
             if engine is None:
                 engine = RolloutEngine(w.model_dir(hf), arch, cfg, engine_cfg)
@@ -131,7 +131,7 @@ def job(rank: int, world: int) -> dict:
     return res
 
 
-def _setup(arch, layout, world, dtype="fp32"):
+def actor_at(arch, layout, world, dtype="fp32"):
     from megarl.distributed import ParallelConfig, Topology
     from megarl.models.builder import BuildConfig, build_model
     from megarl.models.hf_config import PrecisionConfig
@@ -277,7 +277,7 @@ def bf16_expert_bias(rank: int, world: int, family: str = "deepseek_v3") -> dict
 
     hf = ARCHS[family]
     arch = arch_from_hf(hf)
-    chunks, groups = _setup(arch, {}, world, dtype="bf16")
+    chunks, groups = actor_at(arch, {}, world, dtype="bf16")
     state = w.canonical_state(arch, seed=1)
     load_full_state(chunks, state)
     cfg = SamplingConfig(n=2, max_tokens=8, seed=7)

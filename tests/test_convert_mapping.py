@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.convert import mapping as M
-from megarl.convert.hf_io import LazyHFTensors, save_hf_dir
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.hf_write import save_hf_dir
 from megarl.convert.layout import split_tp
 from megarl.models.hf_config import arch_from_hf
 from tests.test_convert_common import CASES, make_hf_dir

@@ -19,7 +19,8 @@ import os
 import pytest
 import torch
 
-from megarl.convert.hf_io import LazyHFTensors, StreamingShardWriter
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.hf_write import StreamingShardWriter
 from megarl.convert.stream import Piece, spread_plan
 from megarl.distributed.launch import spawn
 from tests import weights_worker as ww

@@ -14,7 +14,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from megarl.convert.hf_io import LazyHFTensors, StreamingShardWriter, save_hf_dir
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.hf_write import StreamingShardWriter, save_hf_dir
 from megarl.convert.layout import gather_full_state, load_full_state, local_params, replica
 from megarl.convert.mapping import canonical_to_hf, hf_shapes_for, hf_to_canonical
 from megarl.convert.sharded import (

@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 
-from megarl.convert.hf_io import AtomicDir
+from megarl.convert.hf_write import AtomicDir
 from megarl.convert.verify import compare_logits, hf_logits, sample_tokens
 from megarl.errors import UserError
 from megarl.models.hf_config import ARCHITECTURES, MODEL_TYPES, ModelConfigError, arch_from_hf

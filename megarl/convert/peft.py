@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megarl.convert.hf_io import AtomicDir
+from megarl.convert.hf_write import AtomicDir
 from megarl.errors import UserError
 from megarl.models.lora import LoraConfig, adapters_of, peft_key
 

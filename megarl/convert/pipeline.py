@@ -22,16 +22,12 @@ import torch
 import torch.distributed as dist
 
 from megarl import dtypes
-from megarl.checkpoint.files import CheckpointError
+from megarl.checkpoint.files import CheckpointError, looks_like_checkpoint
 from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.checkpoint.writer import save_model_checkpoint
 from megarl.convert.export import critic_tensors, export_config, finish_hf_dir
-from megarl.convert.hf_io import (
-    AtomicDir,
-    LazyHFTensors,
-    looks_like_checkpoint,
-    write_hf_files,
-)
+from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.hf_write import AtomicDir, write_hf_files
 from megarl.convert.layout import VOCAB_PARAMS, local_params, pad_rows, split_tp
 from megarl.convert.mapping import canonical_to_hf, check_hf_names, hf_to_canonical, to_files
 from megarl.distributed import ParallelConfig, Topology, TopologyError

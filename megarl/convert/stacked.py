@@ -24,6 +24,32 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_VALUES += tuple(-v for v in FP4_VALUES)  # (sign bit 8)
 
 
+class ExpertSlices:
+    """A file's stacked expert tensors, named per expert: `of[name]` = (stacked name, expert);
+    `expanded[stacked]` = its per-expert names; `hidden`: MXFP4 scales (read with their
+    blocks)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.of: dict[str, tuple[str, int]] = {}
+        self.expanded: dict[str, list[str]] = {}
+        for n, shape in shapes.items():
+            for v, whole, e in slices(n, shape):
+                self.of[v] = (whole, e)
+                self.expanded.setdefault(whole, []).append(v)
+        self.hidden = {
+            n.removesuffix("_blocks") + "_scales" for n in self.expanded if n.endswith("_blocks")
+        }
+
+    def shape(self, name: str, stacked_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return slice_shape(self.of[name][0], stacked_shape)
+
+    def dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if self.of[name][0].endswith("_blocks") else stored
+
+    def read(self, name: str, read_rows: Callable[[str, int, int], torch.Tensor]):
+        return read_slice(*self.of[name], read_rows)
+
+
 def slices(name: str, shape: tuple[int, ...]) -> list[tuple[str, str, int]]:
     """For a stacked tensor of a file: `(per-expert name, stacked name, expert)` of each expert;
     [] for any other tensor and for MXFP4 scales (read with their blocks)."""

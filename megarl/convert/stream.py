@@ -26,7 +26,7 @@ NCCL-only group they stage max-object-size x world bytes on the device):
    rank 0 `recv`s the pieces of one tensor (or takes its own), merges the TP pieces
    (`layout.merge_tp`) and cuts vocab padding. The export maps each tensor to HF
    (`mapping.canonical_to_hf`: QKV per query group, [gate; up]) and appends the HF tensor(s) to
-   the open shard file (`hf_io.StreamingShardWriter`, which writes each shard's header up
+   the open shard file (`hf_write.StreamingShardWriter`, which writes each shard's header up
    front). Everyone sends in the same global order and rank 0 receives in it, so the
    point-to-point pairs always match. Spread (`CanonicalStream(spread=True)`, the separate
    placement's sync), each tensor is made whole on one of the ranks holding a piece of it, in
@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.convert.export import export_config, finish_hf_dir
-from megarl.convert.hf_io import AtomicDir, StreamingShardWriter
+from megarl.convert.hf_write import AtomicDir, StreamingShardWriter
 from megarl.convert.layout import VOCAB_PARAMS, local_params, merge_tp, replica, tp_shard
 from megarl.convert.mapping import canonical_names_for, canonical_to_hf, file_shapes, to_files
 from megarl.models.hf_config import ModelArch

