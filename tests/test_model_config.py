@@ -221,6 +221,20 @@ def test_gpt_oss_fields_vllm_does_not_read_are_refused_at_the_engine():
             check_vllm_reads(arch_from_hf({**TINY_GPT_OSS, **change}), "tiny")
 
 
+def test_adapters_on_a_moe_policy_are_refused_before_the_engine_starts():
+    """vLLM 0.32's LoRA engine serves MoE experts through a layer megarl's sync does not know
+    (measured: the first sync of a Qwen3-MoE or gpt-oss run with attention adapters raised a
+    PlanError naming FusedMoEModularMethod); a dense policy's adapters pass."""
+    from megarl.rollout.config import RolloutConfigError
+    from megarl.rollout.engine.checks import check_lora_engine
+    from tests.tiny import TINY_GPT_OSS
+
+    check_lora_engine(arch_from_hf(TINY_LLAMA), 4)
+    check_lora_engine(arch_from_hf(TINY_GPT_OSS), 0)
+    with pytest.raises(RolloutConfigError, match="model.lora.rank=4 with a mixture-of-experts"):
+        check_lora_engine(arch_from_hf(TINY_GPT_OSS), 4)
+
+
 def test_expert_bias_updates_need_fp32():
     from megarl.config import ConfigError, load_config
 

