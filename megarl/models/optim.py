@@ -65,6 +65,7 @@ def build_optimizer(
     oc = megatron_config(cfg, dtype=dtype, fp8_recipe=fp8_recipe)
     wire_grad_finalization(chunks)
     opt = get_megatron_optimizer(oc, chunks)
+    expert_norm_filter(opt)
     reload_masters(opt, chunks)
     allocate_state(opt)
     if dtype == "fp16":
@@ -88,6 +89,20 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return opt, sched
+
+
+def expert_norm_filter(opt) -> None:
+    """Give the expert optimizer the expert-TP group for its duplicate filter. megatron-core
+    0.16.1 hands every optimizer the dense TP group (optimizer/__init__.py:468-473), so the grad
+    norm counts an expert parameter that is not TP-split (gpt-oss's expert fc2 biases) on dense
+    TP rank 0 only (optimizer.py:156-159), while at EP > 1 the other TP ranks hold other experts:
+    at TP 2 x EP 2 the norm missed half the experts' biases (0.523 for 0.534), and clipping
+    then scaled the updates by it."""
+    from megatron.core import parallel_state as ps
+
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        if any(g.get("is_expert_parallel") for g in sub.optimizer.param_groups):
+            sub.tp_group = ps.get_expert_tensor_parallel_group()
 
 
 def megatron_config(cfg: OptimConfig, *, dtype: str, fp8_recipe: str | None = None):
