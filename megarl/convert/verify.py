@@ -21,11 +21,12 @@ import torch.distributed as dist
 from megarl.checkpoint.reader import load_into, open_checkpoint
 from megarl.convert import fp8_blocks
 from megarl.convert.hf_io import LazyHFTensors
+from megarl.convert.mapping import to_files
 from megarl.convert.pipeline import build_chunks, init_single_process
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distributed import ParallelConfig, Topology
 from megarl.models import forward, vocab
-from megarl.models.hf_config import load_hf_config
+from megarl.models.hf_config import arch_from_hf, load_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,12 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     archs = AutoConfig.from_pretrained(hf_dir).architectures or []
     critic = any(a.endswith("ForSequenceClassification") for a in archs)
     auto = AutoModelForSequenceClassification if critic else AutoModelForCausalLM
-    if fp8_blocks.block_size(load_hf_config(hf_dir)) is not None:
-        # transformers dequantizes a block-FP8 checkpoint on CPU but then computes in bf16: the
-        # reference is its bf16 model (the same values, tests/test_convert_fp8_blocks.py) in fp32
+    cfg = load_hf_config(hf_dir)
+    mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    if fp8_blocks.block_size(cfg) is not None or mxfp4:
+        # transformers dequantizes a block-FP8 (or MXFP4) checkpoint on CPU but then computes in
+        # bf16: the reference is its bf16 model (the same values, tests/test_convert_fp8_blocks.py,
+        # tests/test_convert_mxfp4.py) in fp32
         with tempfile.TemporaryDirectory() as plain:
             write_dequantized(hf_dir, plain)
             return hf_logits(plain, tokens)
@@ -61,13 +65,13 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def write_dequantized(hf_dir: str, out: str) -> None:
-    """The bf16 model a block-FP8 HF directory stands for, as config.json + one safetensors."""
+    """The bf16 model a block-FP8 or MXFP4 HF directory stands for, as config.json + one
+    safetensors (gpt-oss's experts stacked again, as transformers reads them)."""
     from safetensors.torch import save_file
 
     lazy = LazyHFTensors(hf_dir)
-    save_file(
-        {n: lazy.get(n).contiguous() for n in lazy.names}, os.path.join(out, "model.safetensors")
-    )
+    items = to_files(arch_from_hf(hf_dir), ((n, lazy.get(n)) for n in lazy.names))
+    save_file({n: t.contiguous() for n, t in items}, os.path.join(out, "model.safetensors"))
     cfg = {k: v for k, v in load_hf_config(hf_dir).items() if k != "quantization_config"}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f)
