@@ -86,14 +86,15 @@ def _exchange(rank, world):
     )
     rewards = torch.tensor([u / 7 for u in uid])
     group_ids = torch.tensor([rank * 3 + i // 2 for i in range(n)])
-    out, r, g, m = balance_over_dp(rollout, rewards, group_ids, dist.group.WORLD)
-    return out, r, g, m
+    positions = torch.tensor([rank * n + i for i in range(n)])
+    out, r, g, pos, m = balance_over_dp(rollout, rewards, group_ids, positions, dist.group.WORLD)
+    return out, r, g, pos, m
 
 
 def test_the_exchange_moves_whole_samples_and_equalises_tokens():
     res = spawn(_exchange, 2)
     seen = []
-    for out, rewards, group_ids, metrics in res:
+    for out, rewards, group_ids, positions, metrics in res:
         assert len(out) == 6 and rewards.shape == (6,) and group_ids.shape == (6,)
         assert out.prompt_index == group_ids.tolist()
         for j in range(6):
@@ -108,10 +109,11 @@ def test_the_exchange_moves_whole_samples_and_equalises_tokens():
             assert rewards[j] == torch.tensor(u / 7)
             rank, i = divmod(u, 100)
             assert group_ids[j] == rank * 3 + i // 2
+            assert positions[j] == rank * 6 + i  # the sample's place travels with it
         assert metrics["dp_tokens_max_over_mean_before"] > 1.7
         assert metrics["dp_tokens_max_over_mean"] < 1.05
     assert sorted(seen) == [0, 1, 2, 3, 4, 5, 100, 101, 102, 103, 104, 105]
-    assert res[0][3] == res[1][3]  # every rank logs the same figures
+    assert res[0][4] == res[1][4]  # every rank logs the same figures
 
 
 # ------------------------------------------------------------------ (c) end to end

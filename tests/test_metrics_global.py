@@ -4,8 +4,9 @@ The trainer's own step functions (`megarl.trainer.loop`: forward passes, advanta
 collect_metrics) run on a real megatron tiny Llama over gloo, once in one process holding the
 whole batch and once split over two DP ranks whose halves have different token counts (so a
 mean of per-rank means would differ from the global mean). GRPO with KL in the loss, an entropy
-bonus and TIS; PPO with a critic and KL in the reward. Two epochs over one mini-batch: the second
-epoch runs on the updated weights, which DP=1 and DP=2 compute equally up to round-off.
+bonus and TIS; PPO with a critic and KL in the reward. Two epochs over two mini-batches: the
+mini-batches are drawn over the global batch (`megarl.trainer.update.mini_batches`), so DP=1 and
+DP=2 take the same optimizer steps on the same samples, equal up to round-off.
 With `algorithm.balance_dp_tokens` the DP=2 ranks first re-deal their samples by tokens
 (`loop.balance`, as the trainer does before it builds the batch): no global figure may change.
 """
@@ -43,7 +44,7 @@ def _config(algo: str):
             "optim": {"lr": 1e-2, "adam_eps": 1e-4},
             "critic_optim": {"lr": 1e-2, "adam_eps": 1e-4},
             "rollout": {"sampling": {"n": N, "temperature": 0.9, "max_tokens": 12}},
-            "algorithm": {**alg, "ppo_epochs": 2, "mini_batches": 1, "micro_batch_size": 3},
+            "algorithm": {**alg, "ppo_epochs": 2, "mini_batches": 2, "micro_batch_size": 3},
         },
     )
 
@@ -132,14 +133,14 @@ def job(rank: int, world: int, algo: str, balanced: bool = False) -> dict:
         metrics=reward_metrics,
         group_ids=group_ids,
     )
-    if balanced:
+    if balanced:  # whole strata of two (one sample per mini-batch) move
         rollout, scored = loop.balance(run, rollout, scored)
     batch = xp.build_batch(
         rollout.prompt_ids, rollout.response_ids, rollout.response_logprobs, pad_id=0, pad_to=1
     )
     loop.forward_passes(run, batch)
     loop.advantages(run, batch, scored)
-    train = loop.update(run, batch)
+    train = loop.update(run, batch, scored.positions)
     out = loop.collect_metrics(run, rollout, batch, scored, train, {"train": 1.0}, 1.0)
     return out
 

@@ -86,7 +86,8 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
-    """Optimizer steps per epoch (the rollout batch is split into this many mini-batches)."""
+    """Optimizer steps per epoch: the rollout batch is split into this many mini-batches, drawn
+    over the global batch (the same samples at any DP size: docs/algorithms.md)."""
     micro_batch_size: int = 8
     """Most sequences per forward/backward micro-batch (gradient accumulation inside a
     mini-batch). Sequences are grouped by length, longest first; the two sequences of a

@@ -9,9 +9,11 @@ splits and megatron's schedules stay as they are, and the token totals
 
 Nothing in the math depends on which rank holds a sample: group advantages are gathered by global
 prompt id (`gather_advantages`), loss denominators are counted over the whole mini-batch across
-DP (`megarl.algorithms.losses`) and metrics are global. With one mini-batch the update is the same
-up to the order of float sums (`tests/test_balance.py`); with several, the mini-batches hold
-different samples (as with another DP size).
+DP (`megarl.algorithms.losses`) and metrics are global, and the update's mini-batches are drawn
+over each sample's place in the global batch, which travels with it. So the update is the same up
+to the order of float sums (`tests/test_balance.py`, `tests/test_metrics_global.py`). With
+several mini-batches the samples move in whole strata (one sample of each mini-batch), so every
+rank still gives every mini-batch the same number of samples.
 
 The exchange gathers every rank's samples on every rank of the DP group (one object all-gather
 of every sample's fields: token ids, sampler logprobs, MoE routes, multi-turn masks and
@@ -56,24 +58,52 @@ def balanced_partition(
     return [sorted(o) for o in out]
 
 
+def strata_partition(
+    lengths: Sequence[int], positions: Sequence[int], strata: int, sizes: Sequence[int]
+) -> list[list[int]]:
+    """`balanced_partition` of whole strata (the `strata` samples at positions s x strata ..
+    s x strata + strata - 1, which the update deals one to each mini-batch:
+    `megarl.trainer.update.mini_batches`), so that every rank gives every mini-batch the same
+    number of samples; per sample when the strata are not whole or `sizes` not multiples."""
+    members: dict[int, list[int]] = {}
+    for i, p in enumerate(positions):
+        members.setdefault(p // strata, []).append(i)
+    whole = all(len(m) == strata for m in members.values())
+    if strata == 1 or not whole or any(s % strata for s in sizes):
+        return balanced_partition(lengths, len(sizes), sizes)
+    units = list(members.values())
+    unit_lengths = [sum(lengths[i] for i in m) for m in units]
+    plan = balanced_partition(unit_lengths, len(sizes), [s // strata for s in sizes])
+    return [sorted(i for u in part for i in units[u]) for part in plan]
+
+
 def balance_over_dp(
-    rollout: Samples, rewards: torch.Tensor, group_ids: torch.Tensor, group
-) -> tuple[Samples, torch.Tensor, torch.Tensor, dict]:
+    rollout: Samples,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    positions: torch.Tensor,
+    group,
+    *,
+    strata: int = 1,
+) -> tuple[Samples, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """This rank's share of the step's samples after re-dealing them over `group` (the DP group)
-    by tokens. `rewards`: [b] or [b, k] (e.g. the total beside each reward function's value).
-    Returns (rollout, rewards [b] or [b, k], group_ids [b], metrics): `rollout.prompt_index` is
-    then the sample's global prompt id (it no longer indexes this rank's prompts); metrics are
-    the largest rank's tokens over the mean, before and after."""
+    by tokens, in whole strata of `strata` positions (`strata_partition`; the update's
+    mini-batch count). `rewards`: [b] or [b, k] (e.g. the total beside each reward function's
+    value); `positions` [b]: the samples' places in the global batch. Returns (rollout, rewards
+    [b] or [b, k], group_ids [b], positions [b], metrics): `rollout.prompt_index` is then the
+    sample's global prompt id (it no longer indexes this rank's prompts); metrics are the
+    largest rank's tokens over the mean, before and after."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    piece = (rollout, rewards.tolist(), [int(i) for i in group_ids])
+    piece = (rollout, rewards.tolist(), [int(i) for i in group_ids], [int(p) for p in positions])
     gathered: list = [None] * world
     dist.all_gather_object(gathered, piece, group=group)
     sizes = [len(g[0]) for g in gathered]
     every = Samples.concat([g[0] for g in gathered])
     every_rewards = [r for g in gathered for r in g[1]]
     every_ids = [i for g in gathered for i in g[2]]
+    every_positions = [p for g in gathered for p in g[3]]
     lengths = [len(p) + len(r) for p, r in zip(every.prompt_ids, every.response_ids, strict=True)]
-    plan = balanced_partition(lengths, world, sizes)
+    plan = strata_partition(lengths, every_positions, strata, sizes)
 
     def imbalance(parts: list[list[int]]) -> float:
         sums = [sum(lengths[i] for i in p) for p in parts]
@@ -88,4 +118,5 @@ def balance_over_dp(
     ids = [every_ids[i] for i in plan[rank]]
     out = every.take(plan[rank], prompt_index=ids)
     new_rewards = torch.tensor([every_rewards[i] for i in plan[rank]], dtype=rewards.dtype)
-    return out, new_rewards, torch.tensor(ids, dtype=torch.long), metrics
+    new_positions = torch.tensor([every_positions[i] for i in plan[rank]], dtype=torch.long)
+    return out, new_rewards, torch.tensor(ids, dtype=torch.long), new_positions, metrics

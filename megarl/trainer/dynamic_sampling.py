@@ -165,11 +165,14 @@ def deal(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = set(trained[rank * len(trained) // world : (rank + 1) * len(trained) // world])
     rows = [i for i, gid in enumerate(every.prompt_index) if gid in mine]
+    chosen = set(trained)
+    place = {i: p for p, i in enumerate(i for i, g in enumerate(every.prompt_index) if g in chosen)}
     scored = Scored(
         rewards=rewards[rows],
         per_function={k: v[rows] for k, v in parts.items()},
         metrics=LocalMetrics(),
         group_ids=torch.tensor([every.prompt_index[i] for i in rows], dtype=torch.long),
+        positions=torch.tensor([place[i] for i in rows], dtype=torch.long),  # in stream order
     )
     keep = torch.tensor([spread[i] for i in rows], dtype=torch.bool)
     return Round(every.take(rows), scored, keep), len(trained), filled

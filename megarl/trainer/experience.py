@@ -40,6 +40,10 @@ class Scored:
     """The reward metrics of the step (reward/<name>, reward_errors, ...)."""
     group_ids: torch.Tensor
     """[B] long: each sample's global prompt id (its advantage group)."""
+    positions: torch.Tensor | None = None
+    """[B] long: each sample's place in the step's global batch, which the update draws its
+    mini-batches over (`megarl.trainer.update.mini_batches`); it travels with the sample when
+    balancing moves it. None: this rank's rows in rank order (`update.local_positions`)."""
 
 
 @dataclass(kw_only=True)

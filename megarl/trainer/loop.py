@@ -57,7 +57,12 @@ from megarl.trainer.samples import step_samples
 from megarl.trainer.seeds import round_seed, step_seed
 from megarl.trainer.stages import RLStage
 from megarl.trainer.teacher import teacher_metrics
-from megarl.trainer.update import recompute_old_logprobs, train_policy, train_value
+from megarl.trainer.update import (
+    local_positions,
+    recompute_old_logprobs,
+    train_policy,
+    train_value,
+)
 
 log = logging.getLogger("megarl")
 
@@ -92,7 +97,7 @@ def train(cfg: RunConfig, out_dir: str, job: Job | None = None) -> Run:
             with timer("advantage"):
                 advantages(run, batch, scored)
             with timer("train"):
-                train_metrics = update(run, batch)
+                train_metrics = update(run, batch, scored.positions)
             with timer("sync"):
                 synced = run.rollout.sync_weights()
             run.step += 1
@@ -221,14 +226,26 @@ def balance(run: Run, rollout, scored: Scored):
     metrics). Returns (rollout, scored) of this rank's new samples."""
     rewards, parts = scored.rewards, scored.per_function
     stacked = torch.stack([rewards, *(v.to(rewards.dtype) for v in parts.values())], 1)
-    rollout, stacked, group_ids, m = balance_over_dp(
-        rollout, stacked, scored.group_ids, run.groups.dp
+    positions = scored.positions
+    if positions is None:
+        positions = local_positions(len(rewards), run.groups)
+    rollout, stacked, group_ids, positions, m = balance_over_dp(
+        rollout,
+        stacked,
+        scored.group_ids,
+        positions,
+        run.groups.dp,
+        strata=run.cfg.algorithm.mini_batches,
     )
     for k, v in m.items():
         scored.metrics.add_same(k, v)
     parts = {k: stacked[:, j + 1] for j, k in enumerate(parts)}
     return rollout, Scored(
-        rewards=stacked[:, 0], per_function=parts, metrics=scored.metrics, group_ids=group_ids
+        rewards=stacked[:, 0],
+        per_function=parts,
+        metrics=scored.metrics,
+        group_ids=group_ids,
+        positions=positions,
     )
 
 
@@ -289,7 +306,9 @@ def _gae(run: Run, batch: StepBatch, scored: Scored) -> None:
         )
 
 
-def update(run: Run, batch: StepBatch) -> LocalMetrics:
+def update(run: Run, batch: StepBatch, positions: torch.Tensor | None = None) -> LocalMetrics:
+    """The critic's update (PPO), then the policy's, on mini-batches drawn over the rows'
+    `positions` in the global batch (`Scored.positions`)."""
     alg, g, seed = run.cfg.algorithm, run.groups, step_seed(run.cfg.trainer.seed, run.step)
     actor, critic = run.models.actor, run.models.critic
     metrics = LocalMetrics()
@@ -304,6 +323,7 @@ def update(run: Run, batch: StepBatch) -> LocalMetrics:
                 groups=g,
                 seed=seed,
                 pad_to=run.pad_to,
+                positions=positions,
             )
         )
     if _trains_policy(run):
@@ -319,6 +339,7 @@ def update(run: Run, batch: StepBatch) -> LocalMetrics:
                 groups=g,
                 seed=seed,
                 pad_to=run.pad_to,
+                positions=positions,
             )
         )
     return metrics

@@ -68,15 +68,19 @@ class Schedule:
     """How a mini-batch is cut into micro-batches (size, token budget, packing)."""
     seed: int
     """Seed of the mini-batch order of the first epoch (epoch e: seed + e)."""
+    positions: torch.Tensor | None = None
+    """[B] long: the rows' places in the step's global batch (`mini_batches`); None: rank
+    order (`local_positions`)."""
 
     @classmethod
-    def of(cls, alg, *, seed: int, pad_to: int) -> Schedule:
+    def of(cls, alg, *, seed: int, pad_to: int, positions=None) -> Schedule:
         """The schedule of the `algorithm` section `alg`."""
         return cls(
             epochs=alg.ppo_epochs,
             mini_batches=alg.mini_batches,
             micro=MicroBatching.of(alg, pad_to=pad_to),
             seed=seed,
+            positions=positions,
         )
 
 
@@ -94,13 +98,35 @@ class Objective:
     prefix: str
 
 
-def mini_batches(num_rows: int, count: int, seed: int) -> list[torch.Tensor]:
-    """Row indices of `count` mini-batches: a seeded permutation (identical on every rank of a
-    model-parallel group), split evenly."""
+def mini_batches(positions: torch.Tensor, count: int, seed: int) -> list[torch.Tensor]:
+    """Row indices of `count` mini-batches of this rank's rows, drawn over the global batch.
+
+    positions: [b] long, each row's place in the step's global batch (`Scored.positions`).
+    Stratified: the global batch is cut into strata of `count` consecutive positions and each
+    stratum hands one row to every mini-batch, in an order seeded by (`seed`, stratum). So a
+    mini-batch holds the same samples whatever the DP size or whichever rank holds a sample,
+    and a rank holding whole strata gives every mini-batch b / count rows. A mini-batch left
+    empty on this rank (it holds parts of strata only: a short dynamic-sampling step) takes the
+    last row of the largest one. Rows of a mini-batch are in position order."""
+    num_rows = len(positions)
     if num_rows < count:
         raise ValueError(f"algorithm.mini_batches={count} > {num_rows} local sequences per step")
-    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
-    return list(perm.chunk(count))
+    order = positions.argsort(stable=True)
+    pick = {}
+    for stratum in (positions[order] // count).unique().tolist():
+        gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + stratum) % 2**63)
+        pick[stratum] = torch.randperm(count, generator=gen)
+    which = [int(pick[int(p) // count][int(p) % count]) for p in positions[order]]
+    out = [[int(order[j]) for j in range(num_rows) if which[j] == k] for k in range(count)]
+    for empty in (k for k in range(count) if not out[k]):
+        out[empty].append(max(out, key=len).pop())
+    return [torch.tensor(rows, dtype=torch.long) for rows in out]
+
+
+def local_positions(num_rows: int, groups) -> torch.Tensor:
+    """[num_rows] positions of this DP rank's rows in the global batch when every rank holds
+    `num_rows` in rank order (`Scored.positions` when the step says nothing else)."""
+    return groups.dp_rank * num_rows + torch.arange(num_rows)
 
 
 def _shares(metrics: dict, loss: torch.Tensor, mask: torch.Tensor, tokens: float) -> dict:
@@ -218,12 +244,14 @@ def train_policy(
     groups,
     seed: int,
     pad_to: int = 1,
+    positions: torch.Tensor | None = None,
 ) -> LocalMetrics:
     """PPO/GRPO-family policy update on this rank's batch; returns this rank's metrics (shares
     on the last stage; optimizer figures on every rank). Without `batch.old_logprobs`
     (`recompute_old_logprobs` false: one epoch, one mini-batch) the update's own detached
     logprobs serve as the old ones, and are stored into `batch.old_logprobs` (last stage).
-    `sampling`: what the samples were drawn with (`rollout.sampling`: its temperature)."""
+    `sampling`: what the samples were drawn with (`rollout.sampling`: its temperature);
+    `positions`: the rows' places in the global batch (`Schedule.positions`)."""
     reuse = batch.old_logprobs is None and groups.is_last_stage
     if reuse and (alg.ppo_epochs > 1 or alg.mini_batches > 1):
         raise ValueError("train_policy: old_logprobs are required with several epochs/mini-batches")
@@ -237,7 +265,7 @@ def train_policy(
         loss_key="loss",
         prefix="",
     )
-    schedule = Schedule.of(alg, seed=seed, pad_to=pad_to)
+    schedule = Schedule.of(alg, seed=seed, pad_to=pad_to, positions=positions)
     return _optimizer_steps(
         actor, optimizer, scheduler, batch, schedule, objective, groups, keep_old_logprobs
     )
@@ -264,8 +292,11 @@ def _optimizer_steps(
     steps = []
     prefix = objective.prefix
     total = schedule.epochs * schedule.mini_batches
+    positions = schedule.positions
+    if positions is None:
+        positions = local_positions(len(batch), groups)
     for epoch in range(schedule.epochs):
-        order = mini_batches(len(batch), schedule.mini_batches, schedule.seed + epoch)
+        order = mini_batches(positions, schedule.mini_batches, schedule.seed + epoch)
         for rows in order:
             mb = batch.select(rows)
             tokens, seqs = global_denominators([mb.loss_mask], group=groups.dp)
@@ -307,7 +338,16 @@ def _assemble_rows(outputs: list[dict], rows: torch.Tensor, shape) -> torch.Tens
 
 
 def train_value(
-    critic, optimizer, scheduler, batch: StepBatch, *, alg, groups, seed: int, pad_to: int = 1
+    critic,
+    optimizer,
+    scheduler,
+    batch: StepBatch,
+    *,
+    alg,
+    groups,
+    seed: int,
+    pad_to: int = 1,
+    positions: torch.Tensor | None = None,
 ) -> LocalMetrics:
     """Critic regression to the GAE returns; returns this rank's metric shares (last stage) and
     the critic's step results as value_grad_norm, value_skipped_steps, value_lr (every rank)."""
@@ -317,5 +357,5 @@ def train_value(
         prefix="value_",
     )
     # seed + 7919: the critic's own mini-batch order
-    schedule = Schedule.of(alg, seed=seed + 7919, pad_to=pad_to)
+    schedule = Schedule.of(alg, seed=seed + 7919, pad_to=pad_to, positions=positions)
     return _optimizer_steps(critic, optimizer, scheduler, batch, schedule, objective, groups)
