@@ -83,6 +83,30 @@ GPT_OSS = dict(
     ),
 )
 
+# Qwen3-Next: Gated DeltaNet layers (2 key heads, 4 value heads of another width) beside gated
+# full attention, zero-centred norms, a quarter of each head rotary, every layer
+# routed with a gated shared expert
+QWEN3_NEXT = dict(
+    _BASE,
+    architectures=["Qwen3NextForCausalLM"],
+    model_type="qwen3_next",
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    norm_topk_prob=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+
 # name -> HF config; together: every family, tied/untied, MHA/GQA/MQA, biases, q/k norms, rope
 # scaling llama3/linear, head_dim != hidden/heads, both MoE on-disk formats
 CASES: dict[str, dict] = {
@@ -155,6 +179,11 @@ CASES: dict[str, dict] = {
     "glm4_moe": dict(GLM4_MOE, num_hidden_layers=4),
     "deepseek_v3": dict(DEEPSEEK_V3, num_hidden_layers=4),
     "gpt_oss": dict(GPT_OSS, num_hidden_layers=4),
+    "qwen3_next": dict(
+        QWEN3_NEXT,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    ),
 }
 
 
@@ -241,9 +270,12 @@ def layouts_worker(rank, world, ckpts: dict, out: str, tokens: torch.Tensor):
 
 
 def _tp2(arch) -> dict:
-    """TP 2; biased experts (gpt-oss) need expert-TP 1, so with EP 2 (`transformer_config`)."""
+    """TP 2; biased experts (gpt-oss) need expert-TP 1, so with EP 2, and Gated DeltaNet layers
+    (Qwen3-Next) sequence parallelism (`transformer_config`)."""
     if arch.linear_bias and arch.is_moe:
         return {"tensor_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1}
+    if arch.gdn is not None:
+        return {"tensor_parallel": 2, "sequence_parallel": True}
     return {"tensor_parallel": 2}
 
 

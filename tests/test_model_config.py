@@ -169,7 +169,7 @@ def test_num_params_equals_the_mapped_hf_tensors():
 @pytest.mark.parametrize(
     "arch,why",
     [
-        ("Qwen3NextForCausalLM", "Gated DeltaNet"),
+        ("Qwen3_5ForCausalLM", "Gated DeltaNet"),
         ("Gemma3ForCausalLM", "local / global attention"),
     ],
 )
@@ -202,6 +202,42 @@ def test_gpt_oss_maps_to_megatrons_sinks_windows_biases_and_clamped_glu():
     ]:
         with pytest.raises(ModelConfigError, match=expected):
             arch_from_hf({**GPT_OSS, **change})
+
+
+def test_qwen3_next_maps_to_megatrons_gated_delta_net_and_gated_attention():
+    from megarl.models.mcore_config import packing_refusal
+    from megarl.rollout.config import RolloutConfigError
+    from megarl.rollout.engine.checks import check_engine_family
+    from tests.tiny import TINY_QWEN3_NEXT
+
+    arch = arch_from_hf(TINY_QWEN3_NEXT)
+    assert arch.linear_layers == (True, True, True, False)
+    assert (arch.gdn.key_heads, arch.gdn.value_heads, arch.gdn.conv_kernel) == (2, 4, 4)
+    assert arch.zero_centered_norms and arch.attention_output_gate and arch.moe_shared_gate
+    assert arch.rotary_fraction == 0.25 and arch.qk_norm and arch.moe_shared_intermediate_size
+    # vLLM caches K and V of the one full-attention layer only
+    assert arch.kv_cache_per_token(1, 2)[0] == 2 * 1 * 2 * 32 * 2
+    cfg = transformer_config(
+        arch, ParallelConfig(tensor_parallel=2, sequence_parallel=True), PrecisionConfig(),
+        gpu=False,
+    )  # fmt: skip
+    assert cfg.experimental_attention_variant == "gated_delta_net"
+    assert cfg.linear_attention_freq == [1, 1, 1, 0] and cfg.attention_output_gate
+    assert cfg.layernorm_zero_centered_gamma and cfg.moe_shared_expert_gate
+    with pytest.raises(ModelConfigError, match="parallel.sequence_parallel: true"):
+        transformer_config(arch, ParallelConfig(tensor_parallel=2), PrecisionConfig(), gpu=False)
+    assert "algorithm.pack_sequences: false" in packing_refusal(arch, packed=True)
+    assert packing_refusal(arch, packed=False) is None
+    assert packing_refusal(arch_from_hf(TINY_LLAMA), packed=True) is None
+    with pytest.raises(RolloutConfigError, match="qwen3_next: no rollout engine yet"):
+        check_engine_family(arch)
+    for change, expected in [
+        ({"layer_types": ["full_attention"]}, "accepted: 4 entries"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads=2"),
+    ]:
+        with pytest.raises(ModelConfigError, match=expected):
+            arch_from_hf({**TINY_QWEN3_NEXT, **change})
 
 
 def test_gpt_oss_fields_vllm_does_not_read_are_refused_at_the_engine():

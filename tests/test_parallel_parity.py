@@ -6,7 +6,8 @@ full-vocabulary logits (<= 1e-5), parameter gradients (<= 1e-6) and the paramete
 DistributedOptimizer Adam step. A tiny Mixtral does the same at EP=2; a tiny GLM-4.5 and
 DeepSeek-V3 (dense first layer, shared expert, sigmoid routing with an expert bias; multi-latent
 attention, whose latent norms run sequence-sharded under SP) and gpt-oss (sinks, windows, biases)
-at EP=2, TP=2 with SP and PP=2.
+at EP=2, TP=2 with SP and PP=2, and Qwen3-Next (Gated DeltaNet layers split over TP by
+component, their output norm's per-head grads summed over TP under SP; gated attention).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from megarl.distributed.launch import spawn
 from tests import parity_worker as pw
-from tests.test_convert_common import DEEPSEEK_V3, GLM4_MOE, GPT_OSS
+from tests.test_convert_common import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT
 from tests.tiny import TINY_LLAMA, TINY_MIXTRAL, TINY_QWEN3
 
 ARCHS = {"llama": TINY_LLAMA, "qwen3": TINY_QWEN3}
@@ -25,6 +26,7 @@ MOE = {
     "glm4_moe": GLM4_MOE,
     "deepseek_v3": DEEPSEEK_V3,
     "gpt_oss": GPT_OSS,
+    "qwen3_next": QWEN3_NEXT,
 }
 B, S = 8, 12
 LOGIT_TOL = 1e-5
@@ -120,7 +122,7 @@ def test_moe_expert_parallel_matches_single_rank(reference):
 )
 def test_2026_moe_families_match_single_rank(reference, layout):
     states, ref = reference
-    archs = {k: MOE[k] for k in ("glm4_moe", "deepseek_v3")}
+    archs = {k: MOE[k] for k in ("glm4_moe", "deepseek_v3", "qwen3_next")}
     results = spawn(pw.parity, 2, archs, states, layout, _batch(), 2)
     # gpt-oss (sinks split over TP with the heads, windows, biased router and experts): its
     # biased experts need expert-TP 1, so TP 2 comes with EP 2

@@ -727,3 +727,30 @@ def test_gpt_oss_on_h100_nodes(model, gpus, extra, params, peak):
     assert round(top / 2**30, 1) == peak
     rows = {r.name: r.nbytes for r in stage.rows}
     assert rows["vLLM weights (woken for sync)"] == params * 2 / 8
+
+
+def test_qwen3_next_sft_on_h100_nodes():
+    """Qwen3-Next-80B-A3B (36 Gated DeltaNet + 12 attention layers, 512 experts): SFT fits 32
+    H100s at EP 32 (a stage without a rollout engine: no vLLM row); its GRPO plan names why no
+    engine is built. Count as published: 80B (79.7B)."""
+    from megarl.config import load_config
+    from megarl.models.builder import num_params
+    from megarl.models.hf_config import arch_from_hf
+
+    shape = os.path.join("examples", "models", "qwen3-next-80b-a3b-instruct")
+    assert num_params(arch_from_hf(shape)) == 79_674_391_296
+    base = ["model.config=null", f"model.hf={shape}", "model.tokenizer=null"]
+    sft = [*base, "algorithm.pack_sequences=false", "parallel.expert_parallel=32"]
+    sft += ["precision.dtype=bf16", "data.max_length=4096", "algorithm.micro_batch_size=1"]
+    p = plan(load_config("examples/sft_copy_cpu.yaml", sft), gpus=32, gpu_mem_gib=80)
+    assert p.fits and not p.problems, describe(p)
+    stage = p.stages[0]
+    assert not any("vLLM" in r.name for r in stage.rows)
+    assert round(stage.peak("train") / 2**30, 1) == 62.8
+    grpo = load_config(
+        "examples/grpo_qwen3_30b_a3b_ep8.yaml",
+        ["model.mcore_ckpt=null", f"model.hf={shape}", "algorithm.pack_sequences=false"],
+    )
+    refused = plan(grpo, gpus=32, gpu_mem_gib=80)
+    assert not refused.fits
+    assert any("qwen3_next has no rollout engine" in x for x in refused.problems)

@@ -11,7 +11,8 @@ does (`input_layernorm` -> `self_attention.linear_qkv.layer_norm_weight`, `pre_m
 `pre_mlp_layernorm`, while megatron-core 0.16's local spec still maps it onto the (absent) fused
 fc1; multi-latent attention's TE spec fuses the latent norms into the up projections
 (`linear_q_up_proj.layer_norm_weight`, ...) where the local spec keeps them standalone
-(`MLA_NORMS`), and fuses a dense layer's pre-MLP norm where the local MLA spec does not. A writer
+(`MLA_NORMS`), and fuses a dense layer's pre-MLP norm where the local MLA spec does not; a Gated
+DeltaNet layer's input norm is TE's `in_proj.layer_norm_weight` (`GDN_NORM`). A writer
 gives the local names the TE ones (`rename_te_keys`), a reader matches either name
 (`match_norm_keys`), for stacked keys and for per-layer keys alike (`_LAYER_KEY`). TE-only
 `_extra_state` objects (FP8 metadata) are optional in both directions.
@@ -32,7 +33,17 @@ MLA_NORMS = {
 """Local-spec name -> Transformer-Engine-spec name of multi-latent attention's latent norms
 (within a layer)."""
 FUSED_MLP_NORM, MLP_NORM = "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"
-_PAIRS = {FUSED_MLP_NORM: MLP_NORM, MLP_NORM: FUSED_MLP_NORM}
+QKV_NORM, GDN_NORM = (
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.in_proj.layer_norm_weight",
+)
+"""A layer's input norm in the local spec's keys map, and in TE's Gated DeltaNet spec."""
+_PAIRS = {
+    FUSED_MLP_NORM: MLP_NORM,
+    MLP_NORM: FUSED_MLP_NORM,
+    QKV_NORM: GDN_NORM,
+    GDN_NORM: QKV_NORM,
+}
 for _local, _te in MLA_NORMS.items():
     _PAIRS[_local], _PAIRS[_te] = _te, _local
 _LAYER_KEY = re.compile(r"^(.*decoder\.layers\.)(\d+\.)?(.+)$")
@@ -92,7 +103,7 @@ def check_arch(chunks, arch: ModelArch, where: str) -> None:
 
 def rename_te_keys(sd: dict, arch: ModelArch) -> None:
     """Rename local-spec keys that differ from the TE spec (module doc): an MoE layer's pre-MLP
-    norm, multi-latent attention's latent norms."""
+    norm, multi-latent attention's latent norms, a Gated DeltaNet layer's input norm."""
     for v in sd.values():
         m = _LAYER_KEY.match(getattr(v, "key", None) or "")
         if m is None:
@@ -103,6 +114,8 @@ def rename_te_keys(sd: dict, arch: ModelArch) -> None:
             v.key = head + (layer or "") + MLP_NORM
         elif rest in MLA_NORMS and arch.mla is not None:
             v.key = head + (layer or "") + MLA_NORMS[rest]
+        elif rest == QKV_NORM and layer is not None and arch.is_linear_layer(int(layer[:-1])):
+            v.key = head + layer + GDN_NORM
 
 
 def match_norm_keys(model_sd: dict, file_keys: set[str], prefix: str) -> None:

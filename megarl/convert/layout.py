@@ -7,8 +7,9 @@ indices are global, and every tensor is whole (TP shards concatenated, vocab row
 not depend on TP / PP / VPP / EP, so it is what layout-invariance tests compare and what the HF
 mapping (`megarl.convert.mapping`) consumes.
 
-Only one megatron layout needs care when concatenating TP shards: a gated `linear_fc1` shard is
-`[gate_r; up_r]`, so the full tensor is `[gate_0..gate_n; up_0..up_n]`, not the concatenation.
+Two megatron layouts need care when concatenating TP shards: a gated `linear_fc1` shard is
+`[gate_r; up_r]`, so the full tensor is `[gate_0..gate_n; up_0..up_n]`, not the concatenation, and
+the Gated DeltaNet's in_proj / conv1d shards hold a slice of each of their components (`tp_parts`).
 QKV shards hold whole query groups, so plain concatenation is right.
 
 `gather_full_state` / `load_full_state` are the *naive* path (object collectives, the full model on
@@ -37,6 +38,7 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _TE_FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",  # Gated DeltaNet
     "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
@@ -110,20 +112,37 @@ def _tp_group_for(p):
     return ps.get_tensor_model_parallel_group()
 
 
-def merge_tp(name: str, shards: list[torch.Tensor], partition_dim: int) -> torch.Tensor:
-    """Concatenate TP shards of one parameter into the full tensor."""
-    if partition_dim == 0 and _is_gated_fc1(name):
-        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards), strict=False)
-        return torch.cat(list(gates) + list(ups), dim=0)
-    return torch.cat(shards, dim=partition_dim)
+def merge_tp(name: str, shards: list[torch.Tensor], partition_dim: int, parts=None) -> torch.Tensor:
+    """Concatenate TP shards of one parameter into the full tensor. A dim-0 shard made of
+    components each split over TP (`tp_parts`) holds each one's slice in turn."""
+    parts = tp_parts(name, parts) if partition_dim == 0 else None
+    if parts is None:
+        return torch.cat(shards, dim=partition_dim)
+    tp = len(shards)
+    local = [n // tp for n in (parts or [shards[0].shape[0] * tp // 2] * 2)]
+    pieces = [s.split(local, 0) for s in shards]
+    return torch.cat([pieces[r][c] for c in range(len(local)) for r in range(tp)], dim=0)
 
 
-def split_tp(name: str, full: torch.Tensor, partition_dim: int, tp: int, rank: int) -> torch.Tensor:
+def split_tp(
+    name: str, full: torch.Tensor, partition_dim: int, tp: int, rank: int, parts=None
+) -> torch.Tensor:
     """This TP rank's shard of a full tensor (inverse of `merge_tp`)."""
-    if partition_dim == 0 and _is_gated_fc1(name):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
-    return full.chunk(tp, dim=partition_dim)[rank]
+    parts = tp_parts(name, parts) if partition_dim == 0 else None
+    if parts is None:
+        return full.chunk(tp, dim=partition_dim)[rank]
+    glob = list(parts or [full.shape[0] // 2] * 2)
+    return torch.cat([c.chunk(tp, 0)[rank] for c in full.split(glob, 0)], dim=0)
+
+
+def tp_parts(name: str, parts=None) -> tuple[int, ...] | None:
+    """The components, in global rows, of a dim-0 TP-split tensor whose shards hold a slice of
+    each: `parts` (a parameter's `tp_parts`: the Gated DeltaNet's in_proj [q; k; v; z; b; a] and
+    conv1d [q; k; v], `megarl.models.builder.gdn_tp_layout`), () for a gated `linear_fc1`
+    ([gate; up], halves), or None: a plain split."""
+    if parts:
+        return tuple(parts)
+    return () if _is_gated_fc1(name) else None
 
 
 def _is_tp_sharded(p) -> bool:
@@ -198,7 +217,7 @@ def gather_full_state(
         if group is not None and dist.get_world_size(group) > 1:  # TP 1: the shard is whole
             shards = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
             dist.all_gather(shards, t.contiguous(), group=group)
-            t = merge_tp(name, shards, p.partition_dim)
+            t = merge_tp(name, shards, p.partition_dim, getattr(p, "tp_parts", None))
         if name in VOCAB_PARAMS and _is_tp_sharded(p):  # (not the critic's value head)
             t = t[: _vocab_size(chunks)]
         if expert_owner if is_expert(p) else dense_owner:
@@ -238,7 +257,8 @@ def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]
             t = pad_rows(t, p.shape[0] * tp)
         if _is_tp_sharded(p):
             group = _tp_group_for(p)
-            t = split_tp(name, t, p.partition_dim, dist.get_world_size(group), dist.get_rank(group))
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            t = split_tp(name, t, p.partition_dim, size, rank, getattr(p, "tp_parts", None))
         if t.shape != p.shape:
             raise ValueError(f"{name}: canonical shard shape {tuple(t.shape)} != {tuple(p.shape)}")
         p.data.copy_(t)

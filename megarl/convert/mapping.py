@@ -9,6 +9,10 @@ tensor(s) it is made of, with the HF shapes in symbolic dims and the transform t
 - `qkv`: q_proj, k_proj, v_proj -> megatron's `linear_qkv`, laid out per query group g as
   `[q heads of g (heads/kv_heads x head_dim rows); k_g (head_dim rows); v_g (head_dim rows)]`,
   groups concatenated; biases the same way.
+- `qkv_gated`: Qwen3-Next's q_proj (each head's [q; gate]), k_proj, v_proj -> `linear_qkv`, per
+  query group `[q heads; gate heads; k_g; v_g]`.
+- `gdn_in`: Qwen3-Next's `in_proj_qkvz`, `in_proj_ba` (grouped per key head) -> the Gated
+  DeltaNet's `in_proj = [q; k; v; z; b; a]`.
 - `gate_up`: gate_proj, up_proj -> `linear_fc1 = [gate; up]` (megatron's gated-linear layout).
 - `gate_up_t`: gpt-oss's one expert `gate_up_proj` [hidden, 2 ffn], gate / up interleaved along
   the output -> `linear_fc1` [2 ffn, hidden] = [gate; up] (transposed, de-interleaved);
@@ -26,8 +30,9 @@ files of a tied model is ignored (some exporters write the duplicate).
 MoE names are the ones transformers 5.19 writes *to disk* (it fuses experts only in memory):
 Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2` (gate/up/down) and `block_sparse_moe.gate`,
 Qwen3-MoE, GLM-4.5 and DeepSeek-V3 `mlp.experts.{e}.gate_proj/up_proj/down_proj` and `mlp.gate`
-(the last two with `mlp.gate.e_score_correction_bias` and `mlp.shared_experts.*`). DeepSeek-V3's
-multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are skipped (`is_mtp_name`).
+(the last two with `mlp.gate.e_score_correction_bias` and `mlp.shared_experts.*`). Multi-token-
+prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers}.*`, Qwen3-Next's `mtp.*`) are
+skipped (`is_mtp_name`).
 
 The pure transforms of the fused layouts are `megarl.models.fused`'s.
 """
@@ -46,9 +51,13 @@ from megarl.errors import UserError
 from megarl.models.fused import (
     gate_up_from_megatron,
     gate_up_to_megatron,
+    gdn_in_from_megatron,
+    gdn_in_to_megatron,
     interleaved_from_megatron,
     interleaved_to_megatron,
     qkv_from_megatron,
+    qkv_gated_from_megatron,
+    qkv_gated_to_megatron,
     qkv_to_megatron,
 )
 from megarl.models.hf_config import ModelArch
@@ -69,6 +78,8 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def is_mtp_name(arch: ModelArch, hf_name: str) -> bool:
     """Whether `hf_name` belongs to a multi-token-prediction layer (DeepSeek-V3's layer 61):
     megarl builds none and skips them, as transformers does."""
+    if hf_name.startswith("mtp."):  # Qwen3-Next's
+        return True
     m = _HF_LAYER.match(hf_name)
     return m is not None and arch.num_layers <= int(m.group(1)) < arch.num_layers + arch.mtp_layers
 
@@ -103,7 +114,20 @@ def _dims(arch: ModelArch) -> dict[str, int]:
             kv_b=heads * (m.qk_nope_head_dim + m.v_head_dim),
             o=heads * m.v_head_dim,
         )
+    gdn = {}
+    if (g := arch.gdn) is not None:
+        gdn = dict(
+            qkvz=2 * g.key_heads * g.key_dim + 2 * g.value_heads * g.value_dim,
+            ba=2 * g.value_heads,
+            conv=2 * g.key_heads * g.key_dim + g.value_heads * g.value_dim,
+            conv_k=g.conv_kernel,
+            v_heads=g.value_heads,
+            v_dim=g.value_dim,
+            v_all=g.value_heads * g.value_dim,
+        )
     return {
+        **gdn,
+        "q2": 2 * heads * arch.head_dim,
         "o": heads * arch.head_dim,
         "shared_ffn": arch.moe_shared_intermediate_size or 0,
         **mla,
@@ -153,8 +177,11 @@ def _instances(arch: ModelArch) -> Iterator[MappedTensor]:
             yield inst(r)
     for i in range(arch.num_layers):
         kind = "moe" if arch.is_moe_layer(i) else "dense"
+        attention = "linear" if arch.is_linear_layer(i) else "full"
         for r in layer:
             if r.layers is not None and r.layers != kind:
+                continue
+            if r.attention is not None and r.attention != attention:
                 continue
             if "{e}" in r.canonical:
                 for e in range(arch.num_experts or 0):
@@ -189,6 +216,12 @@ def _to_megatron(arch: ModelArch, kind: str, ts: list[torch.Tensor]) -> torch.Te
         return qkv_to_megatron(
             *ts, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         )
+    if kind == "qkv_gated":
+        return qkv_gated_to_megatron(
+            *ts, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        )
+    if kind == "gdn_in":
+        return gdn_in_to_megatron(*ts, arch.gdn)
     if kind == "gate_up":
         return gate_up_to_megatron(*ts)
     if kind == "gate_up_t":
@@ -207,6 +240,12 @@ def _from_megatron(arch: ModelArch, kind: str, t: torch.Tensor) -> tuple[torch.T
         return qkv_from_megatron(
             t, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         )
+    if kind == "qkv_gated":
+        return qkv_gated_from_megatron(
+            t, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        )
+    if kind == "gdn_in":
+        return gdn_in_from_megatron(t, arch.gdn)
     if kind == "gate_up":
         return gate_up_from_megatron(t)
     if kind == "gate_up_t":
@@ -218,7 +257,7 @@ def _from_megatron(arch: ModelArch, kind: str, t: torch.Tensor) -> tuple[torch.T
     raise MappingError(f"unknown rule kind {kind!r}; accepted: {KINDS}")
 
 
-KINDS = ("copy", "qkv", "gate_up", "gate_up_t", "interleaved", "t")
+KINDS = ("copy", "qkv", "qkv_gated", "gdn_in", "gate_up", "gate_up_t", "interleaved", "t")
 
 
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...], what: str) -> None:

@@ -138,7 +138,8 @@ def fill_from_canonical(
                 if allreduce is False
                 else ps.get_tensor_model_parallel_group()
             )
-            t = split_tp(name, t, p.partition_dim, dist.get_world_size(group), dist.get_rank(group))
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            t = split_tp(name, t, p.partition_dim, size, rank, getattr(p, "tp_parts", None))
         if t.shape != p.shape:
             raise CheckpointError(f"{name}: tensor shape {tuple(t.shape)} != parameter {p.shape}")
         p.copy_(t)

@@ -90,6 +90,7 @@ class SeededHFTensors:
         self.dir = f"<random init, seed {seed}>"
         self.seed = seed
         self.layers = arch.num_layers
+        self.zero_centered = arch.zero_centered_norms
         self._shapes = {
             n: tuple(shape)
             for item in mapped_tensors(arch).values()
@@ -106,8 +107,9 @@ class SeededHFTensors:
     def get(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]
         leaf = name.rsplit(".", 2)
-        if "norm" in name:
-            return torch.ones(shape)
+        if "norm" in name:  # scale 1: zero-centred norms store it as 0 (not the DeltaNet's)
+            plain = not self.zero_centered or ".linear_attn.norm." in name
+            return torch.ones(shape) if plain else torch.zeros(shape)
         if name.endswith(".bias"):
             return torch.zeros(shape)
         std = self.STD
@@ -160,6 +162,9 @@ def _read_shard(lazy: LazyHFTensors, arch: ModelArch, item: MappedTensor, p) -> 
     if dim != 0:  # whole on every TP rank, or strided in the file: read whole, keep a slice
         full = canonical_from_hf(arch, item, [lazy.get(n) for n in item.hf])
         return full if dim < 0 else full.chunk(tp, dim=dim)[r]
+    if parts := getattr(p, "tp_parts", None):  # a slice of each component (Gated DeltaNet)
+        full = canonical_from_hf(arch, item, [lazy.get(n) for n in item.hf])
+        return split_tp(item.canonical, full, 0, tp, r, parts)
     if item.kind == "qkv":
         groups = arch.num_key_value_heads // tp  # whole query groups per TP rank
         per = arch.num_attention_heads // arch.num_key_value_heads

@@ -61,6 +61,7 @@ from megarl.convert.export import export_config, finish_hf_dir
 from megarl.convert.hf_write import AtomicDir, StreamingShardWriter
 from megarl.convert.layout import VOCAB_PARAMS, local_params, merge_tp, replica, tp_shard
 from megarl.convert.mapping import canonical_names_for, canonical_to_hf, file_shapes, to_files
+from megarl.models.fused import gdn_tp_parts
 from megarl.models.hf_config import ModelArch
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,7 @@ def spread_plan(copies: dict[str, dict[int, list]]) -> tuple[dict, dict]:
 
 def _merge(arch: ModelArch, name: str, dim: int, parts: list[torch.Tensor]) -> torch.Tensor:
     """The canonical tensor from its TP pieces (vocab padding rows cut)."""
-    t = parts[0] if len(parts) == 1 else merge_tp(name, parts, dim)
+    t = parts[0] if len(parts) == 1 else merge_tp(name, parts, dim, gdn_tp_parts(arch, name))
     if name in VOCAB_PARAMS:
         t = t[: arch.vocab_size]
     return t

@@ -21,13 +21,16 @@ class Rule:
     shapes: tuple[tuple[str, ...], ...]
     """Symbolic shape of each HF tensor (dims: see `_dims`)."""
     kind: str = "copy"
-    """copy | qkv | gate_up | gate_up_t | interleaved | t (`megarl.convert.mapping`)."""
+    """copy | qkv | qkv_gated | gdn_in | gate_up | gate_up_t | interleaved | t
+    (`megarl.convert.mapping`)."""
     when: str | None = None
     """Arch feature the rule needs: qkv_bias, qk_norm, untied (an LM head of its own), score (a
     scalar score head), shared (shared experts), q_lora / q_full (MLA's query projection);
     None = always."""
     layers: str | None = None
     """Which layers hold it: dense (a dense MLP), moe (a routed one); None = every layer."""
+    attention: str | None = None
+    """Which layers hold it: linear (Gated DeltaNet), full (attention); None = every layer."""
 
 
 def _attn(prefix: str = "model.layers.{i}.self_attn.") -> tuple[Rule, ...]:
@@ -240,6 +243,67 @@ def _gpt_oss() -> tuple[Rule, ...]:
     )
 
 
+def _qwen3_next() -> tuple[Rule, ...]:
+    """Qwen3-Next: Gated DeltaNet layers (`linear_attn.*`: q / k / v / z and b / a projections
+    grouped per key head, joined into megatron's one `in_proj`) and gated full-attention layers
+    (q_proj's rows per head [q; gate]); zero-centred norms copied as stored; every layer routed,
+    with a shared expert behind a sigmoid gate."""
+    a, c, g = "model.layers.{i}.self_attn.", "decoder.layers.{i}.self_attention.", "linear_attn."
+    la = "model.layers.{i}." + g
+    attn = _attn()
+
+    def full(r: Rule) -> Rule:
+        return Rule(r.canonical, r.hf, r.shapes, r.kind, r.when, r.layers, "full")
+
+    def linear(canonical: str, hf: str, shape: tuple[str, ...]) -> Rule:
+        return Rule(c + canonical, (la + hf,), (shape,), attention="linear")
+
+    return (
+        attn[0],
+        Rule(
+            c + "linear_qkv.weight",
+            tuple(a + f"{p}_proj.weight" for p in "qkv"),
+            (("q2", "hidden"), ("kv", "hidden"), ("kv", "hidden")),
+            kind="qkv_gated",
+            attention="full",
+        ),
+        *(full(r) for r in attn[3:6]),  # q / k norms, o_proj
+        Rule(
+            c + "in_proj.weight",
+            (la + "in_proj_qkvz.weight", la + "in_proj_ba.weight"),
+            (("qkvz", "hidden"), ("ba", "hidden")),
+            kind="gdn_in",
+            attention="linear",
+        ),
+        linear("conv1d.weight", "conv1d.weight", ("conv", "one", "conv_k")),
+        linear("dt_bias", "dt_bias", ("v_heads",)),
+        linear("A_log", "A_log", ("v_heads",)),
+        linear("out_norm.weight", "norm.weight", ("v_dim",)),
+        linear("out_proj.weight", "out_proj.weight", ("hidden", "v_all")),
+        attn[-1],
+        *_QWEN3_MOE,
+        Rule(
+            _SHARED + "linear_fc1.weight",
+            (
+                "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+                "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+            ),
+            (("shared_ffn", "hidden"), ("shared_ffn", "hidden")),
+            kind="gate_up",
+        ),
+        Rule(
+            _SHARED + "linear_fc2.weight",
+            ("model.layers.{i}.mlp.shared_expert.down_proj.weight",),
+            (("hidden", "shared_ffn"),),
+        ),
+        Rule(
+            _SHARED + "gate_weight",
+            ("model.layers.{i}.mlp.shared_expert_gate.weight",),
+            (("one", "hidden"),),
+        ),
+    )
+
+
 # family -> table (rules in canonical order: embedding, layers, final norm, output layer)
 TABLES: dict[str, tuple[Rule, ...]] = {
     "llama": (_EMBED, *_attn(), *_DENSE_MLP, *_HEAD),
@@ -251,4 +315,5 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "glm4_moe": (_EMBED, *_attn(), *_DENSE_MLP, *_SIGMOID_MOE, *_HEAD),
     "deepseek_v3": (_EMBED, *_mla(), *_DENSE_MLP, *_SIGMOID_MOE, *_HEAD),
     "gpt_oss": (_EMBED, *_gpt_oss(), *_HEAD),
+    "qwen3_next": (_EMBED, *_qwen3_next(), *_HEAD),
 }

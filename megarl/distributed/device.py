@@ -95,6 +95,7 @@ def _patch_missing_te() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _patch_mla_without_te()
+    _patch_gdn_without_fla()
     _patch_optimizer_step_state()
 
 
@@ -108,6 +109,25 @@ def _patch_mla_without_te() -> None:
         import transformer_engine  # noqa: F401
     except ImportError:
         mla.HAVE_TE = False
+
+
+def _patch_gdn_without_fla() -> None:
+    """Without flash-linear-attention (Triton: never on CPU) megatron-core 0.16.1's GatedDeltaNet
+    refuses to build (ssm/gated_delta_net.py:104-107). Give it a torch q / k L2 norm (fla's:
+    x / sqrt(sum x^2 + 1e-6), in fp32) and megatron's own torch chunked delta rule, which it
+    runs in deterministic mode (:370-380; a copy of transformers' reference kernel)."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    if gdn.HAVE_FLA:
+        return
+
+    def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+        y = x.float()
+        return (y * torch.rsqrt((y * y).sum(dim, keepdim=True) + eps)).to(x.dtype)
+
+    gdn.l2norm = l2norm
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    gdn.HAVE_FLA = True
 
 
 def _patch_optimizer_step_state() -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.models.fused import gdn_tp_parts
 from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig
 from megarl.models.lora import LoraConfig, apply_lora, check_lora
 from megarl.models.mcore_config import transformer_config
@@ -149,6 +150,7 @@ def build_gpt_chunk(
     _apply_rope_scaling(model, arch)
     experts_not_sequence_parallel(model)
     sinks_split_with_heads(model)
+    gdn_tp_layout(model, arch)
     model.megarl_vocab_size = arch.vocab_size  # logits and exports are cut to the real vocab
     model.megarl_role = role  # which model a forward belongs to (MoE router statistics)
     if role in SCALAR_ROLES and post:
@@ -250,6 +252,28 @@ def sinks_split_with_heads(model: torch.nn.Module) -> None:
             set_tensor_model_parallel_attributes(p, True, 0, 1)
 
 
+def gdn_tp_layout(model: torch.nn.Module, arch) -> None:
+    """Mark the Gated DeltaNet's TP split: megatron marks its conv1d, dt_bias and A_log
+    `tensor_model_parallel` without a partition dim (gated_delta_net.py:172-198), so megarl's
+    gather and sync would take them whole; in_proj and conv1d hold a slice of each component
+    (`tp_parts`, read by `megarl.convert.layout.merge_tp` / `split_tp`)."""
+    if arch.gdn is None:
+        return
+    for name, p in model.named_parameters():
+        if name.endswith(("self_attention.conv1d.weight", ".dt_bias", ".A_log")):
+            p.partition_dim, p.partition_stride = 0, 1
+        if parts := gdn_tp_parts(arch, name):
+            p.tp_parts = parts
+    for name, m in model.named_modules():
+        # the DeltaNet's output norm scales by w, not 1 + w, on either spec (TE's RMSNorm keeps
+        # its flag as `zero_centered_gamma`, megarl's as `zero_centered`): the canonical weight
+        # is transformers' as stored, so a zero-centred one would be off by one everywhere
+        if name.endswith("self_attention.out_norm") and (
+            getattr(m, "zero_centered", False) or getattr(m, "zero_centered_gamma", False)
+        ):
+            raise RuntimeError(f"{name}: the Gated DeltaNet's output norm must not be zero-centred")
+
+
 def round_expert_bias(chunks: list[torch.nn.Module], dtype: torch.dtype) -> None:
     """In a 16-bit model, keep every router's expert bias (an fp32 buffer megatron-core
     maintains, router.py:209-218) on `dtype`'s grid before each forward: the weight sync carries
@@ -321,6 +345,7 @@ def num_params(arch: ModelArch) -> int:
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if arch.qkv_bias else 0)
         attn += 2 * arch.head_dim if arch.qk_norm else 0
         attn += (h if arch.linear_bias else 0) + (heads if arch.attention_sinks else 0)
+        attn += q * h if arch.attention_output_gate else 0
     else:
         q_out = heads * m.qk_head_dim
         q = h * q_out if m.q_lora_rank is None else m.q_lora_rank * (h + 1 + q_out)
@@ -335,6 +360,18 @@ def num_params(arch: ModelArch) -> int:
         if arch.linear_bias:  # gpt-oss: the router's and each expert's [gate; up] and down
             moe += e + e * (2 * arch.moe_intermediate_size + h)
         moe += 3 * h * (arch.moe_shared_intermediate_size or 0)
+        moe += h if arch.moe_shared_gate else 0
     moe_layers = L - arch.dense_layers if arch.is_moe else 0
     head = h if arch.score_head else (0 if arch.tie_word_embeddings else v * h)
-    return L * (attn + 2 * h) + (L - moe_layers) * dense + moe_layers * moe + v * h + head + h
+    linear = sum(arch.linear_layers or ())
+    mixers = (L - linear) * attn + (linear * _gdn_params(arch) if linear else 0)
+    return mixers + 2 * h * L + (L - moe_layers) * dense + moe_layers * moe + v * h + head + h
+
+
+def _gdn_params(arch: ModelArch) -> int:
+    """One Gated DeltaNet layer's parameters: in_proj, conv1d, dt_bias, A_log, out_norm,
+    out_proj."""
+    g, h = arch.gdn, arch.hidden_size
+    qk, v = g.key_heads * g.key_dim, g.value_heads * g.value_dim
+    in_proj = h * (2 * qk + 2 * v + 2 * g.value_heads)
+    return in_proj + (2 * qk + v) * g.conv_kernel + 2 * g.value_heads + g.value_dim + v * h

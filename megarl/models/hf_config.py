@@ -6,8 +6,9 @@ is the only input to the model builders and to the HF <-> Megatron parameter map
 
 Supported families (`megarl.models.families.FAMILIES`): Llama 2/3/3.1 (rope scaling `llama3` and
 `linear`), Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm, head_dim != hidden/heads), Qwen3-MoE,
-Mixtral, GLM-4.5 MoE (partial rotary), DeepSeek-V3 / Kimi-K2 (multi-latent attention, yarn) and
-gpt-oss (sinks, sliding windows, biases, clamped SwiGLU experts); each as a causal LM
+Mixtral, GLM-4.5 MoE (partial rotary), DeepSeek-V3 / Kimi-K2 (multi-latent attention, yarn),
+gpt-oss (sinks, sliding windows, biases, clamped SwiGLU experts) and Qwen3-Next (Gated DeltaNet
+layers, gated attention, zero-centred norms); each as a causal LM
 (`<Family>ForCausalLM`) or, for the dense families, Qwen3-MoE and Mixtral, as a reward model
 (`<Family>ForSequenceClassification` with one label: the same trunk, a scalar `score` head
 instead of the LM head; `ModelArch.score_head`).
@@ -28,11 +29,13 @@ from megarl.models.families import (
     FAMILIES,
     NOT_YET,
     SIGMOID_MOE,
+    GDNShape,
     MLAShape,
     check_yarn,
     gpt_oss_fields,
     mla_shape,
     moe_fields,
+    qwen3_next_fields,
 )
 from megarl.models.families import rotary_fraction as read_rotary_fraction
 
@@ -40,7 +43,7 @@ ARCHITECTURES = FAMILIES
 CLASSIFIER_ARCHITECTURES = {
     cls.replace("ForCausalLM", "ForSequenceClassification"): family
     for cls, family in ARCHITECTURES.items()
-    if family not in (*SIGMOID_MOE, "gpt_oss")  # transformers 5.19 has no classifier of these
+    if family not in (*SIGMOID_MOE, "gpt_oss", "qwen3_next")  # not read as reward models
 }
 """Sequence classifiers of the same families: megarl reads those with `num_labels: 1` (reward
 models; transformers' `GenericForSequenceClassification`)."""
@@ -112,6 +115,19 @@ class ModelArch:
     swiglu_limit: float | None = None
     """Clamped SwiGLU (gpt-oss experts): gate clamped above and up on both sides at this limit,
     out = gate x sigmoid(1.702 gate) x (up + 1); None: plain SwiGLU."""
+    moe_shared_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(hidden . gate) (Qwen3-Next
+    `shared_expert_gate`; megatron's `moe_shared_expert_gate`)."""
+    gdn: GDNShape | None = None
+    """Gated DeltaNet shape of the linear-attention layers (Qwen3-Next)."""
+    linear_layers: tuple[bool, ...] | None = None
+    """Per layer: whether it is a Gated DeltaNet layer (the others attend in full)."""
+    attention_output_gate: bool = False
+    """Full attention's output is scaled by sigmoid of a gate that q_proj also projects
+    (Qwen3-Next: q_proj rows are [q; gate] per head)."""
+    zero_centered_norms: bool = False
+    """RMSNorm weights are stored as weight - 1 (Qwen3-Next: out = norm(x) x (1 + w)), except
+    the Gated DeltaNet's output norm (megatron's `layernorm_zero_centered_gamma`)."""
     stacked_experts: bool = False
     """The HF files hold each layer's experts stacked ([experts, ...]; gpt-oss); megarl's HF
     names are per expert (`megarl.convert.stacked`)."""
@@ -134,11 +150,17 @@ class ModelArch:
             per = self.num_layers * width * elem
             return per, f"{per} B/token = {self.num_layers} layers x latent {width} x {elem} B"
         kv_heads = max(1, self.num_key_value_heads // vllm_tp)
-        per = 2 * self.num_layers * kv_heads * self.head_dim * elem
+        # Gated DeltaNet layers keep a fixed state per sequence, no per-token cache
+        layers = self.num_layers - sum(self.linear_layers or ())
+        per = 2 * layers * kv_heads * self.head_dim * elem
         return per, (
-            f"{per} B/token = 2 x {self.num_layers} layers x {kv_heads} KV heads per rank x "
+            f"{per} B/token = 2 x {layers} attention layers x {kv_heads} KV heads per rank x "
             f"head_dim {self.head_dim} x {elem} B"
         )
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) is a Gated DeltaNet layer."""
+        return self.linear_layers is not None and self.linear_layers[layer]
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` (0-based) has a routed MLP."""
@@ -272,6 +294,8 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
             )
         rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
     oss = gpt_oss_fields(cfg, where, ModelConfigError) if family == "gpt_oss" else {}
+    if family == "qwen3_next":
+        oss = qwen3_next_fields(cfg, where, ModelConfigError)
     if oss and rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
         check_yarn(rope_scaling, where, ModelConfigError)
     if not oss and cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mistral"):
@@ -279,7 +303,7 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
             raise ModelConfigError(
                 f"{where}: sliding_window={cfg['sliding_window']} attention is not supported"
             )
-    moe = moe_fields(cfg, family, where, ModelConfigError)
+    moe = {} if family == "qwen3_next" else moe_fields(cfg, family, where, ModelConfigError)
     mla = mla_shape(cfg, where, ModelConfigError) if family == "deepseek_v3" else None
     if mla is not None:
         head_dim, kv_heads = mla.qk_head_dim, heads
@@ -311,7 +335,7 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
         # a classifier has no LM head to tie (transformers ignores the flag there)
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
         qkv_bias=family in ("qwen2", "gpt_oss") or bool(cfg.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")),
+        qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next") or bool(cfg.get("use_qk_norm")),
         rotary_fraction=read_rotary_fraction(cfg, where, ModelConfigError),
         mla=mla,
         score_head=score_head,

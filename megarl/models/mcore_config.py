@@ -42,6 +42,8 @@ def transformer_config(
             f"tensor_parallel {parallel.tensor_parallel}). Accepted: tensor_parallel 1, or "
             "expert_tensor_parallel: 1 with expert_parallel > 1"
         )
+    if arch.gdn is not None:
+        _check_gdn_layout(arch, parallel)
     dtype = precision.torch_dtype
     kw = dict(
         num_layers=arch.num_layers,
@@ -119,6 +121,7 @@ def transformer_config(
     if precision.fp8 is not None:
         kw.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe, fp8_param=precision.fp8_param)
     kw.update(_gpt_oss_kwargs(arch))
+    kw.update(_qwen3_next_kwargs(arch))
     if arch.mla is not None:
         from megatron.core.transformer import MLATransformerConfig
 
@@ -130,6 +133,33 @@ def transformer_config(
         for k, v in _yarn(arch).items():
             setattr(config, f"yarn_{k}", v)
     return config
+
+
+def _check_gdn_layout(arch: ModelArch, parallel) -> None:
+    """A layout megatron-core 0.16.1's GatedDeltaNet cannot train exactly: TP > 1 without
+    sequence parallelism. Its output norm's weight is shared by the value heads TP splits, and
+    finalize_model_grads sums such partial grads over TP only for sequence-parallel params
+    (finalize_model_grads.py:353-356). (Context parallelism megarl refuses for every model.)"""
+    if parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
+        raise ModelConfigError(
+            f"{arch.family}: Gated DeltaNet layers at parallel.tensor_parallel="
+            f"{parallel.tensor_parallel} without sequence_parallel: megatron-core 0.16.1 would "
+            "leave each TP rank a partial gradient of the output norm's weight; accepted: "
+            "parallel.sequence_parallel: true, or tensor_parallel: 1"
+        )
+
+
+def packing_refusal(arch: ModelArch, *, packed: bool) -> str | None:
+    """Why `arch` cannot train on packed sequences, or None: megatron-core 0.16.1's
+    GatedDeltaNet raises on packed rows (gated_delta_net.py:294-296). Unpacked, right padding
+    is exact: the recurrence is causal, so a row's padding never reaches its tokens."""
+    if arch.gdn is not None and packed:
+        return (
+            f"Gated DeltaNet layers ({arch.family}) on packed sequences: megatron-core 0.16.1's "
+            "GatedDeltaNet has no per-sequence state reset; accepted: algorithm.pack_sequences: "
+            "false"
+        )
+    return None
 
 
 def te_attention_refusal(arch: ModelArch, *, packed: bool, te_version: str | None) -> str | None:
@@ -183,6 +213,32 @@ def _gpt_oss_kwargs(arch: ModelArch) -> dict:
             glu_linear_offset=1.0,
             activation_func_clamp_value=arch.swiglu_limit,
         )
+    return kw
+
+
+def _qwen3_next_kwargs(arch: ModelArch) -> dict:
+    """Gated DeltaNet layers (megatron's experimental `gated_delta_net` variant: a list marks the
+    linear layers, utils.get_linear_attention_pattern), gated full attention (q_proj's gate rows,
+    attention.py:1218-1224), zero-centred norms and the gated shared expert
+    (shared_experts.py:128-131)."""
+    kw: dict = {}
+    if arch.gdn is not None:
+        g = arch.gdn
+        kw.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=[int(x) for x in arch.linear_layers],
+            linear_conv_kernel_dim=g.conv_kernel,
+            linear_key_head_dim=g.key_dim,
+            linear_value_head_dim=g.value_dim,
+            linear_num_key_heads=g.key_heads,
+            linear_num_value_heads=g.value_heads,
+        )
+    if arch.attention_output_gate:
+        kw["attention_output_gate"] = True
+    if arch.zero_centered_norms:
+        kw["layernorm_zero_centered_gamma"] = True
+    if arch.moe_shared_gate:
+        kw["moe_shared_expert_gate"] = True
     return kw
 
 

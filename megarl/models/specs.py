@@ -22,18 +22,33 @@ import torch.nn.functional as F
 
 
 class RMSNorm(torch.nn.Module):
-    """RMSNorm for hidden states; sequence-parallel aware. Signature matches megatron's norms."""
+    """RMSNorm for hidden states; sequence-parallel aware. Signature matches megatron's norms.
+    With `config.layernorm_zero_centered_gamma` the weight w stands for the scale 1 + w, taken in
+    fp32 as transformers' Qwen3-Next norm does (`Qwen3NextRMSNorm`)."""
+
+    zero_centered_ok = True
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.zero_centered = self.zero_centered_ok and config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # computed in fp32 then cast back, as Hugging Face's Llama/Qwen RMSNorm does
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.zero_centered:
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * y.to(x.dtype)
+
+
+class PlainRMSNorm(RMSNorm):
+    """The Gated DeltaNet's output norm: a plain weight even in a zero-centred model
+    (transformers' `Qwen3NextRMSNormGated`), over one value head."""
+
+    zero_centered_ok = False
 
 
 class QKRMSNorm(RMSNorm):
@@ -293,9 +308,65 @@ def require_transformer_engine(what: str) -> None:
         ) from e
 
 
-def layer_spec(arch, *, use_te: bool, moe: bool | None = None):
+def layer_spec(arch, *, use_te: bool, moe: bool | None = None, linear: bool = False):
     """The `ModuleSpec` of one layer of `arch` (a `ModelArch`); `moe`: whether it routes (default:
-    whether `arch` is MoE; the dense first layers of GLM-4.5 / DeepSeek-V3 pass False)."""
+    whether `arch` is MoE; the dense first layers of GLM-4.5 / DeepSeek-V3 pass False);
+    `linear`: a Gated DeltaNet layer in place of attention (Qwen3-Next)."""
+    spec = _attention_layer_spec(arch, use_te=use_te, moe=moe)
+    if linear:
+        spec.submodules.self_attention = gdn_spec(use_te)
+        if use_te:  # TE's in_proj carries the input norm (`self_attention.in_proj.layer_norm_*`)
+            from megatron.core.transformer.identity_op import IdentityOp
+
+            spec.submodules.input_layernorm = IdentityOp
+    return spec
+
+
+def gdn_spec(use_te: bool):
+    """megatron's `GatedDeltaNet` with its projections and output norm: local layers, or TE's as
+    megatron's experimental spec builds them (experimental_attention_variant_module_specs.py:
+    56-73), the output norm never zero-centred."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if use_te:
+        from megatron.core.extensions import transformer_engine as te
+
+        return ModuleSpec(
+            module=GatedDeltaNet,
+            submodules=GatedDeltaNetSubmodules(
+                in_proj=te.TELayerNormColumnParallelLinear,
+                out_norm=plain_te_norm_class(),
+                out_proj=te.TERowParallelLinear,
+            ),
+        )
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=PlainRMSNorm, out_proj=RowParallelLinear
+        ),
+    )
+
+
+@functools.cache
+def plain_te_norm_class():
+    """TE's RMSNorm without the zero-centred weight of the model's other norms: `TENorm` takes
+    `zero_centered_gamma` from the config (extensions/transformer_engine.py: TENorm.__new__)."""
+    import dataclasses
+
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    class PlainTENorm:
+        def __new__(cls, config, hidden_size: int, eps: float = 1e-5):
+            plain = dataclasses.replace(config, layernorm_zero_centered_gamma=False)
+            return TENorm(plain, hidden_size, eps)
+
+    return PlainTENorm
+
+
+def _attention_layer_spec(arch, *, use_te: bool, moe: bool | None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     experts = arch.num_experts if (arch.is_moe if moe is None else moe) else None
@@ -373,8 +444,8 @@ def block_spec(arch, config, *, use_te: bool, vp_stage: int | None, pp_rank: int
 
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    kinds = [arch.is_moe_layer(first + i) for i in range(n)]
-    specs = {moe: layer_spec(arch, use_te=use_te, moe=moe) for moe in set(kinds)}
+    kinds = [(arch.is_moe_layer(first + i), arch.is_linear_layer(first + i)) for i in range(n)]
+    specs = {k: layer_spec(arch, use_te=use_te, moe=k[0], linear=k[1]) for k in set(kinds)}
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
@@ -382,6 +453,6 @@ def block_spec(arch, config, *, use_te: bool, vp_stage: int | None, pp_rank: int
     return ModuleSpec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(
-            layer_specs=[specs[moe] for moe in kinds], layer_norm=final_norm
+            layer_specs=[specs[k] for k in kinds], layer_norm=final_norm
         ),
     )

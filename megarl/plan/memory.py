@@ -28,17 +28,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megarl.algorithms.config import RL_ALGORITHMS
 from megarl.config import ConfigError, RunConfig
 from megarl.distributed import TopologyError
 from megarl.dtypes import BYTES
 from megarl.models.builder import num_params
 from megarl.models.forward import sequence_multiple
 from megarl.models.lora import te_refusal
-from megarl.models.mcore_config import te_attention_refusal
+from megarl.models.mcore_config import packing_refusal, te_attention_refusal
 from megarl.plan import engines
 from megarl.plan import formulas as fm
 from megarl.plan.formulas import gib
 from megarl.plan.records import HEADROOM, Plan, Row, Shape, StagePlan
+from megarl.rollout.engine.checks import NO_ENGINE
 from megarl.trainer.dry_run import dry_run
 from megarl.trainer.model_source import check_shape_source, load_arch
 
@@ -88,6 +90,10 @@ def plan(
         refused = te_attention_refusal(arch, packed=cfg.algorithm.pack_sequences, te_version=None)
         if refused:  # a real run stops at its model build
             problems.append(f"attention: {refused}")
+    if refused := packing_refusal(arch, packed=cfg.algorithm.pack_sequences):
+        problems.append(f"packing: {refused}")
+    if cfg.algorithm.name in RL_ALGORITHMS and (refused := NO_ENGINE.get(arch.family)):
+        problems.append(f"rollout: {arch.family} has no rollout engine yet: {refused}")
     advice = []
     try:
         shape, topo = count_params(cfg, gpus, dry_run)
@@ -266,7 +272,8 @@ def stage_plan(cfg, arch, topo, shape: Shape, r: int, *, device: str, gpu_mem: f
                 ("train",),
             )
         )
-    rows += engines.vllm_rows(cfg, arch, device, gpu_mem, e)
+    if cfg.algorithm.name in RL_ALGORITHMS:  # SFT, DPO and reward models build no engine
+        rows += engines.vllm_rows(cfg, arch, device, gpu_mem, e)
     rows += engines.judge_rows(cfg, device, gpu_mem, e)
     return StagePlan(
         pp_rank=r,
@@ -406,7 +413,7 @@ def _advice(cfg, arch, topo, shape, result: Plan, device: str) -> list[str]:
     tried = []
     p, a, ro = cfg.parallel, cfg.algorithm, cfg.rollout.engine
     vllm_weights = num_params(arch) * BYTES[cfg.precision.dtype] / ro.tensor_parallel
-    if device == "gpu" and vllm_weights > result.usable:
+    if device == "gpu" and a.name in RL_ALGORITHMS and vllm_weights > result.usable:
         out.append(
             f"vLLM's weights alone take {gib(vllm_weights)} per GPU at "
             f"rollout.engine.tensor_parallel={ro.tensor_parallel}, more than the "

@@ -33,7 +33,12 @@ from megarl.distributed.placement import JobPlacement
 from megarl.models.builder import BuildConfig, build_gpt_chunk, num_params
 from megarl.models.hf_config import ModelArch, PrecisionConfig
 from megarl.models.lora import LoraConfig, apply_lora, check_lora, te_refusal
-from megarl.models.mcore_config import check_fp8_shapes, te_attention_refusal, transformer_config
+from megarl.models.mcore_config import (
+    check_fp8_shapes,
+    packing_refusal,
+    te_attention_refusal,
+    transformer_config,
+)
 from megarl.rollout import check_kv_cache
 from megarl.trainer.model_source import check_shape_source, load_arch
 from megarl.trainer.teacher import teacher_arch
@@ -419,6 +424,8 @@ def _notes(cfg: RunConfig, job_world: int, arch: ModelArch) -> list[str]:
         )
     notes.append("models on every rank: " + " + ".join(models))
     layers = "megatron-core local layers on the meta device (no memory)"
+    if packed := packing_refusal(arch, packed=cfg.algorithm.pack_sequences):
+        notes.append(f"the run refuses this config: {packed}")
     refused = te_refusal(cfg.model.lora, cfg.precision)
     if p.transformer_engine is not False and not refused:
         refused = te_attention_refusal(arch, packed=cfg.algorithm.pack_sequences, te_version=None)

