@@ -45,7 +45,7 @@ def test_kv_cache_too_small_for_one_sequence_is_refused_with_the_arithmetic():
         check_kv_cache(ARCH, cfg, dtype="fp32", gpu=False)
     msg = str(e.value)
     assert "kv_cache_memory_bytes=1048576" in msg and "1024 tokens" in msg
-    assert "max_model_len=2048" in msg and "2 x 4 layers x 2 KV heads" in msg
+    assert "max_model_len=2048" in msg and "2 x 4 attention layers x 2 KV heads" in msg
     ok = EngineConfig(kv_cache_memory_bytes=2**20, max_model_len=1024)
     assert check_kv_cache(ARCH, ok, dtype="fp32", gpu=False) == 2**20
 

@@ -138,7 +138,7 @@ def split_tp(
 def tp_parts(name: str, parts=None) -> tuple[int, ...] | None:
     """The components, in global rows, of a dim-0 TP-split tensor whose shards hold a slice of
     each: `parts` (a parameter's `tp_parts`: the Gated DeltaNet's in_proj [q; k; v; z; b; a] and
-    conv1d [q; k; v], `megarl.models.builder.gdn_tp_layout`), () for a gated `linear_fc1`
+    conv1d [q; k; v], `megarl.models.marks.gdn_tp_layout`), () for a gated `linear_fc1`
     ([gate; up], halves), or None: a plain split."""
     if parts:
         return tuple(parts)

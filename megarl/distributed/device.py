@@ -128,6 +128,7 @@ def _patch_gdn_without_fla() -> None:
     gdn.l2norm = l2norm
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
     gdn.HAVE_FLA = True
+    gdn.megarl_torch_delta_rule = True  # (a GPU build warns: correct, but slow)
 
 
 def _patch_optimizer_step_state() -> None:

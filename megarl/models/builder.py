@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.models.fused import gdn_tp_parts
 from megarl.models.hf_config import ModelArch, ModelConfigError, PrecisionConfig
 from megarl.models.lora import LoraConfig, apply_lora, check_lora
+from megarl.models.marks import mark_parameters
 from megarl.models.mcore_config import transformer_config
 from megarl.models.specs import block_spec, require_transformer_engine
 
@@ -148,9 +148,7 @@ def build_gpt_chunk(
         vp_stage=vp_stage,
     )
     _apply_rope_scaling(model, arch)
-    experts_not_sequence_parallel(model)
-    sinks_split_with_heads(model)
-    gdn_tp_layout(model, arch)
+    mark_parameters(model, arch)
     model.megarl_vocab_size = arch.vocab_size  # logits and exports are cut to the real vocab
     model.megarl_role = role  # which model a forward belongs to (MoE router statistics)
     if role in SCALAR_ROLES and post:
@@ -225,53 +223,6 @@ def build_model(
         )
         for i, c in enumerate(chunks)
     ]
-
-
-def experts_not_sequence_parallel(model: torch.nn.Module) -> None:
-    """Clear `sequence_parallel` on expert parameters (gpt-oss's expert biases): megatron-core
-    marks a row-parallel bias with it whatever the layer (tensor_parallel/layers.py:1228,
-    extensions/transformer_engine.py:1114), and `finalize_model_grads` then sums its grad over
-    the dense TP group (finalize_model_grads.py:354), whose ranks hold other experts at EP > 1:
-    expert 0's bias got expert 2's gradient added (measured at TP 2 x EP 2 with SP: 9.4e-2 off).
-    Experts see dispatched tokens, never a sequence shard. (The Transformer-Engine layers mark
-    it only when built with `use_cpu_initialization`, never on GPU; cleared all the same.)"""
-    for p in model.parameters():
-        if getattr(p, "allreduce", True) is False:  # megatron's mark of an expert parameter
-            p.sequence_parallel = False
-
-
-def sinks_split_with_heads(model: torch.nn.Module) -> None:
-    """Mark attention sinks (megatron's learnable softmax offset, one per local head) as split
-    over TP on dim 0, as megatron's checkpoints split them (dot_product_attention.py:260-270):
-    neither megatron's local attention nor Transformer-Engine's marks the parameter, so the
-    conversion, grad norm and weight sync would take TP rank 0's heads for all of them."""
-    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-
-    for name, p in model.named_parameters():
-        if name.endswith("core_attention.softmax_offset"):
-            set_tensor_model_parallel_attributes(p, True, 0, 1)
-
-
-def gdn_tp_layout(model: torch.nn.Module, arch) -> None:
-    """Mark the Gated DeltaNet's TP split: megatron marks its conv1d, dt_bias and A_log
-    `tensor_model_parallel` without a partition dim (gated_delta_net.py:172-198), so megarl's
-    gather and sync would take them whole; in_proj and conv1d hold a slice of each component
-    (`tp_parts`, read by `megarl.convert.layout.merge_tp` / `split_tp`)."""
-    if arch.gdn is None:
-        return
-    for name, p in model.named_parameters():
-        if name.endswith(("self_attention.conv1d.weight", ".dt_bias", ".A_log")):
-            p.partition_dim, p.partition_stride = 0, 1
-        if parts := gdn_tp_parts(arch, name):
-            p.tp_parts = parts
-    for name, m in model.named_modules():
-        # the DeltaNet's output norm scales by w, not 1 + w, on either spec (TE's RMSNorm keeps
-        # its flag as `zero_centered_gamma`, megarl's as `zero_centered`): the canonical weight
-        # is transformers' as stored, so a zero-centred one would be off by one everywhere
-        if name.endswith("self_attention.out_norm") and (
-            getattr(m, "zero_centered", False) or getattr(m, "zero_centered_gamma", False)
-        ):
-            raise RuntimeError(f"{name}: the Gated DeltaNet's output norm must not be zero-centred")
 
 
 def round_expert_bias(chunks: list[torch.nn.Module], dtype: torch.dtype) -> None:
