@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megarl.convert.mapping import canonical_shapes_for, canonical_to_hf, hf_shapes_for
+from megarl.distributed import heap
 from megarl.models.hf_config import arch_from_hf
-from megarl.rollout.engine import cpu_repack
 from megarl.rollout.engine.pieces import PlanError
 from megarl.rollout.engine.vllm_layout import check_coverage, pieces_for_module
 from megarl.rollout.sync.plan import RankMeta, SourceParam, build_plan, hf_index_maps
@@ -224,14 +224,15 @@ def _in_heap(ptr: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(cpu_repack._libc() is None, reason="glibc's mallopt only")
+@pytest.mark.skipif(heap.libc() is None, reason="glibc's mallopt only")
 def test_repacking_takes_large_blocks_from_the_heap_and_mmaps_again_after():
-    """`cpu_repack.reused_heap`: a block above glibc's largest mmap threshold (32 MiB) comes
-    from the heap inside the window (a later one can reuse it without page faults) and from an
-    mmap of its own outside it, before and after."""
-    n = 64 * 2**20 // 4
+    """`heap.reused_heap`: a block above any mmap threshold (glibc's largest, 32 MiB, and the
+    one a CPU process sets, `heap.MMAP_THRESHOLD`) comes from the heap inside the window (a
+    later one can reuse it without page faults) and from an mmap of its own outside it, before
+    and after. (The blocks are never written: address space only.)"""
+    n = (heap.MMAP_THRESHOLD + 64 * 2**20) // 4
     before = torch.empty(n)
-    with cpu_repack.reused_heap():
+    with heap.reused_heap():
         inside = torch.empty(n)
     after = torch.empty(n)
     assert [_in_heap(t.data_ptr()) for t in (before, inside, after)] == [False, True, False]

@@ -28,6 +28,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megarl.distributed import heap
+
 log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
 warnings.filterwarnings("ignore", message=".*Falling back to Torch Norm.*")
@@ -79,12 +81,13 @@ def cpu_half_precision_note(dtype: str) -> str | None:
 
 def setup() -> None:
     """Select the device for this process: on GPU set the local CUDA device, on CPU install the
-    emulation (idempotent)."""
+    emulation and glibc's heap reuse (`megarl.distributed.heap`) (idempotent)."""
     _patch_missing_te()
     if use_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return
     install_cpu_emulation()
+    heap.reuse_heap_blocks()  # the passes' temporaries from reused heap pages, not fresh mmaps
 
 
 def _patch_missing_te() -> None:

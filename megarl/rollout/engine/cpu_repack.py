@@ -21,13 +21,9 @@ fails before `write` leaves the engine as it was; a failure inside `write` leave
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
-import os
-
 import torch
 
+from megarl.distributed.heap import reused_heap
 from megarl.rollout.engine import moe_layout
 from megarl.rollout.engine.pieces import VllmDescription
 
@@ -186,38 +182,3 @@ def _write(worker, items, progress: dict) -> None:
             method.process_weights_after_loading(module)
     progress["param"] = None
 
-
-_M_MMAP_MAX = -4  # glibc's mallopt parameter (malloc.h): how many blocks it may mmap at once
-_DEFAULT_MMAP_MAX = 65536
-
-
-@functools.cache
-def _libc():
-    """The process's C library if it has glibc's `mallopt`, else None (another libc, or not
-    Linux)."""
-    try:
-        lib = ctypes.CDLL(None)  # the symbols already loaded: the C library's among them
-    except OSError:
-        return None
-    return lib if hasattr(lib, "mallopt") else None
-
-
-@contextlib.contextmanager
-def reused_heap():
-    """While the linears are repacked, glibc serves every block from its heap, none from a fresh
-    mmap. Each repack allocates a new packed copy of a layer's weight and frees the old one; a
-    block above glibc's mmap threshold (at most 32 MiB: a fused gate_up of 8192 x 1024 in fp32
-    is above it) comes from a fresh mmap each time, and every page of it is a page fault (the
-    kernel zeroes it) while the reorder writes it; from the heap, the next copies reuse the
-    blocks the old ones leave (the sync benchmark's figures: docs/benchmarks.md). Afterwards glibc
-    may mmap again (the MALLOC_MMAP_MAX_ environment's limit, else its default); the packed
-    weights stay in the heap until the next sync frees them for the new ones."""
-    libc = _libc()
-    if libc is None:
-        yield
-        return
-    libc.mallopt(_M_MMAP_MAX, 0)
-    try:
-        yield
-    finally:
-        libc.mallopt(_M_MMAP_MAX, int(os.environ.get("MALLOC_MMAP_MAX_", _DEFAULT_MMAP_MAX)))
