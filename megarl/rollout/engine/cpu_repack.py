@@ -181,4 +181,3 @@ def _write(worker, items, progress: dict) -> None:
             progress["param"] = f"{mod_name}.weight"
             method.process_weights_after_loading(module)
     progress["param"] = None
-
