@@ -112,12 +112,13 @@ def mini_batches(positions: torch.Tensor, count: int, seed: int) -> list[torch.T
     if num_rows < count:
         raise ValueError(f"algorithm.mini_batches={count} > {num_rows} local sequences per step")
     order = positions.argsort(stable=True)
-    pick = {}
-    for stratum in (positions[order] // count).unique().tolist():
+    strata, slot = positions[order] // count, positions[order] % count
+    which = torch.empty(num_rows, dtype=torch.long)
+    for stratum in strata.unique().tolist():
         gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + stratum) % 2**63)
-        pick[stratum] = torch.randperm(count, generator=gen)
-    which = [int(pick[int(p) // count][int(p) % count]) for p in positions[order]]
-    out = [[int(order[j]) for j in range(num_rows) if which[j] == k] for k in range(count)]
+        rows = strata == stratum
+        which[rows] = torch.randperm(count, generator=gen)[slot[rows]]
+    out = [order[which == k].tolist() for k in range(count)]
     for empty in (k for k in range(count) if not out[k]):
         out[empty].append(max(out, key=len).pop())
     return [torch.tensor(rows, dtype=torch.long) for rows in out]
