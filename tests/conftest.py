@@ -7,10 +7,9 @@ import os
 # child's memory pass start_method="spawn"
 os.environ.setdefault("MEGARL_SPAWN_METHOD", "forkserver")
 
-# vLLM's sampler compiles one small helper (the rank of each sampled token among the logprobs,
-# `batched_count_greater_than`) with inductor at the first generate of every engine: 2-3 s per
-# process, and the suite starts engines in about a hundred processes. Here it runs eagerly (the
-# same integers; megatron-core compiles nothing on these paths, checked with dynamo's frame
-# counter); tests/test_real_model.py and the CI's wheel check run it compiled, as a user's
-# run does
+# torch.compile off in the suite's processes: megarl itself runs vLLM's compiled integer helpers
+# eagerly on CPU (tests/test_vllm_eager_helpers.py checks it with dynamo on), and this keeps
+# megatron-core's compiled element-wise functions (`jit_fuser`: MoE expert bias, gated attention
+# / DeltaNet outputs) from an inductor build of seconds in each process that reaches them;
+# tests/test_real_model.py and tests/test_quickstart.py run with dynamo on, as a user's run does
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -109,6 +109,8 @@ class RolloutEngine:
         )  # fmt: skip
         if self.gpu:
             check_free_memory(cfg)
+        if not self.gpu:
+            vllm_patches.eager_integer_helpers()
         t0 = time.perf_counter()
         with vllm_patches.torch_threads_kept():  # the trainer shares this process's threads
             self.llm = LLM(**kwargs)

