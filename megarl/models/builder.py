@@ -181,6 +181,13 @@ def build_model(
     if role not in ROLES:
         raise ValueError(f"role={role!r}; accepted: {ROLES}")
     use_te = resolve_use_te(precision, build, gpu=gpu)
+    if use_te and precision.fp32_residual:
+        raise ModelConfigError(
+            "precision.fp32_residual=true builds megatron's local layers only (TE's assert that "
+            "their input's dtype is their weights' outside autocast: transformer_engine/pytorch/"
+            "module/base.py, set_activation_dtype); accepted on GPU: precision.transformer_engine:"
+            " false, or fp32_residual: false"
+        )
     # the sampler's routes are the policy's: the actor and its initial copy replay them, not a
     # scalar-head model or a teacher of another architecture
     replay = build.routing_replay and role in ("actor", "reference")

@@ -371,6 +371,10 @@ class PrecisionConfig:
     transformer_engine: bool | None = None
     """Transformer-Engine layers. None = on GPU (an error if TE is not installed), never on
     CPU; false = megatron's local layers also on GPU (slower, no FP8); true = required."""
+    fp32_residual: bool = False
+    """bf16 / fp16 only: keep the residual stream (embedding output, every layer's sum) in fp32,
+    as autocast over fp32 weights does; norms read it in fp32 and hand `dtype` to the GEMMs.
+    megatron's local layers only (TE's asserts its input dtype equals its weights')."""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -388,6 +392,18 @@ class PrecisionConfig:
         if self.fp8_recipe not in FP8_RECIPES:
             raise ModelConfigError(
                 f"precision.fp8_recipe={self.fp8_recipe!r}; accepted: {FP8_RECIPES}"
+            )
+        if self.fp32_residual and self.dtype == "fp32":
+            raise ModelConfigError(
+                "precision.fp32_residual=true with precision.dtype=fp32: the stream is fp32 "
+                "already; accepted: dtype bf16 or fp16, or fp32_residual: false"
+            )
+        if self.fp32_residual and self.transformer_engine:
+            raise ModelConfigError(
+                "precision.fp32_residual=true with precision.transformer_engine=true: TE's "
+                "layers assert that their input's dtype is their weights' outside autocast "
+                "(transformer_engine/pytorch/module/base.py, set_activation_dtype); accepted: "
+                "transformer_engine: false (megatron's local layers), or fp32_residual: false"
             )
 
     @property

@@ -70,7 +70,9 @@ def transformer_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        pipeline_dtype=dtype,
+        # an fp32 residual stream crosses pipeline stages in fp32
+        pipeline_dtype=torch.float32 if precision.fp32_residual else dtype,
+        fp32_residual_connection=precision.fp32_residual,
         autocast_dtype=dtype,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,

@@ -2,7 +2,8 @@
 sequence parallelism). A hidden-state norm's weight carries `sequence_parallel =
 config.sequence_parallel`, so megatron's `finalize_model_grads` all-reduces its grads over TP;
 q / k norms are left without it (megatron reduces their grads by name). Zero-centred weights
-(Qwen3-Next) follow `config.layernorm_zero_centered_gamma`.
+(Qwen3-Next) follow `config.layernorm_zero_centered_gamma`. A norm's output has its weight's
+dtype whatever its input's (an fp32 residual stream feeds bf16 GEMMs).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # computed in fp32 then cast back, as Hugging Face's Llama/Qwen RMSNorm does
+        # computed in fp32 then cast to the weights' dtype, as Hugging Face's Llama/Qwen RMSNorm
+        # does; an fp32 residual stream (precision.fp32_residual) leaves as the GEMMs' dtype
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.zero_centered:
-            return (y * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * y.to(x.dtype)
+            return (y * (1.0 + self.weight.float())).to(self.weight.dtype)
+        return self.weight * y.to(self.weight.dtype)
 
 
 class PlainRMSNorm(RMSNorm):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.models.norms import LatentRMSNorm, PlainRMSNorm, QKRMSNorm, RMSNorm
+from megarl.models.residual import bias_dropout_add
 
 
 @functools.cache
@@ -340,6 +341,7 @@ def _attention_layer_spec(arch, *, use_te: bool, moe: bool | None):
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attn_bda = sub.mlp_bda = bias_dropout_add
     attn = sub.self_attention.submodules
     attn.core_attention = sdpa_attention_class()
     if mla:
