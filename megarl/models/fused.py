@@ -107,6 +107,22 @@ def gdn_in_to_megatron(qkvz: torch.Tensor, ba: torch.Tensor, shape) -> torch.Ten
     return torch.cat([x.reshape(-1, *rest) for x in (q, k, v, z, b, a)], dim=0)
 
 
+def gdn_in_split_to_megatron(
+    qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+) -> torch.Tensor:
+    """Qwen3.5's in_proj_qkv [q; k; v] (heads contiguous), in_proj_z, in_proj_b, in_proj_a ->
+    megatron's in_proj [q; k; v; z; b; a]: already its order, joined."""
+    return torch.cat([qkv, z, b, a], dim=0)
+
+
+def gdn_in_split_from_megatron(in_proj: torch.Tensor, shape) -> tuple[torch.Tensor, ...]:
+    """Inverse of `gdn_in_split_to_megatron`: (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
+    vh = shape.value_heads
+    qkv = 2 * shape.key_heads * shape.key_dim + vh * shape.value_dim
+    parts = in_proj.split([qkv, vh * shape.value_dim, vh, vh], dim=0)
+    return tuple(p.contiguous() for p in parts)
+
+
 def gdn_in_from_megatron(in_proj: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `gdn_in_to_megatron`: in_proj -> (in_proj_qkvz, in_proj_ba), contiguous."""
     kh, vh, dk, dv = shape.key_heads, shape.value_heads, shape.key_dim, shape.value_dim

