@@ -90,7 +90,12 @@ def sample_vllm(
         seed=seed,
     )
     params = SamplingParams(
-        n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=seed, detokenize=False,
+        n=n,
+        temperature=1.0,
+        max_tokens=max_tokens,
+        logprobs=0,
+        seed=seed,
+        detokenize=False,
         stop_token_ids=stop,
     )
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
@@ -259,11 +264,12 @@ def main(argv=None) -> int:
     return logprobs(args)
 
 
-def logprobs(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def sampled(args) -> tuple[list[list[int]], list[int], list[list[float]]]:
+    """(prompt + completion ids, where each completion starts, vLLM's logprobs of it) for the
+    first `args.prompts` chat prompts of `args.data`, `args.n` completions each."""
+    from transformers import AutoTokenizer
 
     from megarl.data import DataConfig, PromptDataset
-    from megarl.distributed.launch import spawn
 
     tok = AutoTokenizer.from_pretrained(args.hf)
     ds = PromptDataset.from_config(DataConfig(path=args.data, shuffle=False), tok)
@@ -272,7 +278,15 @@ def logprobs(args) -> int:
         args.hf, prompt_ids, args.n, args.max_tokens, args.seed, stop=[tok.eos_token_id]
     )
     seqs = [prompt_ids[o] + c for o, c in zip(owner, ids, strict=True)]
-    starts = [len(prompt_ids[o]) for o in owner]
+    return seqs, [len(prompt_ids[o]) for o in owner], vllm_lp
+
+
+def logprobs(args) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.distributed.launch import spawn
+
+    seqs, starts, vllm_lp = sampled(args)
     results = {"vllm_bf16": vllm_lp}
     # fp32 compute on the bf16-rounded weights. Only the parameters are rounded: casting the
     # whole module would also round its rope buffer (inv_freq), which no system here does

@@ -228,12 +228,16 @@ WORKLOADS = {"random": lambda: RANDOM, "smollm2": _smollm2}
 
 def run_megarl(
     model_dir: str, precision: str, steps: int, threads: int, workload: Workload = RANDOM,
-    data_dir: str | None = None,
+    data_dir: str | None = None, seed: int | None = None,
 ) -> dict:  # fmt: skip
-    """One `megarl train` subprocess; per-step figures from its metrics.jsonl."""
+    """One `megarl train` subprocess; per-step figures from its metrics.jsonl. `seed`: the
+    workload's own when None."""
     with tempfile.TemporaryDirectory(prefix="megarl_peer_") as tmp:
         cfg_path, out = os.path.join(tmp, "peer.yaml"), os.path.join(tmp, "run")
-        config = workload.megarl_config(model_dir, precision, steps, data_dir or model_dir)
+        seeded = {} if seed is None else {"seed": seed}
+        config = workload.megarl_config(
+            model_dir, precision, steps, data_dir or model_dir, **seeded
+        )
         with open(cfg_path, "w") as f:
             yaml.safe_dump(config, f)
         metrics = os.path.join(out, "metrics.jsonl")
@@ -257,7 +261,7 @@ def run_megarl(
 
 def run_trl(
     model_dir: str, precision: str, steps: int, threads: int, workload: Workload = RANDOM,
-    data_dir: str | None = None,
+    data_dir: str | None = None, seed: int | None = None,
 ) -> dict:  # fmt: skip
     """One TRL subprocess (`megarl.benchmarks.peer_trl`); per-step figures from its JSON
     result."""
@@ -268,7 +272,8 @@ def run_trl(
         if workload.trl_spec is not None:
             spec = os.path.join(tmp, "workload.json")
             with open(spec, "w") as f:
-                json.dump(workload.trl_spec(data_dir or model_dir), f)
+                seeded = {} if seed is None else {"seed": seed}
+                json.dump(workload.trl_spec(data_dir or model_dir, **seeded), f)
             cmd.append(spec)
         _run(cmd, threads, tmp, done=lambda: False)
         with open(out) as f:

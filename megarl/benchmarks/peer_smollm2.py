@@ -37,7 +37,7 @@ TRAIN = os.path.join(ROOT, "examples", "data", "smollm2_arith_train.jsonl")
 EVAL = os.path.join(ROOT, "examples", "data", "smollm2_arith_eval.jsonl")
 MODEL_NAME = "smollm2-135m-instruct"
 PROMPTS, N, MAX_TOKENS, LR, BETA, SEED = 8, 8, 48, 1e-5, 0.001, 0
-EVAL_PROMPTS, EVAL_EVERY, TARGET = 64, 4, 0.6
+EVAL_PROMPTS, EVAL_EVERY, TARGET = 64, 2, 0.6
 STEPS, QUICK_STEPS = 24, 4
 PLAN = (("megarl", "fp32"), ("trl", "fp32"), ("megarl", "bf16"), ("trl", "bf16"))
 # SmolLM2-135M's shape (its config.json), for model FLOPs per token
@@ -79,11 +79,33 @@ def _copy_rows(src: str, dst: str, limit: int | None) -> None:
         f.writelines(json.dumps(r) + "\n" for r in rows[:limit])
 
 
-def megarl_config(model_dir: str, precision: str, steps: int, data_dir: str) -> dict:
-    """The workload as a megarl run config (the example's settings, one micro-batch of 16)."""
+# megarl's precision settings by name: "<dtype>[+<variant>]" (tools/precision_study.py)
+VARIANTS = {
+    "res32": {"precision": {"fp32_residual": True}},
+    "tis": {"algorithm": {"off_policy_correction": "tis"}},
+    "icepop": {"algorithm": {"off_policy_correction": "icepop"}},
+}
+
+
+def megarl_config(
+    model_dir: str, precision: str, steps: int, data_dir: str, seed: int = SEED
+) -> dict:
+    """The workload as a megarl run config (the example's settings, one micro-batch of 16);
+    `precision`: fp32, bf16, fp16, or one of them + a name of `VARIANTS` ("bf16+res32");
+    `seed`: the trainer's (sampling, mini-batch order; the prompts' order stays)."""
+    dtype, _, variant = precision.partition("+")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"precision {precision!r}: accepted variants {sorted(VARIANTS)}")
+    config = _megarl_base(model_dir, dtype, steps, data_dir, seed)
+    for section, values in VARIANTS.get(variant, {}).items():
+        config[section].update(values)
+    return config
+
+
+def _megarl_base(model_dir: str, dtype: str, steps: int, data_dir: str, seed: int) -> dict:
     return {
         "model": {"hf": model_dir},
-        "precision": {"dtype": precision},
+        "precision": {"dtype": dtype},
         "optim": {"lr": LR, "lr_decay_style": "constant", "clip_grad": 1.0},
         "rollout": {
             "sampling": {"n": N, "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": SEED},
@@ -115,12 +137,12 @@ def megarl_config(model_dir: str, precision: str, steps: int, data_dir: str) -> 
             "every": EVAL_EVERY,
             "max_tokens": MAX_TOKENS,
         },
-        "trainer": {"steps": steps, "seed": SEED},
+        "trainer": {"steps": steps, "seed": seed},
         "logging": {"wandb": False, "tensorboard": False, "progress": False},
     }
 
 
-def trl_spec(data_dir: str) -> dict:
+def trl_spec(data_dir: str, seed: int = SEED) -> dict:
     """What `megarl.benchmarks.peer_trl` needs to run the same workload (a JSON file)."""
     return {
         "prompts": os.path.join(data_dir, "prompts.jsonl"),
@@ -130,15 +152,17 @@ def trl_spec(data_dir: str) -> dict:
         "max_tokens": MAX_TOKENS,
         "lr": LR,
         "beta": BETA,
-        "seed": SEED,
+        "seed": seed,
         "eval_every": EVAL_EVERY,
         "reward": "math_verify",
         "chat": True,
     }
 
 
-def time_to_target(evals: list[tuple[int, float]], step_s: list[float]) -> dict:
-    """Training seconds until the first evaluation at or above `TARGET`.
+def time_to_target(
+    evals: list[tuple[int, float]], step_s: list[float], target: float = TARGET
+) -> dict:
+    """Training seconds until the first evaluation at or above `target`.
 
     evals: (step, held-out accuracy) in step order, step 0 = before any update; step_s: the
     seconds of steps 1, 2, ... Returns {"seconds", "step", "start", "best"}; seconds and step are
@@ -146,6 +170,6 @@ def time_to_target(evals: list[tuple[int, float]], step_s: list[float]) -> dict:
     start = evals[0][1] if evals and evals[0][0] == 0 else float("nan")
     best = max((a for _, a in evals), default=float("nan"))
     for step, acc in evals:
-        if acc >= TARGET:
+        if acc >= target:
             return {"seconds": sum(step_s[:step]), "step": step, "start": start, "best": best}
     return {"seconds": float("nan"), "step": None, "start": start, "best": best}
