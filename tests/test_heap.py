@@ -1,9 +1,10 @@
 """glibc's allocator in a CPU process (`megarl.distributed.heap`): after `reuse_heap_blocks`, a
-64 MiB block (above glibc's largest default mmap threshold, 32 MiB) comes from the heap, and the
-next one written after it is freed reuses its pages without page faults (a trim threshold that
-wrapped to 0 in mallopt's C int gave them back at every free: 16k faults again); the
-environment's own MALLOC_* settings win. Each case runs in a process of its own: the setting
-lasts for the process's life."""
+64 MiB block (above glibc's largest default mmap threshold, 32 MiB) comes from the heap, and a
+block written after one is freed reuses its pages: of three such writes the fewest page faults
+is near 0 (glibc's default mmaps each block: 16k faults every time; one write in about four
+lands on fresh pages even with the setting, seen idle). The environment's own MALLOC_*
+settings win. Each case runs in a process of its own: the setting lasts for the process's
+life."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ after = torch.empty(64 * 2**20 // 4)
 in_heap = _in_heap(after.data_ptr())
 del after
 torch.ones(64 * 2**20 // 4)  # written, then freed
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-torch.ones(64 * 2**20 // 4)  # 16384 pages
-reused = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 1000
+fewest = 16384
+for _ in range(3):  # a write now and then lands on fresh pages (1 in 4 seen): the fewest faults
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(64 * 2**20 // 4)  # 16384 pages
+    fewest = min(fewest, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+reused = fewest < 1000
 print(applied, _in_heap(before.data_ptr()), in_heap, reused)
 """
 
